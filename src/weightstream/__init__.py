@@ -1,0 +1,11 @@
+"""weightstream: train PyTorch models larger than device memory by streaming weights.
+
+The public API follows the reference weight-streaming PyTorch API, so code
+written for it runs with ``import weightstream as cstorch``.
+"""
+
+from weightstream.config import configure
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "configure"]

@@ -1,0 +1,137 @@
+"""Run configuration: the arguments of :func:`weightstream.configure`, typed and validated.
+
+The configuration is set once per process (as in the reference API, where one
+process drives one run); :func:`current_config` returns it, or the defaults when
+``configure`` was never called, so library pieces (data loaders, checkpoint
+closures) can read it without the user having to configure anything for a
+plain single-device run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Cluster and run settings (seed 003, ``cstorch.configure``)."""
+
+    model_dir: str = "./"
+    compile_dir: str | None = None
+    compile_only: bool = False
+    validate_only: bool = False
+    checkpoint_steps: int = 0
+    num_csx: int = 1
+    max_wgt_servers: int = 24
+    mount_dirs: list[str] | None = None
+    python_paths: list[str] | None = None
+    transfer_processes: int = 5
+    num_workers_per_csx: int = 1
+    job_labels: list[str] | None = None
+    max_act_per_csx: int = 1
+    # Keys the reference accepts that have no meaning on a local machine
+    # (mgmt_address, credentials_path, ...): kept so code passes them unchanged.
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_type("model_dir", self.model_dir, (str, os.PathLike))
+        if self.compile_dir is not None:
+            _check_type("compile_dir", self.compile_dir, (str, os.PathLike))
+        for name in ("compile_only", "validate_only"):
+            _check_type(name, getattr(self, name), bool)
+        if self.compile_only and self.validate_only:
+            raise ValueError(
+                "configure(): compile_only and validate_only are mutually exclusive; "
+                "set at most one of them to True."
+            )
+        for name, minimum in (
+            ("checkpoint_steps", 0),
+            ("num_csx", 1),
+            ("max_wgt_servers", 1),
+            ("transfer_processes", 1),
+            ("num_workers_per_csx", 0),
+            ("max_act_per_csx", 1),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(
+                    f"configure(): {name} must be an int, got {type(value).__name__} {value!r}."
+                )
+            if value < minimum:
+                raise ValueError(f"configure(): {name} must be >= {minimum}, got {value}.")
+        for name in ("mount_dirs", "python_paths", "job_labels"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value)
+            ):
+                raise TypeError(f"configure(): {name} must be a list of strings or None.")
+        if self.job_labels:
+            for label in self.job_labels:
+                if "=" not in label:
+                    raise ValueError(
+                        f"configure(): job label {label!r} is not of the form key=value."
+                    )
+
+
+def _check_type(name: str, value, types) -> None:
+    if not isinstance(value, types):
+        expected = types.__name__ if isinstance(types, type) else " or ".join(
+            t.__name__ for t in types
+        )
+        raise TypeError(f"configure(): {name} must be {expected}, got {type(value).__name__}.")
+
+
+_ACCEPTED_EXTRA = frozenset(
+    {"mgmt_address", "mgmt_namespace", "credentials_path", "debug_args", "log_initialization"}
+)
+
+_config: RunConfig | None = None
+
+
+def configure(**kwargs) -> RunConfig:
+    """Set the run configuration for this process; a second call is an error.
+
+    Takes the keyword arguments of the reference ``cstorch.configure`` (see
+    :class:`RunConfig`). Arguments that only address a remote cluster
+    (``mgmt_address`` and the like) are accepted and kept in ``extra``.
+    """
+    global _config
+    if _config is not None:
+        raise RuntimeError(
+            "configure() was already called in this process; it applies globally and can be "
+            "called only once. Start a new process for a run with a different configuration."
+        )
+    fields = {f.name for f in dataclasses.fields(RunConfig)} - {"extra"}
+    known = {k: v for k, v in kwargs.items() if k in fields}
+    extra = {k: v for k, v in kwargs.items() if k not in fields}
+    unknown = sorted(set(extra) - _ACCEPTED_EXTRA)
+    if unknown:
+        import difflib
+
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, sorted(fields | _ACCEPTED_EXTRA), n=3)
+            hints.append(f"{key!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+        raise TypeError(
+            "configure() got unknown argument(s): " + ", ".join(hints) + ". Valid arguments: "
+            + ", ".join(sorted(fields)) + "."
+        )
+    _config = RunConfig(**known, extra=extra)
+    return _config
+
+
+def current_config() -> RunConfig:
+    """The configuration set by :func:`configure`, or the defaults if it was never called."""
+    return _config if _config is not None else RunConfig()
+
+
+def is_configured() -> bool:
+    return _config is not None
+
+
+def _reset_for_tests() -> None:
+    """Forget the configuration (tests run many configurations in one process)."""
+    global _config
+    _config = None
