@@ -4,8 +4,17 @@ The public API follows the reference weight-streaming PyTorch API, so code
 written for it runs with ``import weightstream as cstorch``.
 """
 
+from weightstream.backend import CompiledModule, ExecutionMode, compile
 from weightstream.config import configure
+from weightstream.runtime.config import StreamingConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "configure"]
+__all__ = [
+    "CompiledModule",
+    "ExecutionMode",
+    "StreamingConfig",
+    "__version__",
+    "compile",
+    "configure",
+]

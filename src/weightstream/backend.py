@@ -1,0 +1,156 @@
+"""``compile(model, backend=...)``: choose how a model runs.
+
+Backends (names are case-insensitive):
+
+* weight streaming: ``"WSE_WS"``, ``"wse_ws"``, ``"ws"``;
+* layer pipelined (whole model resident on the compute device): ``"WSE_LP"``, ``"lp"``;
+* plain eager PyTorch on a device: ``"cpu"``, ``"gpu"`` (CUDA).
+
+The compute device of the WS and LP backends is CUDA when available and the
+CPU otherwise; pass ``device=`` to choose.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch import nn
+
+from weightstream.runtime.config import StreamingConfig
+from weightstream.runtime.engine import StreamingEngine
+
+
+class ExecutionMode(enum.Enum):
+    WEIGHT_STREAMING = "weight_streaming"
+    LAYER_PIPELINED = "layer_pipelined"
+    EAGER = "eager"
+
+
+_BACKENDS = {
+    "wse_ws": ExecutionMode.WEIGHT_STREAMING,
+    "ws": ExecutionMode.WEIGHT_STREAMING,
+    "wse_lp": ExecutionMode.LAYER_PIPELINED,
+    "lp": ExecutionMode.LAYER_PIPELINED,
+    "cpu": ExecutionMode.EAGER,
+    "gpu": ExecutionMode.EAGER,
+}
+VALID_BACKENDS = ("WSE_WS", "wse_ws", "ws", "WSE_LP", "wse_lp", "lp", "cpu", "gpu")
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def resolve_backend(backend: str) -> tuple[ExecutionMode, str]:
+    if not isinstance(backend, str) or backend.lower() not in _BACKENDS:
+        raise ValueError(
+            f"unknown backend {backend!r}; valid backends are: {', '.join(VALID_BACKENDS)} "
+            "(weight streaming: WSE_WS / wse_ws / ws; layer pipelined: WSE_LP / wse_lp / lp; "
+            "eager: cpu / gpu)."
+        )
+    return _BACKENDS[backend.lower()], backend.lower()
+
+
+class CompiledModule(nn.Module):
+    """The module returned by :func:`compile`; call it like the original.
+
+    Parameters, buffers and state dicts are the original module's, without any
+    prefix, so ``compiled.state_dict()`` equals ``model.state_dict()`` and an
+    optimizer may be given either's parameters (in weight streaming they are
+    the host masters in the store).
+    """
+
+    def __init__(self, module: nn.Module, mode: ExecutionMode, device: torch.device, engine=None):
+        super().__init__()
+        self._orig_mod = module
+        self.mode = mode
+        self.device = device
+        self._engine = engine
+
+    @property
+    def engine(self) -> StreamingEngine | None:
+        """The streaming engine (weight streaming only)."""
+        return self._engine
+
+    @property
+    def plan(self):
+        return None if self._engine is None else self._engine.plan
+
+    def forward(self, *args, **kwargs):
+        if self._engine is not None:
+            return self._engine(*args, **kwargs)
+        from torch.utils import _pytree as pytree
+
+        args, kwargs = pytree.tree_map_only(
+            torch.Tensor, lambda t: t.to(self.device, non_blocking=True), (args, kwargs)
+        )
+        return self._orig_mod(*args, **kwargs)
+
+    # The original module's view of its own state, without the wrapper prefix.
+    def state_dict(self, *args, **kwargs):
+        return self._orig_mod.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self._orig_mod.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self._orig_mod.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self._orig_mod.named_buffers(prefix, recurse, remove_duplicate)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._orig_mod, name)
+
+
+def compile(
+    model: nn.Module,
+    backend: str = "wse_ws",
+    *,
+    device: torch.device | str | None = None,
+    streaming: StreamingConfig | None = None,
+    **streaming_kwargs,
+) -> CompiledModule:
+    """Prepare ``model`` to run in the chosen execution mode.
+
+    Like ``torch.compile``, nothing is compiled yet: the weight-streaming plan
+    is fixed at the first call, when the batch shape is known.
+
+    Args:
+        model: any ``nn.Module``.
+        backend: see the module docstring; an unknown name lists the valid ones.
+        device: the compute device (default: CUDA if available, else CPU; ``"gpu"``
+            means CUDA).
+        streaming: a :class:`StreamingConfig`; or give its fields as keyword
+            arguments (``prefetch_depth=2, granularity="module"``).
+    """
+    mode, name = resolve_backend(backend)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"compile() expects a torch.nn.Module, got {type(model).__name__}.")
+    if streaming is not None and streaming_kwargs:
+        raise TypeError("pass either streaming=StreamingConfig(...) or its fields, not both.")
+    if streaming_kwargs and mode is not ExecutionMode.WEIGHT_STREAMING:
+        raise TypeError(
+            f"streaming options {sorted(streaming_kwargs)} apply only to weight streaming "
+            f"(backend 'wse_ws'); backend {backend!r} does not stream."
+        )
+    if device is None:
+        device = torch.device("cuda") if name == "gpu" else (
+            torch.device("cpu") if name == "cpu" else default_device()
+        )
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "a CUDA device was requested but torch.cuda.is_available() is False; use "
+            "backend 'cpu' or pass device='cpu'."
+        )
+    if mode is ExecutionMode.WEIGHT_STREAMING:
+        config = streaming or StreamingConfig(**streaming_kwargs)
+        engine = StreamingEngine(model, device, config)
+        return CompiledModule(model, mode, device, engine)
+    model.to(device)
+    return CompiledModule(model, mode, device)

@@ -1,0 +1,107 @@
+"""Dry run of a model on the meta device: which modules run, in which order, and
+which parameters each one touches.
+
+The model is shadowed by a copy whose parameters and buffers are meta tensors
+(no data is copied: ``deepcopy`` is handed a memo that maps every real tensor to
+its meta twin), and the shadow runs one forward on meta inputs of the real batch
+shape. Module hooks on the shadow record the call tree; a TorchFunctionMode sees
+every torch call and records which parameters it received while which modules
+were running. The RNG state is restored afterwards, so tracing changes no random
+number a later real step draws.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+
+@dataclass
+class Trace:
+    """What one forward did, in terms of the real model's objects (by ``id``)."""
+
+    # Modules in the order their forward started, with the modules open around each.
+    entries: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    # id(parameter) -> module stacks (outermost first) at each use of that parameter.
+    uses: dict[int, list[tuple[int, ...]]] = field(default_factory=dict)
+
+    @property
+    def called(self) -> set[int]:
+        return {m for m, _ in self.entries}
+
+
+class _UseRecorder(TorchFunctionMode):
+    def __init__(self, shadow_params: dict[int, int], stack: list[int], uses: dict):
+        super().__init__()
+        self._shadow_params = shadow_params  # id(meta param) -> id(real param)
+        self._stack = stack
+        self._uses = uses
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for leaf in pytree.tree_leaves((args, kwargs)):
+            real = self._shadow_params.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
+            if real is not None:
+                self._uses.setdefault(real, []).append(tuple(self._stack))
+        return func(*args, **kwargs)
+
+
+def _to_meta(x):
+    if isinstance(x, torch.Tensor):
+        return torch.empty_like(x, device="meta").requires_grad_(x.requires_grad)
+    return x
+
+
+def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict) -> Trace:
+    """Run ``model(*args, **kwargs)`` on meta tensors and record what it did.
+
+    Raises whatever the model raises on meta tensors (for example a
+    data-dependent ``.item()``); the caller falls back to a structural plan.
+    """
+    memo: dict[int, torch.Tensor] = {}
+    shadow_params: dict[int, int] = {}
+    for p in model.parameters():
+        meta = torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+        memo[id(p)] = meta
+        shadow_params[id(meta)] = id(p)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    shadow = copy.deepcopy(model, memo)
+    real_of = {id(s): id(r) for s, r in zip(shadow.modules(), model.modules())}
+
+    trace = Trace()
+    stack: list[int] = []
+    handles = []
+
+    def pre(mod, _args):
+        trace.entries.append((real_of[id(mod)], tuple(stack)))
+        stack.append(real_of[id(mod)])
+
+    def post(mod, _args, _out):
+        stack.pop()
+
+    for m in shadow.modules():
+        # The user's own hooks do not run in the dry run: they may have side
+        # effects (logging, counters) that a step the user did not take must not cause.
+        m._forward_pre_hooks.clear()
+        m._forward_hooks.clear()
+        m._forward_hooks_always_called.clear()
+        m._forward_hooks_with_kwargs.clear()
+        m._forward_pre_hooks_with_kwargs.clear()
+        m._backward_hooks.clear()
+        m._backward_pre_hooks.clear()
+        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_hook(post, always_call=True))
+    meta_args, meta_kwargs = pytree.tree_map(_to_meta, (args, kwargs))
+    devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    try:
+        with torch.random.fork_rng(devices=devices), _UseRecorder(shadow_params, stack, trace.uses):
+            shadow(*meta_args, **meta_kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return trace

@@ -1,0 +1,76 @@
+"""Settings of the weight-streaming runtime, validated where they are made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GRANULARITIES = ("auto", "module")
+
+
+@dataclass
+class StreamingConfig:
+    """How a model is split into streaming units and how they are moved.
+
+    Attributes:
+        prefetch_depth: how many units ahead (forward) or behind (backward) are
+            copied to the device while the current one computes. 0 copies each
+            unit synchronously when it is needed.
+        granularity: ``"auto"`` merges the modules that own parameters along the
+            module tree into blocks of at most ``unit_size_target`` bytes (a
+            transformer block becomes one unit); ``"module"`` makes every module
+            that directly owns parameters its own unit.
+        unit_size_target: the merge limit of ``"auto"``, in bytes of weights.
+        unit_modules: qualified module names (as in ``model.named_modules()``)
+            that each become one unit with everything below them. Overrides the
+            granularity for those subtrees.
+        unit_classes: module classes (or class names) whose instances each
+            become one unit with everything below them.
+        device_memory_budget: bytes of device memory that streamed weights may
+            use. Compile fails, before any step, if the plan needs more.
+    """
+
+    prefetch_depth: int = 1
+    granularity: str = "auto"
+    unit_size_target: int = 64 * 2**20
+    unit_modules: list[str] | tuple[str, ...] | None = None
+    unit_classes: tuple | list | None = None
+    device_memory_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int):
+            raise TypeError(
+                f"prefetch_depth must be an int >= 0, got {type(self.prefetch_depth).__name__}."
+            )
+        if self.prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}.")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(
+                f"granularity must be one of {', '.join(map(repr, GRANULARITIES))}, "
+                f"got {self.granularity!r}."
+            )
+        if not isinstance(self.unit_size_target, int) or self.unit_size_target <= 0:
+            raise ValueError(
+                f"unit_size_target must be a positive number of bytes, got {self.unit_size_target!r}."
+            )
+        if self.unit_modules is not None and (
+            isinstance(self.unit_modules, str)
+            or not all(isinstance(n, str) for n in self.unit_modules)
+        ):
+            raise TypeError("unit_modules must be a list of qualified module names (strings).")
+        if self.unit_classes is not None:
+            for c in self.unit_classes:
+                if not (
+                    isinstance(c, str) or (isinstance(c, type) and issubclass(c, torch.nn.Module))
+                ):
+                    raise TypeError(
+                        f"unit_classes entries must be nn.Module subclasses or class names, got {c!r}."
+                    )
+        if self.device_memory_budget is not None and (
+            not isinstance(self.device_memory_budget, int) or self.device_memory_budget <= 0
+        ):
+            raise ValueError(
+                "device_memory_budget must be a positive number of bytes or None, "
+                f"got {self.device_memory_budget!r}."
+            )

@@ -1,0 +1,132 @@
+"""All device-specific code of the streaming runtime lives here.
+
+The rest of the runtime speaks only of "copy these host tensors to the compute
+device" and "wait until that copy is usable"; this module decides how:
+
+* CUDA (and other accelerators with streams): copies run on a dedicated copy
+  stream from pinned host memory, and readiness is a stream event that the
+  compute stream waits on.
+* CPU as the compute device: there is no separate memory, but the streaming
+  discipline is the same (a distinct device copy exists only while a unit
+  runs). Prefetches run on one background thread so that the copy of the next
+  unit overlaps the compute of the current one; readiness is a Future.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Transfer:
+    """A copy to the device that may still be running; ``wait()`` makes it usable."""
+
+    result: object  # the produced value, or a Future of it (CPU async path)
+    event: torch.Event | None = None  # accelerator path: recorded on the copy stream
+
+    def wait(self):
+        if isinstance(self.result, concurrent.futures.Future):
+            # Host sync point: blocks until the background copy thread is done.
+            self.result = self.result.result()
+        if self.event is not None:
+            # Device-side wait: the current (compute) stream waits for the copy
+            # stream; the host does not block.
+            torch.accelerator.current_stream().wait_event(self.event)
+            self.event = None
+        return self.result
+
+
+class DeviceOps:
+    """Copies host tensors to one compute device, synchronously or in the background."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.is_cpu = self.device.type == "cpu"
+        # Owner: this object. Why: prefetching the next unit must not wait for
+        # the current unit's compute. One worker keeps copies in issue order.
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        # Owner: this object. Why: host-to-device copies on their own stream
+        # overlap with kernels on the compute stream.
+        self._copy_stream = None
+        if not self.is_cpu:
+            self._copy_stream = torch.Stream(device=self.device)
+
+    def pin_if_useful(self, t: torch.Tensor) -> torch.Tensor:
+        """Host memory that the device can read asynchronously (pinned for CUDA)."""
+        if self.is_cpu or t.is_pinned():
+            return t
+        return t.pin_memory()
+
+    def submit(self, fn: Callable[[], object], background: bool) -> Transfer:
+        """Run ``fn`` (which allocates on and copies to the device) now or in the background.
+
+        ``fn`` must only read host tensors that nobody writes until the transfer
+        is waited on: the host optimizer runs only between steps, after every
+        transfer of the step was waited on or dropped.
+        """
+        if self.is_cpu:
+            if not background:
+                return Transfer(fn())
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="weightstream-prefetch"
+                )
+            return Transfer(self._executor.submit(fn))
+        stream = self._copy_stream if background else torch.accelerator.current_stream()
+        if background:
+            # The copy stream must see everything the compute stream did so far
+            # (for example an earlier in-place update of the host tensor's device twin).
+            stream.wait_stream(torch.accelerator.current_stream())
+        with _StreamContext(stream):
+            value = fn()
+            event = stream.record_event() if background else None
+        return Transfer(value, event)
+
+    def copy_flat(
+        self, masters: Sequence[torch.Tensor], dtype: torch.dtype, out_numel: int
+    ) -> torch.Tensor:
+        """One flat device buffer holding ``masters`` back to back, cast to ``dtype``."""
+        flat = torch.empty(out_numel, dtype=dtype, device=self.device)
+        if self.is_cpu:
+            torch.cat([m.detach().reshape(-1) for m in masters], out=flat)
+        else:
+            offset = 0
+            for m in masters:
+                n = m.numel()
+                flat[offset : offset + n].view_as(m).copy_(m.detach(), non_blocking=True)
+                offset += n
+        return flat
+
+    def to_host(self, grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """A gradient computed on the device, as a tensor matching the host master."""
+        if grad.device == like.device and grad.dtype == like.dtype:
+            return grad
+        # Host sync point on accelerators: the gradient must be on the host
+        # before the store accumulates it.
+        return grad.to(device=like.device, dtype=like.dtype)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+
+class _StreamContext:
+    """``with`` support for a generic torch.Stream (sets it as the current stream)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.prev = None
+
+    def __enter__(self):
+        self.prev = torch.accelerator.current_stream()
+        torch.accelerator.set_stream(self.stream)
+        return self.stream
+
+    def __exit__(self, *exc):
+        torch.accelerator.set_stream(self.prev)
+        return False

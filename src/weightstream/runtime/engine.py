@@ -1,0 +1,126 @@
+"""The weight-streaming execution of one module: plan at the first call, then stream."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from weightstream.compiler.partition import Plan, build_plan
+from weightstream.compiler.trace import trace_forward
+from weightstream.runtime.config import StreamingConfig
+from weightstream.runtime.device import DeviceOps
+from weightstream.runtime.streamer import Streamer
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    raise AssertionError
+
+
+def check_budget(plan: Plan, config: StreamingConfig) -> None:
+    """Fail before any step when the plan cannot fit the device memory budget."""
+    budget = config.device_memory_budget
+    if budget is None:
+        return
+    for u in plan.units:
+        if u.weight_bytes > budget:
+            raise ValueError(
+                f"streaming unit {u.display_name!r} ({type(u.module).__name__}) holds "
+                f"{u.weight_bytes:,} bytes ({_fmt_bytes(u.weight_bytes)}) of weights, more than "
+                f"the device memory budget of {budget:,} bytes ({_fmt_bytes(budget)}). Split it "
+                "into smaller units (granularity='module', or name its submodules in "
+                "unit_modules) or raise device_memory_budget."
+            )
+    need = plan.weight_bound(config.prefetch_depth)
+    if need > budget:
+        raise ValueError(
+            f"the streaming plan needs up to {need:,} bytes of device memory for weights "
+            f"((prefetch_depth {config.prefetch_depth} + 1) x largest unit "
+            f"{plan.largest_unit_bytes:,} + pinned units {plan.pinned_bytes:,}), more than the "
+            f"device memory budget of {budget:,} bytes. Lower prefetch_depth, use smaller "
+            "units, or raise device_memory_budget."
+        )
+
+
+class StreamingEngine:
+    """Runs a module in weight-streaming mode on ``device``.
+
+    The module's parameters stay on the host as the masters (the store); the
+    engine installs hooks that stream them to the device around each unit.
+    """
+
+    def __init__(self, module: nn.Module, device: torch.device, config: StreamingConfig):
+        self.module = module
+        self.device = torch.device(device)
+        self.config = config
+        self.ops = DeviceOps(self.device)
+        self.plan: Plan = build_plan(module, config)  # structural; refined at the first call
+        check_budget(self.plan, config)
+        self.streamer: Streamer | None = None
+        _place(module, self.device)
+
+    def _compile(self, args: tuple, kwargs: dict) -> None:
+        """Trace the real batch shape on the meta device and fix the plan."""
+        try:
+            trace = trace_forward(self.module, args, kwargs)
+        except Exception as exc:
+            warnings.warn(
+                "weightstream: could not trace the model on the meta device "
+                f"({type(exc).__name__}: {exc}); using a plan built from the module structure. "
+                "Parameters read outside their own module's forward will not be streamed.",
+                stacklevel=3,
+            )
+            plan = build_plan(self.module, self.config)
+            plan.trace_error = f"{type(exc).__name__}: {exc}"
+        else:
+            plan = build_plan(self.module, self.config, trace)
+        check_budget(plan, self.config)
+        self.plan = plan
+        self.streamer = Streamer(plan, self.ops, self.config.prefetch_depth, lambda p: p.dtype)
+        self.streamer.install()
+
+    def __call__(self, *args, **kwargs):
+        args, kwargs = pytree.tree_map_only(
+            torch.Tensor, lambda t: t.to(self.device, non_blocking=True), (args, kwargs)
+        )
+        if self.streamer is None:
+            self._compile(args, kwargs)
+        streamer = self.streamer
+        streamer.begin_forward()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(streamer.pack, streamer.unpack):
+                out = self.module(*args, **kwargs)
+        except BaseException:
+            streamer.abort_forward()
+            raise
+        streamer.end_forward()
+        return out
+
+    def close(self) -> None:
+        if self.streamer is not None:
+            self.streamer.remove()
+            self.streamer = None
+
+
+def _place(module: nn.Module, device: torch.device) -> None:
+    """Masters on the host, buffers on the device.
+
+    Buffers (running statistics, rotary tables) are small and updated in place
+    by the forward, so they live on the device for the whole run; the plan
+    reports them as resident.
+    """
+    host = torch.device("cpu")
+    for p in module.parameters():
+        if p.device != host:
+            with torch.no_grad():
+                p.data = p.data.to(host)
+    for m in module.modules():
+        for name, b in m._buffers.items():
+            if b is not None and b.device != device:
+                m._buffers[name] = b.to(device)

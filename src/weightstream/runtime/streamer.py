@@ -1,0 +1,311 @@
+"""Moves streaming units between the host store and the device around each use.
+
+Forward: a unit's forward pre-hook takes its device copy (prefetched, or
+fetched now), swaps the copies into the unit's parameter slots and starts the
+prefetch of the next units; its forward hook puts the masters back and drops
+the copy. Backward: the weights are fetched again, in reverse order, when
+autograd first needs them, and dropped as backward moves past them.
+
+Note [streaming and autograd]
+-----------------------------
+Gradients: a unit's device tensors are the outputs of ``_StreamIn``, an autograd
+function whose inputs are the host masters. Autograd therefore routes every
+gradient of a device copy back to its master and sums the contributions of
+several copies (a module called twice, a tied embedding) in the master's
+``.grad`` exactly as eager PyTorch sums the uses of one tensor. The store never
+has to know which copy produced which gradient.
+
+Saved weights: operators save their weight operands for backward (``mm`` keeps
+``weight.t()``). A saved-tensors pack hook recognises any view of a unit's flat
+device buffer and replaces it by a ``_SavedWeight`` record (which copy, size,
+stride, offset); nothing then holds the device buffer after the forward window
+closes. The unpack hook rebuilds the exact view from a fresh backward fetch of
+the same unit, whose buffer has the identical layout. Tensors derived from a
+weight by a real computation (a dtype cast, ``.contiguous()``) are ordinary
+activations and stay saved as they are.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from weightstream.compiler.partition import Plan
+from weightstream.runtime.device import DeviceOps
+from weightstream.runtime.residency import ResidencyMeter
+from weightstream.runtime.unit import StreamingUnit, UnitCopy
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """The units one forward pass entered, in order (positions index into it)."""
+
+    id: int
+    units: list[int] = field(default_factory=list)
+    saved: set[int] = field(default_factory=set)  # positions with saved weights
+    adhoc: bool = False  # opened by a unit called outside the compiled forward
+
+
+@dataclass(frozen=True)
+class _SavedWeight:
+    """Stands in for a saved view of a unit's device buffer (see the Note)."""
+
+    seq: _Sequence
+    pos: int
+    group: int
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+class _Link:
+    """What ``_StreamIn`` needs: the device copies to hand out (forward only)."""
+
+    __slots__ = ("ops", "tensors")
+
+    def __init__(self, ops: DeviceOps, tensors: list[torch.Tensor]):
+        self.ops = ops
+        self.tensors = tensors
+
+
+class _StreamIn(torch.autograd.Function):
+    """masters (host) -> device copies; backward returns gradients to the masters."""
+
+    @staticmethod
+    def forward(ctx, link: _Link, *masters: torch.Tensor):
+        outs = tuple(link.tensors)
+        link.tensors = []  # the graph must not keep the device buffers alive
+        ctx.ops = link.ops
+        ctx.masters = [(m.device, m.dtype) for m in masters]
+        frozen = [o for o, m in zip(outs, masters) if not m.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        out = [None]
+        for g, (device, dtype) in zip(grads, ctx.masters):
+            if g is None:
+                out.append(None)
+            elif g.device == device and g.dtype == dtype:
+                out.append(g)
+            else:
+                # Host sync point on accelerators (gradient leaves the device).
+                out.append(g.to(device=device, dtype=dtype))
+        return tuple(out)
+
+
+@dataclass
+class _Window:
+    unit: StreamingUnit
+    pos: int
+    copy: UnitCopy
+    previous: list[tuple[nn.Module, str, torch.Tensor]]
+
+
+class Streamer:
+    """Owns the units' device copies, the module hooks and the saved-tensor hooks."""
+
+    def __init__(self, plan: Plan, ops: DeviceOps, prefetch_depth: int, compute_dtype_of):
+        self.plan = plan
+        self.ops = ops
+        self.depth = prefetch_depth
+        self.units = [StreamingUnit.from_spec(u, compute_dtype_of) for u in plan.units]
+        self.meter = ResidencyMeter()
+        self._hooks: list = []
+        self._ids = itertools.count()
+        # Predicted forward order of units (positions): the last forward's, or the plan's.
+        self._order_hint: list[int] = [u.index for u in self.units]
+        # Forward state (one forward at a time).
+        self._seq: _Sequence | None = None
+        self._windows: list[_Window] = []
+        self._prefetched: dict[int, UnitCopy] = {}  # position -> copy
+        self._buffer_owner: dict[int, tuple[_Sequence, int, int]] = {}  # id(buf) -> ref
+        # Backward state.
+        self._bwd: dict[tuple[int, int], UnitCopy] = {}  # (seq id, position) -> copy
+        self._bwd_callback_queued = False
+
+    # ---- installation -------------------------------------------------------
+
+    def install(self) -> None:
+        for unit in self.units:
+            m = unit.spec.module
+            self._hooks.append(m.register_forward_pre_hook(self._make_pre(unit)))
+            self._hooks.append(m.register_forward_hook(self._make_post(unit), always_call=True))
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.ops.close()
+
+    def _make_pre(self, unit: StreamingUnit):
+        def pre(_module, _args):
+            self._enter(unit)
+
+        return pre
+
+    def _make_post(self, unit: StreamingUnit):
+        def post(_module, _args, _out):
+            self._exit(unit)
+
+        return post
+
+    # ---- fetching -------------------------------------------------------------
+
+    def _issue(self, unit: StreamingUnit, background: bool) -> UnitCopy:
+        copy = UnitCopy(unit)
+        groups = [(dt, [unit.params[i] for i in idx]) for dt, idx in unit.groups.items()]
+        ops, meter = self.ops, self.meter
+
+        def run():
+            buffers = []
+            for dt, masters in groups:
+                buf = ops.copy_flat(masters, dt, sum(m.numel() for m in masters))
+                meter.track(buf)
+                buffers.append(buf)
+            return buffers
+
+        copy.fetch(ops.submit(run, background=background and self.depth > 0))
+        return copy
+
+    # ---- forward ----------------------------------------------------------------
+
+    def begin_forward(self) -> None:
+        assert not self._windows, "a forward is already running"
+        self._seq = _Sequence(next(self._ids))
+        self._prefetch_forward(-1)
+
+    def end_forward(self) -> None:
+        seq = self._seq
+        for copy in self._prefetched.values():
+            copy.evict()
+        self._prefetched.clear()
+        if seq is not None and seq.units:
+            self._order_hint = list(seq.units)
+        self._seq = None
+
+    def abort_forward(self) -> None:
+        """Undo every open window after an exception inside the forward."""
+        while self._windows:
+            self._close(self._windows.pop())
+        self.end_forward()
+
+    def _enter(self, unit: StreamingUnit) -> None:
+        if self._seq is None:
+            # Called outside the compiled module's forward (the user called the
+            # original module): stream anyway, in a one-off sequence.
+            self._seq = _Sequence(next(self._ids), adhoc=True)
+        seq = self._seq
+        pos = len(seq.units)
+        seq.units.append(unit.index)
+        copy = self._prefetched.pop(pos, None)
+        if copy is not None and copy.unit is not unit:
+            copy.evict()  # the prediction was wrong
+            copy = None
+        if copy is None:
+            copy = self._issue(unit, background=False)
+        tensors = copy.wait()
+        self._prefetch_forward(pos)
+
+        for buf_i, buf in enumerate(copy.buffers or ()):
+            self._buffer_owner[id(buf)] = (seq, pos, buf_i)
+        masters = unit.params
+        if torch.is_grad_enabled() and any(p.requires_grad for p in masters):
+            tensors = list(_StreamIn.apply(_Link(self.ops, list(tensors)), *masters))
+        by_param = {id(p): t for p, t in zip(masters, tensors)}
+        previous = []
+        for slot in unit.spec.slots:
+            previous.append((slot.module, slot.name, slot.module._parameters[slot.name]))
+            slot.module._parameters[slot.name] = by_param[id(slot.param)]
+        for p in unit.spec.foreign:
+            for owner, name in self._slots_of(p):
+                previous.append((owner, name, owner._parameters[name]))
+                owner._parameters[name] = by_param[id(p)]
+        self._windows.append(_Window(unit, pos, copy, previous))
+
+    def _exit(self, unit: StreamingUnit) -> None:
+        if not self._windows or self._windows[-1].unit is not unit:
+            return  # the pre-hook failed before opening the window
+        self._close(self._windows.pop())
+        if not self._windows and self._seq is not None and self._seq.adhoc:
+            self.end_forward()
+
+    def _close(self, window: _Window) -> None:
+        for owner, name, value in reversed(window.previous):
+            owner._parameters[name] = value
+        for buf in window.copy.buffers or ():
+            self._buffer_owner.pop(id(buf), None)
+        window.copy.evict()
+
+    def _prefetch_forward(self, pos: int) -> None:
+        """Keep positions pos+1 .. pos+depth in flight, following the order hint."""
+        seq = self._seq
+        if self.depth == 0 or seq is None:
+            return
+        if seq.units != self._order_hint[: len(seq.units)]:
+            return  # this forward left the predicted path: fetch on demand only
+        for p in range(pos + 1, min(pos + 1 + self.depth, len(self._order_hint))):
+            if p not in self._prefetched:
+                self._prefetched[p] = self._issue(self.units[self._order_hint[p]], background=True)
+
+    def _slots_of(self, param: nn.Parameter):
+        for u in self.units:
+            for s in u.spec.slots:
+                if s.param is param:
+                    yield s.module, s.name
+
+    # ---- saved tensors (backward) -------------------------------------------------
+
+    def pack(self, t: torch.Tensor):
+        base = t._base if t._base is not None else t
+        owner = self._buffer_owner.get(id(base))
+        if owner is None or t.dtype != base.dtype:
+            return t
+        seq, pos, group = owner
+        seq.saved.add(pos)
+        return _SavedWeight(seq, pos, group, t.size(), t.stride(), t.storage_offset())
+
+    def unpack(self, saved):
+        if not isinstance(saved, _SavedWeight):
+            return saved
+        if not self._bwd_callback_queued:
+            # Runs once the whole backward pass is done: drop every backward copy.
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._bwd_callback_queued = True
+        seq, pos = saved.seq, saved.pos
+        # Backward has moved past later positions of this sequence: drop them
+        # before fetching, so they never count together with this one.
+        for k in [k for k in self._bwd if k[0] == seq.id and k[1] > pos]:
+            self._bwd.pop(k).evict()
+        key = (seq.id, pos)
+        copy = self._bwd.get(key)
+        if copy is None:
+            copy = self._issue(self.units[seq.units[pos]], background=False)
+            self._bwd[key] = copy
+        copy.wait()
+        self._prefetch_backward(seq, pos)
+        buf = copy.buffers[saved.group]
+        return buf.as_strided(saved.size, saved.stride, saved.offset)
+
+    def _prefetch_backward(self, seq: _Sequence, pos: int) -> None:
+        wanted = [p for p in sorted(seq.saved, reverse=True) if p < pos][: self.depth]
+        for p in wanted:
+            key = (seq.id, p)
+            if key not in self._bwd:
+                self._bwd[key] = self._issue(self.units[seq.units[p]], background=True)
+
+    def _end_backward(self) -> None:
+        for copy in self._bwd.values():
+            copy.evict()
+        self._bwd.clear()
+        self._bwd_callback_queued = False
+
+    # ---- inspection -----------------------------------------------------------------
+
+    def resident_bytes(self) -> int:
+        return self.meter.current_bytes()
