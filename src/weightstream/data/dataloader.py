@@ -1,0 +1,524 @@
+"""DataLoader: runs a user's input function for a fixed number of steps, restartably.
+
+Note [restart by replay]: a torch DataLoader cannot say where it is, and its
+order (shuffle, worker seeds) comes from RNG draws made when a pass begins.
+So this wrapper records, for the pass in progress, everything that decides
+that pass (the states of the generators it draws from, the user's own
+dataset/sampler state, and a private RNG stream seeded from a per-run seed
+and the pass number) plus how many batches of the pass were consumed. A
+restored loader puts those back, begins the same pass, and skips the consumed
+batches: in the DistributedSampler when one orders the data (no data is
+loaded), otherwise by drawing and discarding them. A loader that keeps its own
+state (``state_dict``/``load_state_dict`` on the loader) is trusted instead.
+
+Note [private data RNG]: the underlying loader draws from the global torch RNG
+(RandomSampler's seed, the worker base seed, random transforms with
+``num_workers=0``). If it shared the user's stream, the order of epoch 2 would
+depend on how much dropout the model drew during epoch 1, which a restart
+cannot reproduce. Every call into the underlying loader therefore runs with
+the global CPU RNG swapped for a stream owned by this DataLoader, reseeded at
+each pass from (seed, pass number). As a side effect the model's random
+stream no longer depends on data loading. Python's ``random`` and numpy's
+global RNG are not swapped: draw from torch, or seed from the sample index.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from weightstream.config import current_config
+from weightstream.data import loader_parts
+from weightstream.data._checks import check_int
+from weightstream.data.state import (
+    aggregate_state_dict,
+    deaggregate_state_dict,
+    is_aggregated,
+    validate_worker_state,
+)
+from weightstream.data.steps import compute_num_steps
+from weightstream.data.streaming import get_streaming_rank, num_streamers
+
+__all__ = ["DataLoader"]
+
+_POSITION_KEYS = ("seed", "epoch", "batch_in_epoch", "rng_state", "generators")
+
+
+class _DataRNG:
+    """The torch CPU RNG stream the underlying loader draws from; see Note [private data RNG].
+
+    Used as a context manager around each call into the loader: it swaps its
+    state in and, on exit, keeps the advanced state and puts the caller's back.
+    """
+
+    def __init__(self) -> None:
+        self.state: torch.Tensor | None = None
+        self._saved: torch.Tensor | None = None
+
+    def reseed(self, seed: int, epoch: int) -> None:
+        # SeedSequence mixes (seed, epoch) so consecutive passes get unrelated streams.
+        mixed = int(np.random.SeedSequence([seed, epoch]).generate_state(1, np.uint64)[0])
+        gen = torch.Generator()
+        gen.manual_seed(mixed)
+        self.state = gen.get_state()
+
+    def __enter__(self) -> None:
+        assert self.state is not None, "reseed() before the first use"
+        self._saved = torch.get_rng_state()
+        torch.set_rng_state(self.state)
+
+    def __exit__(self, *exc: object) -> None:
+        self.state = torch.get_rng_state()
+        torch.set_rng_state(self._saved)
+        self._saved = None
+
+
+class DataLoader:
+    """Build the per-process loader with ``input_fn(*args, **kwargs)`` and yield a fixed number of batches.
+
+    ``input_fn`` returns a torch DataLoader or any re-iterable; each streamer
+    (data-parallel rank) calls it itself, so it should shard its data by
+    :func:`get_streaming_rank` / :func:`num_streamers` (or use
+    :class:`DistributedSampler`). The keyword arguments ``num_steps``,
+    ``max_steps``, ``num_epochs``, ``steps_per_epoch``, ``initial_step`` and
+    ``grad_accum_steps`` belong to this class (see :func:`compute_num_steps`);
+    all other arguments go to ``input_fn``.
+
+    Iterating yields ``len(self)`` batches: ``num_steps * grad_accum_steps``,
+    where ``num_steps = compute_num_steps(...)``. When the underlying loader
+    runs out (or, with ``steps_per_epoch``, after that many batches) a new
+    pass begins: a new epoch of the torch DataLoader, with ``set_epoch(epoch)``
+    called first on samplers and datasets that have it. Iterating again
+    continues the data where the previous iteration stopped.
+
+    ``state_dict()`` gives this worker's position (module
+    ``weightstream.data.state``); a new DataLoader built with the same
+    ``input_fn`` and arguments continues at exactly the next batch after
+    ``load_state_dict(sd)``, which must come before iteration starts. See
+    Note [restart by replay] for how, and its limits: the loader must be
+    deterministic given its RNG draws, and with ``num_workers > 0`` and a
+    DistributedSampler, random transforms inside worker processes are not
+    replayed (indices are).
+    """
+
+    def __init__(
+        self,
+        input_fn: Callable[..., Iterable],
+        *args: Any,
+        num_steps: int | None = None,
+        max_steps: int | None = None,
+        num_epochs: int | None = None,
+        steps_per_epoch: int | None = None,
+        initial_step: int | None = None,
+        grad_accum_steps: int = 1,
+        **kwargs: Any,
+    ) -> None:
+        if not callable(input_fn):
+            hint = (
+                " To use an existing loader, wrap it: DataLoader(lambda: loader, num_steps=...)."
+                if isinstance(input_fn, Iterable)
+                else ""
+            )
+            raise TypeError(
+                "DataLoader's first argument must be a function that builds the loader "
+                f"(input_fn), got {type(input_fn).__name__}.{hint}"
+            )
+        if initial_step is not None:
+            check_int("initial_step", initial_step, minimum=0)
+        loader = input_fn(*args, **kwargs)
+        if not isinstance(loader, Iterable):
+            raise TypeError(
+                f"input_fn must return a torch DataLoader or another iterable, got "
+                f"{type(loader).__name__}."
+            )
+        self._loader = loader
+        self._step_kwargs = {
+            "num_steps": num_steps,
+            "max_steps": max_steps,
+            "num_epochs": num_epochs,
+            "steps_per_epoch": steps_per_epoch,
+            "grad_accum_steps": grad_accum_steps,
+        }
+        self._initial_step_given = initial_step is not None
+        self._initial_step = initial_step or 0
+        self._num_steps = compute_num_steps(loader, self._initial_step, **self._step_kwargs)
+        self._grad_accum_steps = grad_accum_steps
+        self._steps_per_epoch = steps_per_epoch
+        self._stateful = loader_parts.is_stateful(loader)
+
+        # Seed of the private data RNG (Note [private data RNG]); it travels in
+        # the state so a restored run draws the same streams. Reading
+        # initial_seed() consumes nothing from the user's RNG.
+        self._seed = torch.initial_seed() % 2**63
+        self._rng = _DataRNG()
+        # Position: pass number and batches consumed in it.
+        self._epoch = 0
+        self._batch_in_epoch = 0
+        self._it: Iterator | None = None  # iterator of the pass in progress
+        self._pass_limit: int | None = None  # batches in this pass, when known
+        self._pass_start: dict | None = None  # loader_parts.capture() when the pass began
+        self._restore: dict | None = None  # loaded position, applied when iteration begins
+        # Counters of the worker record.
+        self._worker_step = 0
+        self._samples_streamed = 0
+        self._batches_run = 0  # batches yielded by this object (appliance_step counts from here)
+        self._started = False
+        self._generation = 0  # which __iter__ may advance the position
+
+    # -- sizes -----------------------------------------------------------------------
+
+    @property
+    def num_steps(self) -> int:
+        """Steps one iteration runs (each step is ``grad_accum_steps`` batches)."""
+        return self._num_steps
+
+    @property
+    def loader(self) -> Iterable:
+        """The object ``input_fn`` returned."""
+        return self._loader
+
+    def __len__(self) -> int:
+        return self._num_steps * self._grad_accum_steps
+
+    # -- iteration --------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator:
+        self._started = True
+        self._generation += 1
+        return self._iterate(self._generation)
+
+    def _iterate(self, generation: int) -> Iterator:
+        for _ in range(len(self)):
+            if generation != self._generation:
+                raise RuntimeError(
+                    "This iteration of the DataLoader was superseded: a newer `for ... in "
+                    "dataloader` started, and both cannot advance one position. Finish or drop "
+                    "the old iterator."
+                )
+            batch = self._next_batch()
+            # Count before yielding: a state_dict() taken in the loop body includes this batch.
+            self._worker_step += 1
+            self._batches_run += 1
+            self._samples_streamed += _batch_size_of(batch)
+            yield batch
+
+    def _next_batch(self) -> Any:
+        empty_passes = 0
+        while True:
+            if self._it is None:
+                if empty_passes > 1:
+                    raise ValueError(
+                        "The loader built by input_fn yielded no batches in two passes in a row "
+                        f"(passes {self._epoch - 2} and {self._epoch - 1}). "
+                        "If input_fn returns a generator or another one-shot iterator, return a "
+                        "re-iterable object instead (a torch DataLoader, a list), since the "
+                        "loader is iterated again when it runs out; otherwise check that its "
+                        "dataset is not empty."
+                    )
+                self._begin_pass()
+                empty_passes += 1
+            if self._pass_limit is not None and self._batch_in_epoch >= self._pass_limit:
+                self._end_pass()
+                continue
+            try:
+                with self._rng:
+                    batch = next(self._it)
+            except StopIteration:
+                self._end_pass()
+                continue
+            self._batch_in_epoch += 1
+            return batch
+
+    def _begin_pass(self) -> None:
+        """Start pass ``self._epoch`` (Note [restart by replay]), restoring a loaded position."""
+        restore, self._restore = self._restore, None
+        loader = self._loader
+        skip = 0
+        if restore is None:
+            self._pass_start = None if self._stateful else loader_parts.capture(loader)
+            loader_parts.set_epoch(loader, self._epoch)
+        elif self._stateful:
+            loader_parts.set_epoch(loader, self._epoch)
+            if restore["user_state"] is not None:
+                loader.load_state_dict(restore["user_state"]["loader"])
+        else:
+            self._apply_capture(restore["generators"], restore["user_state"])
+            self._pass_start = {
+                "generators": restore["generators"],
+                "user_state": restore["user_state"],
+            }
+            loader_parts.set_epoch(loader, self._epoch)
+            skip = restore["batch_in_epoch"]
+        length = None if self._stateful else loader_parts.trusted_length(loader)
+        spe = self._steps_per_epoch if self._steps_per_epoch is not None else length
+        # Whole steps per pass, so a gradient-accumulation step does not span two
+        # epochs (unless a pass is shorter than one step: then it has to).
+        ga = self._grad_accum_steps
+        self._pass_limit = None if spe is None else (spe // ga) * ga if spe >= ga else spe
+        target = loader_parts.fast_forward_target(loader) if skip else None
+        if target is not None:
+            sampler, items_per_batch = target
+            sampler.fast_forward(skip * items_per_batch)
+        self._rng.reseed(self._seed, self._epoch)
+        with self._rng:
+            self._it = iter(loader)
+        if skip and target is None:
+            self._replay(skip)
+        if restore is not None:
+            self._batch_in_epoch = restore["batch_in_epoch"]
+            if restore["rng_state"] is not None:
+                # Where the stream stood after the last consumed batch (equal to
+                # the replayed one; needed when the sampler skipped instead).
+                self._rng.state = restore["rng_state"].clone()
+
+    def _replay(self, batches: int) -> None:
+        for i in range(batches):
+            try:
+                with self._rng:
+                    next(self._it)
+            except StopIteration:
+                raise ValueError(
+                    f"The restored DataLoader state is {batches} batches into pass "
+                    f"{self._epoch}, but the loader built by input_fn has only {i} there. Build "
+                    "the DataLoader with the same input_fn and arguments as the run that saved "
+                    "the state."
+                ) from None
+
+    def _end_pass(self) -> None:
+        # Dropping the iterator shuts down its worker processes.
+        self._it = None
+        self._epoch += 1
+        self._batch_in_epoch = 0
+        self._pass_limit = None
+        self._pass_start = None
+
+    def _apply_capture(self, gen_states: dict, user_state: dict | None) -> None:
+        gens = loader_parts.generators(self._loader)
+        for name, state in gen_states.items():
+            if name in gens:
+                gens[name].set_state(state)
+        parts = loader_parts.stateful_parts(self._loader)
+        for name, state in (user_state or {}).items():
+            if name in parts:
+                parts[name].load_state_dict(copy.deepcopy(state))
+
+    # -- restartable state ------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """This worker's position and counters (see ``weightstream.data.state``)."""
+        if self._restore is not None:
+            position = {k: self._restore[k] for k in _POSITION_KEYS}
+            user_state = self._restore["user_state"]
+        elif self._it is not None and (
+            self._pass_limit is None or self._batch_in_epoch < self._pass_limit
+        ):
+            # Mid-pass: what the pass began from, and how far into it we are.
+            position = {
+                "seed": self._seed,
+                "epoch": self._epoch,
+                "batch_in_epoch": self._batch_in_epoch,
+                "rng_state": self._rng.state.clone(),
+                "generators": {} if self._stateful else self._pass_start["generators"],
+            }
+            user_state = self._loader_state() if self._stateful else self._pass_start["user_state"]
+        else:
+            # Between passes (or at the end of a pass of known length): the next
+            # pass begins from the loader as it is now.
+            next_epoch = self._epoch + (1 if self._it is not None else 0)
+            snapshot = None if self._stateful else loader_parts.capture(self._loader)
+            position = {
+                "seed": self._seed,
+                "epoch": next_epoch,
+                "batch_in_epoch": 0,
+                "rng_state": None,
+                "generators": {} if self._stateful else snapshot["generators"],
+            }
+            user_state = self._loader_state() if self._stateful else snapshot["user_state"]
+        config = current_config()
+        return copy.deepcopy(
+            {
+                "local_worker_id": 0,  # one input worker per process (Note in streaming.py)
+                "num_workers_per_csx": config.num_workers_per_csx,
+                "num_csx": config.num_csx,
+                "wse_id": get_streaming_rank(),
+                "appliance_step": self._initial_step + self._batches_run // self._grad_accum_steps,
+                "worker_step": self._worker_step,
+                "samples_streamed": self._samples_streamed,
+                "user_state": user_state or None,
+                "position": position,
+            }
+        )
+
+    def _loader_state(self) -> dict:
+        return {"loader": self._loader.state_dict()}
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True) -> None:
+        """Continue from a state saved by ``state_dict()`` (this worker's, or an aggregated one).
+
+        Must be called before iteration starts. strict: a state with wrong or
+        missing keys, or saved by another worker or a differently built loader,
+        raises ValueError; otherwise it warns and loads what matches. Unless
+        ``initial_step`` was given, the run continues from the saved
+        ``appliance_step`` (which shortens a ``max_steps`` run accordingly).
+        """
+        if self._started:
+            raise RuntimeError(
+                "DataLoader.load_state_dict() must be called before iteration starts; this "
+                "DataLoader was already iterated. Build a new DataLoader and load the state "
+                "into it before the first `for batch in dataloader`."
+            )
+        if is_aggregated(state_dict):
+            state_dict = self._own_worker_state(state_dict)
+        state = validate_worker_state(state_dict, strict=strict)
+        rank = get_streaming_rank()
+        if state["wse_id"] != rank:
+            self._mismatch(
+                strict,
+                f"the state was saved by streamer {state['wse_id']} but this process is streamer "
+                f"{rank}. Load each process's own state, or the aggregated state of all workers "
+                "(aggregate_state_dict) from which each process picks its own",
+            )
+        config = current_config()
+        for key in ("num_csx", "num_workers_per_csx"):
+            if state[key] != getattr(config, key):
+                warnings.warn(
+                    f"DataLoader state was saved with {key}={state[key]}, this run has "
+                    f"{getattr(config, key)}; the saved position is per streamer and is used as is.",
+                    stacklevel=2,
+                )
+        position = self._check_position(state["position"], strict)
+        user_state = self._check_user_state(state["user_state"], strict)
+        generators = position["generators"] if position is not None else {}
+        generators = self._check_generators(generators, strict)
+
+        if not self._initial_step_given:
+            try:
+                num_steps = compute_num_steps(
+                    self._loader, state["appliance_step"], **self._step_kwargs
+                )
+            except ValueError as err:
+                raise ValueError(
+                    f"The loaded DataLoader state is at step {state['appliance_step']}: {err}"
+                ) from None
+            self._initial_step, self._num_steps = state["appliance_step"], num_steps
+        elif self._initial_step != state["appliance_step"]:
+            warnings.warn(
+                f"initial_step={self._initial_step} was given but the loaded state is at step "
+                f"{state['appliance_step']}; counting steps from initial_step.",
+                stacklevel=2,
+            )
+        self._worker_step = state["worker_step"]
+        self._samples_streamed = state["samples_streamed"]
+        if position is None:
+            return  # non-strict load without a position: the data starts from its beginning
+        self._seed = position["seed"]
+        self._epoch = position["epoch"]
+        self._batch_in_epoch = position["batch_in_epoch"]
+        self._restore = {**position, "generators": generators, "user_state": user_state}
+
+    def _own_worker_state(self, aggregated: dict) -> dict:
+        workers = deaggregate_state_dict(aggregated)
+        streamers, rank = num_streamers(), get_streaming_rank()
+        if len(workers) != streamers:
+            raise ValueError(
+                f"The aggregated DataLoader state holds {len(workers)} worker state(s) but this "
+                f"run has {streamers} streamer(s); per-worker positions cannot be mapped onto a "
+                "different number of streamers. Run with the same number of ranks, or restart "
+                "the data with DistributedSampler(start_index=<the state's samples_streamed>)."
+            )
+        for worker in workers:
+            if worker["wse_id"] == rank and worker["local_worker_id"] == 0:
+                return worker
+        raise ValueError(
+            f"The aggregated DataLoader state has no state for streamer {rank} "
+            f"(it has wse_id {sorted(w['wse_id'] for w in workers)})."
+        )
+
+    @staticmethod
+    def _mismatch(strict: bool, message: str) -> None:
+        if strict:
+            raise ValueError(
+                f"DataLoader state does not fit: {message}. Pass strict=False to load it anyway."
+            )
+        warnings.warn(f"DataLoader state does not fit: {message}; loading it anyway.", stacklevel=3)
+
+    def _check_position(self, position: dict | None, strict: bool) -> dict | None:
+        if position is None:
+            return None
+        missing = [k for k in _POSITION_KEYS if k not in position]
+        unexpected = sorted(str(k) for k in position if k not in _POSITION_KEYS)
+        if missing or unexpected:
+            self._mismatch(
+                strict,
+                f"its 'position' has missing key(s) {missing} and unexpected key(s) {unexpected}",
+            )
+            if missing:
+                warnings.warn(
+                    "DataLoader state has no usable position; the data starts from its beginning.",
+                    stacklevel=3,
+                )
+                return None
+        for key in ("seed", "epoch", "batch_in_epoch"):
+            value = position[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(
+                    f"DataLoader state position {key!r} must be a non-negative int, got {value!r}."
+                )
+        rng_state = position["rng_state"]
+        if rng_state is not None and not isinstance(rng_state, torch.Tensor):
+            raise ValueError(
+                f"DataLoader state position 'rng_state' must be a tensor or None, got "
+                f"{type(rng_state).__name__}."
+            )
+        return {k: position[k] for k in _POSITION_KEYS}
+
+    def _check_user_state(self, user_state: dict | None, strict: bool) -> dict | None:
+        if self._stateful:
+            have = {"loader"}
+        else:
+            have = set(loader_parts.stateful_parts(self._loader))
+        saved = set(user_state or {})
+        if saved != have:
+            self._mismatch(
+                strict,
+                f"it holds user state for {sorted(saved)} but the loader built by input_fn has "
+                f"state_dict/load_state_dict on {sorted(have)}. Build the DataLoader with the "
+                "same input_fn as the run that saved the state",
+            )
+        return {k: v for k, v in (user_state or {}).items() if k in have} or None
+
+    def _check_generators(self, saved: dict, strict: bool) -> dict:
+        have = set(loader_parts.generators(self._loader))
+        if set(saved) != have:
+            self._mismatch(
+                strict,
+                f"it holds generator states for {sorted(saved)} but the loader built by input_fn "
+                f"draws from generators {sorted(have)}. Build the DataLoader with the same "
+                "input_fn as the run that saved the state",
+            )
+        return {k: v for k, v in saved.items() if k in have}
+
+    # The reference protocol has these on the loader; they combine any workers' states.
+    aggregate_state_dict = staticmethod(aggregate_state_dict)
+    deaggregate_state_dict = staticmethod(deaggregate_state_dict)
+
+
+def _batch_size_of(batch: Any) -> int:
+    """Samples in a batch: the first dimension of its first tensor (or array); 1 if it has none."""
+    stack = [batch]
+    while stack:
+        item = stack.pop(0)
+        if isinstance(item, (torch.Tensor, np.ndarray)):
+            if item.ndim >= 1:
+                return int(item.shape[0])
+            continue
+        if isinstance(item, dict):
+            stack[:0] = list(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack[:0] = list(item)
+    return 1

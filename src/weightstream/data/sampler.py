@@ -1,0 +1,341 @@
+"""DistributedSampler: one global sample order, shared out among the streamers.
+
+Note [global order]: the order of samples is a property of the run, not of
+the cluster. Each epoch has one *global sequence* of sample indices (a
+permutation drawn from ``seed`` and the epoch, or ``0..N-1`` unshuffled),
+grouped into batches of ``batch_size`` when that is set. Item ``j`` of the
+sequence (a sample, or a batch) goes to shard ``j % num_shards``. Interleaving
+the shards' outputs round-robin therefore gives back the global sequence,
+whatever the number of shards: a run restarted on a different number of ranks
+(with ``start_index`` = the number of samples streamed globally) continues the
+same sequence. Only the tail of an epoch depends on the number of shards,
+because ``drop_last``/``pad_last`` make every shard's share equally long (ranks
+step in lock step).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator, Sized
+
+import numpy as np
+import torch.utils.data
+
+from weightstream.data._checks import check_int
+from weightstream.data.streaming import get_streaming_rank, num_streamers
+
+__all__ = ["DistributedSampler"]
+
+# Config fields that fix the order; a state saved under other values cannot be resumed.
+_CONFIG_KEYS = (
+    "seed",
+    "shuffle",
+    "num_samples",
+    "batch_size",
+    "drop_last",
+    "pad_last",
+    "num_shards",
+    "shard_index",
+)
+_POSITION_KEYS = ("epoch", "epoch_offset", "pending_skip", "pass_skip", "in_pass", "position")
+
+
+class DistributedSampler(torch.utils.data.Sampler):
+    """Yield this streamer's share of a global sample order that no cluster size changes.
+
+    See Note [global order]. Use it as ``sampler=`` of a torch DataLoader (it
+    yields sample indices) or, with ``batch_size`` set, as ``batch_sampler=``
+    (it yields lists of indices).
+
+    Args:
+        dataset: any sized dataset; only ``len(dataset)`` is used.
+        shuffle: draw each epoch's order from ``seed`` and the epoch
+            (:meth:`set_epoch`); otherwise ``0, 1, ..., N-1``.
+        seed: shuffling seed; None means 0, so that every rank agrees without
+            communicating (a per-process random seed would give the ranks
+            different orders and duplicate samples).
+        start_index: skip this many samples of the global order before the
+            first pass; may run past the end of an epoch, into the following
+            epochs. Use the number of samples streamed globally to resume.
+        shard: give each streamer its share (``j % num_shards``); False makes
+            every streamer yield the whole sequence.
+        batch_size: yield batches of this many indices (per streamer) and
+            shard whole batches.
+        drop_last: drop the epoch's tail that cannot give every shard a full,
+            equal share.
+        num_samples: samples per epoch; default ``len(dataset)``. Fewer takes
+            the first ``num_samples`` of the epoch's order; more chains fresh
+            permutations of the dataset.
+        pad_last: instead of dropping the tail, pad it by wrapping around to
+            the start of the epoch's order (needs ``drop_last=False``).
+        num_shards, shard_index: override the streamer count and rank (default
+            :func:`num_streamers` and :func:`get_streaming_rank`), e.g. to
+            shard across processes that are not torch.distributed ranks.
+
+    Each pass yields one epoch; call :meth:`set_epoch` between passes to
+    reshuffle (``weightstream.utils.data.DataLoader`` does). Randomness inside
+    the dataset should be derived from the sample index, not from a process's
+    RNG stream, if it must be identical after a restart on another cluster.
+    """
+
+    def __init__(
+        self,
+        dataset: Sized,
+        shuffle: bool = True,
+        seed: int | None = None,
+        start_index: int = 0,
+        shard: bool = True,
+        batch_size: int | None = None,
+        drop_last: bool = True,
+        num_samples: int | None = None,
+        pad_last: bool = False,
+        *,
+        num_shards: int | None = None,
+        shard_index: int | None = None,
+    ) -> None:
+        super().__init__()
+        try:
+            self._dataset_len = len(dataset)
+        except TypeError:
+            raise TypeError(
+                f"DistributedSampler needs a dataset with a length; {type(dataset).__name__} "
+                "has no __len__. An IterableDataset shards itself: use "
+                "get_streaming_rank()/num_streamers() inside its __iter__ instead."
+            ) from None
+        if self._dataset_len == 0:
+            raise ValueError("DistributedSampler got an empty dataset; there is nothing to sample.")
+        for name, value in (
+            ("shuffle", shuffle),
+            ("shard", shard),
+            ("drop_last", drop_last),
+            ("pad_last", pad_last),
+        ):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}.")
+        seed = 0 if seed is None else seed
+        check_int("seed", seed, minimum=0)
+        check_int("start_index", start_index, minimum=0)
+        if batch_size is not None:
+            check_int("batch_size", batch_size, minimum=1)
+        if num_samples is not None:
+            check_int("num_samples", num_samples, minimum=1)
+        if drop_last and pad_last:
+            raise ValueError(
+                "drop_last=True and pad_last=True contradict each other (drop the epoch's "
+                "uneven tail, or pad it). Pass drop_last=False together with pad_last=True."
+            )
+        if not shard:
+            if num_shards not in (None, 1) or shard_index not in (None, 0):
+                raise ValueError(
+                    "num_shards/shard_index were given with shard=False, which makes every "
+                    "streamer yield the whole sequence. Pass shard=True to shard."
+                )
+            num_shards, shard_index = 1, 0
+        else:
+            num_shards = num_streamers() if num_shards is None else num_shards
+            shard_index = get_streaming_rank() if shard_index is None else shard_index
+            check_int("num_shards", num_shards, minimum=1)
+            check_int("shard_index", shard_index, minimum=0)
+            if shard_index >= num_shards:
+                raise ValueError(
+                    f"shard_index ({shard_index}) must be < num_shards ({num_shards})."
+                )
+        if batch_size is not None and start_index % batch_size:
+            raise ValueError(
+                f"start_index ({start_index}) must be a multiple of batch_size ({batch_size}), "
+                "since whole batches are skipped. Resume from a batch boundary."
+            )
+
+        self.shuffle = shuffle
+        self.seed = seed
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.pad_last = pad_last
+        self.num_samples = self._dataset_len if num_samples is None else num_samples
+        self.num_shards = num_shards
+        self.shard_index = shard_index
+        self.start_index = start_index
+
+        self.epoch = 0
+        epoch_samples = self._epoch_length()
+        if epoch_samples == 0:
+            raise ValueError(
+                f"An epoch of {self.num_samples} samples gives no full share to each of "
+                f"{num_shards} shard(s) with batch_size={batch_size} and drop_last=True. Use "
+                "fewer shards, a smaller batch_size, more samples, or drop_last=False."
+            )
+        # start_index may span whole epochs: those shift the epoch used for
+        # shuffling, the rest is skipped at the start of the first pass.
+        self._epoch_offset, self._pending_skip = divmod(start_index, epoch_samples)
+        self._pass_skip = 0  # skip used by the current pass
+        self._in_pass = False  # a pass started since the last set_epoch
+        self._position = 0  # items this shard yielded in the current pass
+        self._resume: int | None = None  # items to skip at the next __iter__ (restored state)
+
+    # -- the global order -------------------------------------------------------------
+
+    def _unit(self) -> int:
+        return self.batch_size or 1
+
+    def _round(self) -> int:
+        # Samples in one round of items: one item for every shard.
+        return self._unit() * self.num_shards
+
+    def _epoch_length(self) -> int:
+        """Samples in one epoch's global sequence, after dropping or padding its tail."""
+        n, r = self.num_samples, self._round()
+        if self.drop_last:
+            return (n // r) * r
+        if self.pad_last:
+            return math.ceil(n / r) * r
+        return n
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        """The epoch's permutation of sample indices, ``num_samples`` long (before the tail rule)."""
+        n = self._dataset_len
+        if not self.shuffle:
+            return np.arange(self.num_samples, dtype=np.int64) % n
+        # One independent permutation per repetition of the dataset; SeedSequence
+        # mixes (seed, epoch, repetition) so neighbouring seeds give unrelated orders.
+        reps = math.ceil(self.num_samples / n)
+        parts = [
+            np.random.default_rng([self.seed, epoch, rep]).permutation(n) for rep in range(reps)
+        ]
+        return np.concatenate(parts)[: self.num_samples]
+
+    def _global_sequence(self, epoch: int) -> np.ndarray:
+        order = self._epoch_order(epoch)
+        length = self._epoch_length()
+        if length <= len(order):
+            return order[:length]
+        # pad_last: wrap around to the start of the epoch's order.
+        return order[np.arange(length) % len(order)]
+
+    def _shard_items(self, epoch: int, skip: int) -> list:
+        seq = self._global_sequence(epoch)[skip:]
+        if self.batch_size is None:
+            return seq[self.shard_index :: self.num_shards].tolist()
+        batches = [seq[i : i + self.batch_size] for i in range(0, len(seq), self.batch_size)]
+        return [b.tolist() for b in batches[self.shard_index :: self.num_shards]]
+
+    def _num_shard_items(self, skip: int) -> int:
+        remaining = self._epoch_length() - skip
+        items = math.ceil(remaining / self._unit())
+        return max(0, math.ceil((items - self.shard_index) / self.num_shards))
+
+    # -- Sampler protocol --------------------------------------------------------------
+
+    def __iter__(self) -> Iterator:
+        if self._resume is not None:
+            start, self._resume = self._resume, None
+            skip = self._pass_skip
+        else:
+            start, skip = 0, self._pending_skip
+            self._pending_skip = 0
+            self._pass_skip = skip
+        self._in_pass = True
+        items = self._shard_items(self.epoch + self._epoch_offset, skip)
+        self._position = start
+        for item in items[start:]:
+            # Count before yielding: a consumer that stops here has received it.
+            self._position += 1
+            yield item
+
+    def __len__(self) -> int:
+        """Items (indices, or batches) the next pass yields on this shard."""
+        if self._resume is not None:
+            return max(0, self._num_shard_items(self._pass_skip) - self._resume)
+        return self._num_shard_items(self._pending_skip)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use ``epoch``'s order for the next pass (and forget any position in the current one)."""
+        check_int("epoch", epoch, minimum=0)
+        self.epoch = epoch
+        self._in_pass = False
+        self._position = 0
+        self._resume = None
+
+    def fast_forward(self, items: int) -> None:
+        """Make the next pass start ``items`` items (indices or batches) into this shard's share.
+
+        A restored ``DataLoader`` uses this to skip the batches already
+        consumed without loading them. Call it after :meth:`set_epoch`.
+        """
+        check_int("items", items, minimum=0)
+        if not self._in_pass:
+            # The pass has not started: it will use the pending start_index skip.
+            self._pass_skip, self._pending_skip = self._pending_skip, 0
+        self._in_pass = True
+        self._resume = items
+        self._position = items
+
+    # -- restartable state -------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The order's configuration and this shard's position in it."""
+        return {
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_samples": self.num_samples,
+            "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
+            "pad_last": self.pad_last,
+            "num_shards": self.num_shards,
+            "shard_index": self.shard_index,
+            "epoch": self.epoch,
+            "epoch_offset": self._epoch_offset,
+            "pending_skip": self._pending_skip,
+            "pass_skip": self._pass_skip,
+            "in_pass": self._in_pass,
+            "position": self._position,
+        }
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True) -> None:
+        """Continue from ``state_dict``: the next pass resumes where the saved one stopped.
+
+        The sampler must be configured as the one that saved the state (same
+        seed, shuffle, num_samples, batch_size, tail rule and sharding). To
+        continue on a different number of shards, build a new sampler with
+        ``start_index`` = samples streamed globally instead.
+        """
+        if not isinstance(state_dict, dict):
+            raise TypeError(
+                f"DistributedSampler.load_state_dict expects a dict, got {type(state_dict).__name__}."
+            )
+        expected = set(_CONFIG_KEYS) | set(_POSITION_KEYS)
+        missing = sorted(expected - set(state_dict))
+        unexpected = sorted(set(state_dict) - expected)
+        if missing:
+            raise ValueError(
+                f"DistributedSampler state is missing key(s) {missing}; pass a dict returned "
+                "by DistributedSampler.state_dict()."
+            )
+        if unexpected:
+            message = f"DistributedSampler state has unexpected key(s) {unexpected}"
+            if strict:
+                raise ValueError(
+                    message + "; pass load_state_dict(sd, strict=False) to ignore them."
+                )
+            warnings.warn(message + "; ignoring them.", stacklevel=2)
+        mine = self.state_dict()
+        differ = [k for k in _CONFIG_KEYS if state_dict[k] != mine[k]]
+        if differ:
+            details = ", ".join(f"{k}: saved {state_dict[k]!r}, here {mine[k]!r}" for k in differ)
+            raise ValueError(
+                f"DistributedSampler state was saved with a different order ({details}). Build "
+                "the sampler with the saved settings; to change the number of shards, build it "
+                "with start_index = the number of samples streamed globally instead."
+            )
+        for key in ("epoch", "epoch_offset", "pending_skip", "pass_skip", "position"):
+            check_int(key, state_dict[key], minimum=0)
+        self.epoch = state_dict["epoch"]
+        self._epoch_offset = state_dict["epoch_offset"]
+        self._pending_skip = state_dict["pending_skip"]
+        self._pass_skip = state_dict["pass_skip"]
+        self._in_pass = bool(state_dict["in_pass"])
+        self._position = state_dict["position"]
+        # A finished pass is not resumed (it would yield nothing): the next
+        # pass starts afresh, as torch samplers do.
+        finished = self._position >= self._num_shard_items(self._pass_skip)
+        self._resume = self._position if self._in_pass and not finished else None

@@ -1,0 +1,654 @@
+"""weightstream.utils.data: step counts, restartable DataLoader, DistributedSampler, helpers.
+
+The restart tests pin invariant 3 of design.md ("a resumed run continues
+exactly as if it had never stopped") for the input pipeline: stop after batch
+k, save, build a new DataLoader, load, and the batches that follow are those
+the uninterrupted run produced.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import DataLoader as TorchDataLoader
+from torch.utils.data import Dataset, TensorDataset
+
+import weightstream as cstorch
+import weightstream.utils.data
+from weightstream import config as ws_config
+from weightstream.data import streaming
+from weightstream.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    SyntheticDataset,
+    aggregate_state_dict,
+    compute_num_steps,
+    deaggregate_state_dict,
+    get_streaming_batch_size,
+    get_streaming_rank,
+    is_streamer,
+    num_streamers,
+)
+
+N = 10  # samples in the toy dataset: batches of 3 give passes of 4 batches (the last short)
+
+
+@pytest.fixture(autouse=True)
+def _default_config():
+    ws_config._reset_for_tests()
+    yield
+    ws_config._reset_for_tests()
+
+
+def shuffled_fn(batch_size=3, num_workers=0, generator_seed=None):
+    generator = None if generator_seed is None else torch.Generator().manual_seed(generator_seed)
+    return TorchDataLoader(
+        TensorDataset(torch.arange(N)),
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=num_workers,
+        generator=generator,
+    )
+
+
+def run(input_fn, *args, stop_after=None, state=None, user_rng_draws=1, **kwargs):
+    """Iterate a fresh DataLoader; return the batches (as lists) and the final state.
+
+    The loop body draws from the global torch RNG, as a model with dropout
+    would, a different amount per run (user_rng_draws), which must not change
+    the data.
+    """
+    torch.manual_seed(1234)
+    dl = DataLoader(input_fn, *args, **kwargs)
+    if state is not None:
+        dl.load_state_dict(state)
+    batches = []
+    for batch in dl:
+        torch.rand(user_rng_draws * (len(batches) + 1))
+        batches.append(_as_list(batch))
+        if stop_after is not None and len(batches) == stop_after:
+            break
+    return batches, dl.state_dict()
+
+
+def flatten(batches):
+    return [i for batch in batches for i in batch]
+
+
+def _as_list(batch):
+    if isinstance(batch, (list, tuple)):
+        batch = batch[0]
+    return batch.tolist()
+
+
+def check_resume(input_fn, stops, max_steps=11, **kwargs):
+    full, _ = run(input_fn, max_steps=max_steps, **kwargs)
+    assert len(full) == max_steps
+    for k in stops:
+        head, state = run(input_fn, stop_after=k, max_steps=max_steps, **kwargs)
+        assert state["appliance_step"] == k and state["worker_step"] == k
+        # max_steps counts from the saved appliance_step: the tail is the rest of the run.
+        tail, _ = run(input_fn, state=state, max_steps=max_steps, user_rng_draws=7, **kwargs)
+        assert head + tail == full, f"resume after batch {k} diverged"
+    return full
+
+
+# -- restart -------------------------------------------------------------------------
+
+
+def test_resume_shuffled_torch_loader_across_epoch_wrap():
+    full = check_resume(shuffled_fn, stops=[1, 3, 4, 5, 9])
+    # The loader was iterated again after 4 batches, with a new shuffle.
+    assert sorted(flatten(full[:4])) == list(range(N))
+    assert sorted(flatten(full[4:8])) == list(range(N))
+    assert full[:4] != full[4:8]
+
+
+def test_resume_with_user_generator():
+    check_resume(lambda: shuffled_fn(generator_seed=7), stops=[2, 4, 6])
+
+
+def test_resume_with_worker_processes():
+    # Two worker processes per pass are slow to start: two stop points only, one
+    # mid-pass and one exactly at the end of a pass.
+    full = check_resume(lambda: shuffled_fn(num_workers=2), stops=[4, 6], max_steps=9)
+    assert full[:8] == run(shuffled_fn, max_steps=8)[0], "workers do not change the order"
+
+
+class CountingDataset(Dataset):
+    """Counts __getitem__ calls, to show a restore loads no skipped sample."""
+
+    def __init__(self, n):
+        self.n = n
+        self.loads = 0
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        self.loads += 1
+        return torch.tensor(i)
+
+
+def test_resume_with_distributed_sampler_skips_without_loading():
+    datasets = []
+
+    def input_fn():
+        ds = CountingDataset(N)
+        datasets.append(ds)
+        return TorchDataLoader(ds, batch_size=2, sampler=DistributedSampler(ds, seed=3))
+
+    full = check_resume(input_fn, stops=[3, 5, 7], max_steps=12)
+    assert sorted(flatten(full[:5])) == list(range(N))
+    _, state = run(input_fn, stop_after=3, max_steps=12)
+    tail, _ = run(input_fn, state=state, max_steps=12)
+    assert datasets[-1].loads == 2 * len(tail), "the restored loader loaded skipped samples"
+
+
+def test_resume_with_distributed_batch_sampler_and_steps_per_epoch():
+    def input_fn():
+        ds = TensorDataset(torch.arange(N))
+        return TorchDataLoader(ds, batch_sampler=DistributedSampler(ds, batch_size=2))
+
+    # steps_per_epoch=3 truncates each pass to 3 of its 5 batches.
+    full = check_resume(input_fn, stops=[2, 3, 4], steps_per_epoch=3, num_epochs=4, max_steps=12)
+    assert len(full) == 12
+    for e in range(4):
+        epoch = full[3 * e : 3 * e + 3]
+        assert len({i for b in epoch for i in b}) == 6
+
+
+class StatefulLoader:
+    """A loader that keeps its own position (its state is trusted over replay)."""
+
+    def __init__(self):
+        self.pos = 0
+        self.epoch = 0
+
+    def __iter__(self):
+        while self.pos < 5:
+            self.pos += 1
+            yield torch.tensor([100 * self.epoch + self.pos])
+        self.pos = 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, sd):
+        self.pos = sd["pos"]
+
+
+def test_resume_stateful_loader_uses_its_state():
+    full = check_resume(StatefulLoader, stops=[2, 5, 7])
+    assert full[:6] == [[1], [2], [3], [4], [5], [101]]
+    _, state = run(StatefulLoader, stop_after=2, max_steps=11)
+    assert state["user_state"] == {"loader": {"pos": 2}}
+
+
+class AugmentedDataset(Dataset):
+    """Draws torch randomness per sample and keeps a state of its own (a visit count)."""
+
+    def __init__(self):
+        self.visits = 0
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        self.visits += 1
+        return torch.tensor(i * 1000 + self.visits % 7) + torch.randint(0, 100, ())
+
+    def state_dict(self):
+        return {"visits": self.visits}
+
+    def load_state_dict(self, sd):
+        self.visits = sd["visits"]
+
+
+def test_resume_dataset_state_and_in_process_randomness():
+    def input_fn():
+        return TorchDataLoader(AugmentedDataset(), batch_size=3, shuffle=True)
+
+    check_resume(input_fn, stops=[2, 4, 6])
+    _, state = run(input_fn, stop_after=2, max_steps=11)
+    assert state["user_state"] == {"dataset": {"visits": 0}}, "state as of the pass start"
+
+
+# -- iteration -----------------------------------------------------------------------
+
+
+class EpochRecordingSampler(torch.utils.data.Sampler):
+    def __init__(self):
+        super().__init__()
+        self.epochs = []
+
+    def set_epoch(self, epoch):
+        self.epochs.append(epoch)
+
+    def __iter__(self):
+        return iter(range(4))
+
+    def __len__(self):
+        return 4
+
+
+def test_iteration_yields_num_steps_and_calls_set_epoch():
+    sampler = EpochRecordingSampler()
+    ds = TensorDataset(torch.arange(4))
+    dl = DataLoader(lambda bs: TorchDataLoader(ds, batch_size=bs, sampler=sampler), 2, num_steps=5)
+    assert len(dl) == 5 and dl.num_steps == 5
+    assert [b[0].tolist() for b in dl] == [[0, 1], [2, 3]] * 2 + [[0, 1]]
+    assert sampler.epochs == [0, 1, 2]
+    # A second iteration continues the data stream for another num_steps.
+    assert [b[0].tolist() for b in dl] == [[2, 3], [0, 1], [2, 3], [0, 1], [2, 3]]
+
+
+def test_kwargs_go_to_input_fn_and_grad_accum_counts_batches():
+    seen = {}
+
+    def input_fn(a, *, b):
+        seen.update(a=a, b=b)
+        return [torch.ones(2)] * 6
+
+    dl = DataLoader(input_fn, 1, b=2, num_epochs=2, grad_accum_steps=2)
+    assert seen == {"a": 1, "b": 2}
+    assert dl.num_steps == 6 and len(dl) == 12
+    assert len(list(dl)) == 12
+    assert dl.state_dict()["appliance_step"] == 6
+    assert dl.state_dict()["samples_streamed"] == 24
+    # A pass of 5 batches gives 2 whole steps; the fifth batch is dropped so
+    # that no step spans two epochs.
+    odd = DataLoader(
+        lambda: [torch.tensor([i]) for i in range(5)], num_epochs=2, grad_accum_steps=2
+    )
+    assert [int(b) for b in odd] == [0, 1, 2, 3, 0, 1, 2, 3]
+
+
+def test_dataloader_argument_errors():
+    with pytest.raises(TypeError, match="wrap it: DataLoader\\(lambda: loader"):
+        DataLoader([1, 2, 3], num_steps=1)
+    with pytest.raises(TypeError, match="must return a torch DataLoader or another iterable"):
+        DataLoader(lambda: 3, num_steps=1)
+    dl = DataLoader(lambda: iter([torch.ones(1)]), num_steps=3)
+    with pytest.raises(ValueError, match="one-shot iterator"):
+        list(dl)
+
+
+def test_load_state_dict_errors():
+    dl = DataLoader(shuffled_fn, num_steps=3)
+    state = dl.state_dict()
+    next(iter(dl))
+    with pytest.raises(RuntimeError, match="must be called before iteration starts"):
+        dl.load_state_dict(state)
+
+    bad = {**state, "extra": 1}
+    del bad["samples_streamed"]
+    with pytest.raises(
+        ValueError, match=r"missing key\(s\) \['samples_streamed'\].*unexpected key"
+    ):
+        DataLoader(shuffled_fn, num_steps=3).load_state_dict(bad)
+    with pytest.warns(UserWarning, match="loading what matches"):
+        DataLoader(shuffled_fn, num_steps=3).load_state_dict(bad, strict=False)
+
+    with pytest.raises(ValueError, match="saved by streamer 3 but this process is streamer 0"):
+        DataLoader(shuffled_fn, num_steps=3).load_state_dict({**state, "wse_id": 3})
+    with pytest.raises(ValueError, match="draws from generators"):
+        DataLoader(lambda: shuffled_fn(generator_seed=1), num_steps=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="loaded DataLoader state is at step 5: max_steps \\(5\\)"):
+        DataLoader(shuffled_fn, max_steps=5).load_state_dict({**state, "appliance_step": 5})
+
+
+def test_state_dict_after_load_is_the_loaded_state():
+    _, state = run(shuffled_fn, stop_after=3, max_steps=8)
+    dl = DataLoader(shuffled_fn, max_steps=8)
+    dl.load_state_dict(state)
+    assert _equal(dl.state_dict(), state)
+    assert len(dl) == 5
+
+
+def test_load_state_dict_replay_mismatch_is_reported():
+    _, state = run(shuffled_fn, stop_after=3, max_steps=8)
+    dl = DataLoader(lambda: shuffled_fn(batch_size=5), max_steps=8)
+    dl.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"has only 2 there\. Build the DataLoader with the same"):
+        next(iter(dl))
+
+
+def test_aggregated_state_round_trip_and_load():
+    _, state = run(shuffled_fn, stop_after=3, max_steps=8)
+    other = {**state, "wse_id": 1, "samples_streamed": 5}
+    agg = aggregate_state_dict([other, state])
+    assert agg["samples_streamed"] == state["samples_streamed"] + 5
+    assert agg["appliance_step"] == 3 and agg["num_csx"] == 1
+    back = deaggregate_state_dict(agg)
+    assert [w["wse_id"] for w in back] == [0, 1]
+    assert _equal(back, [state, other])
+    assert DataLoader.aggregate_state_dict is aggregate_state_dict
+
+    with pytest.raises(ValueError, match=r"appear more than once"):
+        aggregate_state_dict([state, state])
+    with pytest.raises(ValueError, match="disagree on appliance_step"):
+        aggregate_state_dict([state, {**other, "appliance_step": 4}])
+    with pytest.raises(ValueError, match="missing key"):
+        deaggregate_state_dict({"worker_states": [state]})
+    # One streamer here: a two-worker state cannot be mapped, a one-worker one loads.
+    with pytest.raises(ValueError, match="holds 2 worker state\\(s\\) but this run has 1"):
+        DataLoader(shuffled_fn, max_steps=8).load_state_dict(agg)
+    full, _ = run(shuffled_fn, max_steps=8)
+    tail, _ = run(shuffled_fn, state=aggregate_state_dict([state]), max_steps=8)
+    assert tail == full[3:]
+
+
+def _equal(a, b):
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return a == b
+
+
+def test_state_records_worker_identity_from_config():
+    cstorch.configure(num_csx=2, num_workers_per_csx=3)
+    _, state = run(shuffled_fn, stop_after=2, max_steps=8)
+    assert {
+        k: state[k] for k in ("local_worker_id", "num_csx", "num_workers_per_csx", "wse_id")
+    } == {
+        "local_worker_id": 0,
+        "num_csx": 2,
+        "num_workers_per_csx": 3,
+        "wse_id": 0,
+    }
+    assert state["samples_streamed"] == 6
+
+
+# -- compute_num_steps -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"num_steps": 7}, 7),
+        ({"num_steps": 25}, 25),  # more than one pass: the loader is iterated again
+        ({"num_steps": 7, "max_steps": 5}, 5),
+        ({"num_steps": 7, "max_steps": 20, "initial_step": 16}, 4),
+        ({"max_steps": 20, "initial_step": 16}, 4),
+        ({"num_epochs": 3}, 30),  # steps_per_epoch defaults to len(dl) == 10
+        ({"num_epochs": 3, "steps_per_epoch": 4}, 12),
+        ({"num_epochs": 3, "max_steps": 25}, 25),
+        ({"num_epochs": 3, "steps_per_epoch": 4, "max_steps": 100, "initial_step": 95}, 5),
+        ({"num_epochs": 2, "grad_accum_steps": 3}, 6),  # 10 batches // 3 = 3 steps per epoch
+    ],
+)
+def test_compute_num_steps(kwargs, expected):
+    assert compute_num_steps(list(range(10)), **kwargs) == expected
+
+
+class Unsized:
+    def __iter__(self):
+        return iter(range(3))
+
+
+@pytest.mark.parametrize(
+    ("dl", "kwargs", "error", "message"),
+    [
+        (range(10), {"num_steps": 5, "num_epochs": 1}, ValueError, "mutually exclusive"),
+        (range(10), {}, ValueError, "No step count given: pass num_steps, max_steps or num_epochs"),
+        (range(10), {"steps_per_epoch": 3}, ValueError, "No step count given"),
+        (
+            range(10),
+            {"num_epochs": 1, "steps_per_epoch": 11},
+            ValueError,
+            r"steps_per_epoch \(11\) exceeds the length of the dataloader \(10 batches\).*<= 10",
+        ),
+        (
+            Unsized(),
+            {"num_epochs": 2},
+            ValueError,
+            r"num_epochs \(2\) needs the length of an epoch.*Unsized does not define __len__.*Pass steps_per_epoch",
+        ),
+        (
+            range(10),
+            {"max_steps": 5, "initial_step": 5},
+            ValueError,
+            r"max_steps \(5\) must be greater than initial_step \(5\).*Raise max_steps above 5",
+        ),
+        (range(10), {"max_steps": 5, "initial_step": 9}, ValueError, "no steps left"),
+        (
+            range(2),
+            {"num_epochs": 1, "grad_accum_steps": 3},
+            ValueError,
+            r"shorter than one step of grad_accum_steps=3",
+        ),
+        (range(10), {"num_steps": 0}, ValueError, "num_steps must be >= 1, got 0"),
+        (range(10), {"num_steps": 2.0}, TypeError, "num_steps must be an int, got float"),
+        (range(10), {"num_epochs": True}, TypeError, "num_epochs must be an int, got bool"),
+        (range(10), {"num_steps": 1, "initial_step": -1}, ValueError, "initial_step must be >= 0"),
+        (
+            range(10),
+            {"num_steps": 1, "grad_accum_steps": 0},
+            ValueError,
+            "grad_accum_steps must be >= 1",
+        ),
+    ],
+)
+def test_compute_num_steps_errors(dl, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        compute_num_steps(dl, **kwargs)
+
+
+def test_compute_num_steps_unsized_loader():
+    assert compute_num_steps(Unsized(), num_steps=8) == 8
+    assert compute_num_steps(Unsized(), num_epochs=2, steps_per_epoch=3) == 6
+    # The DataLoader iterates it again when it runs out.
+    assert [int(x) for x in DataLoader(Unsized, num_steps=8)] == [0, 1, 2, 0, 1, 2, 0, 1]
+
+
+# -- DistributedSampler -----------------------------------------------------------------
+
+
+def interleave(shares):
+    out = []
+    for i in range(max(len(s) for s in shares)):
+        out.extend(s[i] for s in shares if i < len(s))
+    return out
+
+
+@pytest.mark.parametrize("batch_size", [None, 3])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_distributed_sampler_order_independent_of_shards(batch_size, shuffle):
+    ds = range(48)  # divides into 4 shards of batches of 3
+    orders = {}
+    for shards in (1, 2, 4):
+        samplers = [
+            DistributedSampler(
+                ds, shuffle=shuffle, seed=5, batch_size=batch_size, num_shards=shards, shard_index=r
+            )
+            for r in range(shards)
+        ]
+        for epoch in (0, 1):
+            for s in samplers:
+                s.set_epoch(epoch)
+            shares = [list(s) for s in samplers]
+            assert all(len(share) == len(s) for share, s in zip(shares, samplers))
+            orders[shards, epoch] = interleave(shares)
+    for epoch in (0, 1):
+        assert orders[1, epoch] == orders[2, epoch] == orders[4, epoch]
+        flat = [i for item in orders[1, epoch] for i in (item if batch_size else [item])]
+        assert sorted(flat) == list(range(48))
+    assert (orders[1, 0] != orders[1, 1]) == shuffle, "reshuffled per epoch only when shuffling"
+    again = DistributedSampler(ds, shuffle=shuffle, seed=5, batch_size=batch_size, shard=False)
+    assert list(again) == orders[1, 0], "deterministic from seed and epoch"
+
+
+def test_distributed_sampler_start_index_resumes_on_other_shard_count():
+    ds = range(24)
+    reference = []
+    for epoch in range(3):
+        s = DistributedSampler(ds, seed=1, batch_size=2, shard=False)
+        s.set_epoch(epoch)
+        reference += list(s)
+    # 2 shards stream 5 global steps (2 batches of 2 each), then 3 shards take over.
+    streamed = 5 * 2 * 2
+    samplers = [
+        DistributedSampler(
+            ds, seed=1, batch_size=2, start_index=streamed, num_shards=3, shard_index=r
+        )
+        for r in range(3)
+    ]
+    resumed = []
+    for epoch in range(2):
+        for s in samplers:
+            s.set_epoch(epoch)
+        resumed += interleave([list(s) for s in samplers])
+    assert resumed[: len(reference) - 10] == reference[10:][: len(resumed)]
+
+
+def test_distributed_sampler_tail_rules_and_state():
+    ds = range(10)
+    dropped = [
+        list(DistributedSampler(ds, shuffle=False, num_shards=4, shard_index=r)) for r in range(4)
+    ]
+    assert dropped == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    padded = [
+        list(
+            DistributedSampler(
+                ds, shuffle=False, drop_last=False, pad_last=True, num_shards=4, shard_index=r
+            )
+        )
+        for r in range(4)
+    ]
+    assert padded == [[0, 4, 8], [1, 5, 9], [2, 6, 0], [3, 7, 1]]
+    kept = [
+        list(DistributedSampler(ds, shuffle=False, drop_last=False, num_shards=4, shard_index=r))
+        for r in range(4)
+    ]
+    assert kept == [[0, 4, 8], [1, 5, 9], [2, 6], [3, 7]]
+    assert list(DistributedSampler(range(3), shuffle=False, num_samples=7, batch_size=2)) == [
+        [0, 1],
+        [2, 0],
+        [1, 2],
+    ]
+
+    s = DistributedSampler(ds, seed=2, num_shards=2, shard_index=1)
+    s.set_epoch(3)
+    it = iter(s)
+    head = [next(it) for _ in range(2)]
+    state = s.state_dict()
+    rest = list(it)
+    fresh = DistributedSampler(ds, seed=2, num_shards=2, shard_index=1)
+    fresh.load_state_dict(state)
+    assert len(fresh) == len(rest) and list(fresh) == rest and len(head) == 2
+    with pytest.raises(ValueError, match="different order \\(seed: saved 2, here 9\\)"):
+        DistributedSampler(ds, seed=9, num_shards=2, shard_index=1).load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"pad_last": True}, ValueError, "Pass drop_last=False together with pad_last=True"),
+        ({"shard": False, "num_shards": 2}, ValueError, "shard=False"),
+        (
+            {"num_shards": 2, "shard_index": 2},
+            ValueError,
+            r"shard_index \(2\) must be < num_shards \(2\)",
+        ),
+        ({"batch_size": 4, "start_index": 6}, ValueError, "must be a multiple of batch_size"),
+        ({"batch_size": 20}, ValueError, "gives no full share"),
+        ({"seed": -1}, ValueError, "seed must be >= 0"),
+    ],
+)
+def test_distributed_sampler_errors(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        DistributedSampler(range(10), **kwargs)
+
+
+def test_distributed_sampler_needs_sized_dataset():
+    with pytest.raises(TypeError, match="needs a dataset with a length"):
+        DistributedSampler(Unsized())
+
+
+# -- SyntheticDataset ----------------------------------------------------------------------
+
+
+def test_synthetic_dataset():
+    spec = {
+        "x": torch.empty(2, 3, dtype=torch.float16, device="meta"),
+        "y": (torch.tensor([1, 2]), 5),
+    }
+    ds = SyntheticDataset(spec, num_samples=4)
+    assert len(ds) == 4
+    sample = ds[3]
+    assert sample["x"].dtype == torch.float16 and torch.equal(
+        sample["x"], torch.zeros(2, 3, dtype=torch.float16)
+    )
+    assert torch.equal(sample["y"][0], torch.tensor([1, 2])) and sample["y"][1] == 5
+    sample["y"][0].add_(10)
+    assert torch.equal(ds[0]["y"][0], torch.tensor([1, 2])), "samples are independent copies"
+    with pytest.raises(IndexError):
+        ds[4]
+    batches = list(TorchDataLoader(ds, batch_size=2))
+    assert len(batches) == 2 and batches[0]["x"].shape == (2, 2, 3)
+
+    infinite = SyntheticDataset(torch.ones(3))
+    with pytest.raises(TypeError, match="infinite"):
+        len(infinite)
+    dl = DataLoader(lambda: TorchDataLoader(infinite, batch_size=4), num_steps=3)
+    assert [b.shape for b in dl] == [(4, 3)] * 3
+    with pytest.raises(TypeError, match="sample_spec\\['a'\\] is a str"):
+        SyntheticDataset({"a": "text"})
+
+
+# -- streaming helpers -----------------------------------------------------------------------
+
+
+class FakeDist:
+    def __init__(self, world, rank):
+        self.world, self.rank = world, rank
+
+    def is_available(self):
+        return True
+
+    def is_initialized(self):
+        return True
+
+    def get_world_size(self):
+        return self.world
+
+    def get_rank(self):
+        return self.rank
+
+
+def test_streaming_helpers(monkeypatch):
+    assert (num_streamers(), get_streaming_rank(), is_streamer()) == (1, 0, True)
+    assert get_streaming_batch_size(6) == 6
+    monkeypatch.setattr(streaming, "dist", FakeDist(4, 2))
+    assert (num_streamers(), get_streaming_rank(), is_streamer()) == (4, 2, True)
+    assert get_streaming_batch_size(8) == 2
+    with pytest.raises(
+        ValueError, match=r"global batch size 6 does not divide by the number of streamers \(4"
+    ):
+        get_streaming_batch_size(6)
+    with pytest.raises(TypeError, match="global_batch must be an int"):
+        get_streaming_batch_size(4.0)
+    # The sampler shards by the streaming rank by default.
+    s = DistributedSampler(range(8), shuffle=False)
+    assert (s.num_shards, s.shard_index, list(s)) == (4, 2, [2, 6])
+
+
+def test_reference_import_path():
+    assert cstorch.utils.data.DataLoader is DataLoader
+    assert set(weightstream.utils.data.__all__) >= {
+        "DataLoader",
+        "compute_num_steps",
+        "DistributedSampler",
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DataLoader(shuffled_fn, num_steps=1).state_dict()
