@@ -4,6 +4,7 @@ The public API follows the reference weight-streaming PyTorch API, so code
 written for it runs with ``import weightstream as cstorch``.
 """
 
+from weightstream import amp, metrics, utils
 from weightstream.backend import CompiledModule, ExecutionMode, compile
 from weightstream.config import configure
 from weightstream.runtime.config import StreamingConfig
@@ -15,6 +16,9 @@ __all__ = [
     "ExecutionMode",
     "StreamingConfig",
     "__version__",
+    "amp",
+    "metrics",
+    "utils",
     "compile",
     "configure",
 ]
