@@ -8,6 +8,7 @@ from weightstream import amp, metrics, utils
 from weightstream.backend import CompiledModule, ExecutionMode, compile
 from weightstream.config import configure
 from weightstream.runtime.config import StreamingConfig
+from weightstream.runtime.executor import checkpoint_closure, compile_step, step_closure
 
 __version__ = "0.1.0"
 
@@ -17,7 +18,10 @@ __all__ = [
     "StreamingConfig",
     "__version__",
     "amp",
+    "checkpoint_closure",
+    "compile_step",
     "metrics",
+    "step_closure",
     "utils",
     "compile",
     "configure",

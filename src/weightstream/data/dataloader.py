@@ -188,6 +188,10 @@ class DataLoader:
     # -- iteration --------------------------------------------------------------------
 
     def __iter__(self) -> Iterator:
+        from weightstream.runtime.executor import step_context
+
+        # The step closures need to know which step is the last one.
+        step_context().expect_steps(len(self))
         self._started = True
         self._generation += 1
         return self._iterate(self._generation)
