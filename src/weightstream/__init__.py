@@ -4,7 +4,7 @@ The public API follows the reference weight-streaming PyTorch API, so code
 written for it runs with ``import weightstream as cstorch``.
 """
 
-from weightstream import amp, metrics, utils
+from weightstream import amp, metrics, optim, utils
 from weightstream.backend import CompiledModule, ExecutionMode, compile
 from weightstream.config import configure
 from weightstream.runtime.config import StreamingConfig
@@ -21,6 +21,7 @@ __all__ = [
     "checkpoint_closure",
     "compile_step",
     "metrics",
+    "optim",
     "step_closure",
     "utils",
     "compile",

@@ -1,0 +1,423 @@
+"""The Adam family: Adam, AdamW, Adamax, NAdam, RAdam.
+
+Each follows the arithmetic of its torch.optim counterpart step for step
+(Note [matching torch.optim bit for bit] in optimizer.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from weightstream.optim._common import (
+    add_l2,
+    check_betas,
+    check_non_negative,
+    collect_grads,
+    hyper,
+    run_closure,
+    state_list,
+    zeros_like,
+)
+from weightstream.optim.optimizer import Optimizer, ParamsT
+
+__all__ = ["Adam", "AdamW", "Adamax", "NAdam", "RAdam"]
+
+
+def _check_adam_args(name: str, lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
+    check_non_negative(name, "lr", lr)
+    check_betas(name, betas)
+    check_non_negative(name, "eps", eps)
+    check_non_negative(name, "weight_decay", weight_decay)
+
+
+class _AdamBase(Optimizer):
+    """Adam and AdamW: one update, differing in how weight decay is applied.
+
+    ``decoupled_weight_decay`` False: L2, ``grad += weight_decay * param`` (Adam).
+    True: ``param *= 1 - lr * weight_decay`` before the update (AdamW).
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        amsgrad: bool,
+        maximize: bool,
+        correct_bias: bool,
+        decoupled_weight_decay: bool,
+    ) -> None:
+        _check_adam_args(type(self).__name__, lr, betas, eps, weight_decay)
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            correct_bias=correct_bias,
+            decoupled_weight_decay=decoupled_weight_decay,
+        )
+        super().__init__(params, defaults, enable_global_step=True)
+
+    def preinitialize(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["exp_avg"] = zeros_like(p)
+                state["exp_avg_sq"] = zeros_like(p)
+                if group["amsgrad"]:
+                    state["max_exp_avg_sq"] = zeros_like(p)
+
+    def state_names_to_sparsify(self) -> list[str]:
+        return ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = run_closure(closure)
+        name = type(self).__name__
+        for group in self.param_groups:
+            params, grads = collect_grads(name, group, group["maximize"])
+            if not params:
+                continue
+            lr, eps = hyper(group, "lr"), hyper(group, "eps")
+            beta1, beta2 = group["betas"]
+            weight_decay = hyper(group, "weight_decay")
+            exp_avgs = state_list(self.state, params, "exp_avg")
+            exp_avg_sqs = state_list(self.state, params, "exp_avg_sq")
+            steps = self._advance_steps(params)
+
+            if weight_decay != 0:
+                if group["decoupled_weight_decay"]:
+                    torch._foreach_mul_(params, 1 - lr * weight_decay)
+                else:
+                    grads = add_l2(grads, params, weight_decay)
+
+            # m = beta1 m + (1 - beta1) g ;  v = beta2 v + (1 - beta2) g^2
+            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+            torch._foreach_mul_(exp_avg_sqs, beta2)
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+
+            second_moments = exp_avg_sqs
+            if group["amsgrad"]:
+                second_moments = state_list(self.state, params, "max_exp_avg_sq")
+                torch._foreach_maximum_(second_moments, exp_avg_sqs)
+
+            # param -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+            denoms = torch._foreach_sqrt(second_moments)
+            if group["correct_bias"]:
+                torch._foreach_div_(denoms, [(1 - beta2**s) ** 0.5 for s in steps])
+                step_sizes = [-(lr / (1 - beta1**s)) for s in steps]
+            else:
+                step_sizes = [-lr] * len(params)
+            torch._foreach_add_(denoms, eps)
+            torch._foreach_addcdiv_(params, exp_avgs, denoms, step_sizes)
+        return loss
+
+
+class Adam(_AdamBase):
+    """Adam (Kingma and Ba, 2014). ``weight_decay`` is an L2 penalty added to the
+    gradient; bias correction is always on. ``maximize`` is an extension (torch has it).
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+    ) -> None:
+        super().__init__(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            correct_bias=True,
+            decoupled_weight_decay=False,
+        )
+
+
+class AdamW(_AdamBase):
+    """AdamW (Loshchilov and Hutter, 2017): decoupled weight decay.
+
+    ``correct_bias=False`` drops the bias correction (the original BERT recipe):
+    ``param -= lr * m / (sqrt(v) + eps)``.
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0,
+        correct_bias: bool = True,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+    ) -> None:
+        super().__init__(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            correct_bias=correct_bias,
+            decoupled_weight_decay=True,
+        )
+
+
+class Adamax(Optimizer):
+    """Adamax: Adam with the infinity norm (Kingma and Ba, 2014, section 7)."""
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0,
+        maximize: bool = False,
+    ) -> None:
+        _check_adam_args(type(self).__name__, lr, betas, eps, weight_decay)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
+        super().__init__(params, defaults, enable_global_step=True)
+
+    def preinitialize(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["exp_avg"] = zeros_like(p)
+                self.state[p]["exp_inf"] = zeros_like(p)
+
+    def state_names_to_sparsify(self) -> list[str]:
+        return ["exp_avg", "exp_inf"]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = run_closure(closure)
+        for group in self.param_groups:
+            params, grads = collect_grads("Adamax", group, group["maximize"])
+            if not params:
+                continue
+            lr, eps = hyper(group, "lr"), hyper(group, "eps")
+            beta1, beta2 = group["betas"]
+            exp_avgs = state_list(self.state, params, "exp_avg")
+            exp_infs = state_list(self.state, params, "exp_inf")
+            steps = self._advance_steps(params)
+            grads = add_l2(grads, params, hyper(group, "weight_decay"))
+
+            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+            # u = max(beta2 u, |g| + eps)
+            torch._foreach_mul_(exp_infs, beta2)
+            abs_grads = torch._foreach_abs(grads)
+            torch._foreach_add_(abs_grads, eps)
+            torch._foreach_maximum_(exp_infs, abs_grads)
+
+            step_sizes = [-(lr / (1 - beta1**s)) for s in steps]
+            torch._foreach_addcdiv_(params, exp_avgs, exp_infs, step_sizes)
+        return loss
+
+
+class NAdam(Optimizer):
+    """NAdam: Adam with Nesterov momentum (Dozat, 2016), with the momentum decay
+    schedule ``mu_t = beta1 (1 - 0.5 * 0.96^(t * momentum_decay))``.
+
+    ``maximize`` and ``decoupled_weight_decay`` are extensions (torch has them).
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 2e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0,
+        momentum_decay: float = 4e-3,
+        *,
+        decoupled_weight_decay: bool = False,
+        maximize: bool = False,
+    ) -> None:
+        name = type(self).__name__
+        _check_adam_args(name, lr, betas, eps, weight_decay)
+        check_non_negative(name, "momentum_decay", momentum_decay)
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            momentum_decay=momentum_decay,
+            decoupled_weight_decay=decoupled_weight_decay,
+            maximize=maximize,
+        )
+        super().__init__(params, defaults, enable_global_step=True)
+
+    def preinitialize(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                # Product of the momentum schedule mu_1 ... mu_t, a float32 scalar as in torch.
+                state["mu_product"] = torch.ones((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = zeros_like(p)
+                state["exp_avg_sq"] = zeros_like(p)
+
+    def state_names_to_sparsify(self) -> list[str]:
+        return ["exp_avg", "exp_avg_sq"]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = run_closure(closure)
+        for group in self.param_groups:
+            params, grads = collect_grads("NAdam", group, group["maximize"])
+            if not params:
+                continue
+            lr, eps = hyper(group, "lr"), hyper(group, "eps")
+            beta1, beta2 = group["betas"]
+            weight_decay = hyper(group, "weight_decay")
+            momentum_decay = hyper(group, "momentum_decay")
+            exp_avgs = state_list(self.state, params, "exp_avg")
+            exp_avg_sqs = state_list(self.state, params, "exp_avg_sq")
+            mu_products = state_list(self.state, params, "mu_product")
+            steps = self._advance_steps(params)
+
+            if weight_decay != 0:
+                if group["decoupled_weight_decay"]:
+                    torch._foreach_mul_(params, 1 - lr * weight_decay)
+                else:
+                    grads = add_l2(grads, params, weight_decay)
+
+            mus = [beta1 * (1.0 - 0.5 * (0.96 ** (s * momentum_decay))) for s in steps]
+            mus_next = [beta1 * (1.0 - 0.5 * (0.96 ** ((s + 1) * momentum_decay))) for s in steps]
+            torch._foreach_mul_(mu_products, mus)
+            products = [t.item() for t in mu_products]
+
+            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+            torch._foreach_mul_(exp_avg_sqs, beta2)
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+
+            denoms = torch._foreach_div(exp_avg_sqs, [1 - beta2**s for s in steps])
+            torch._foreach_sqrt_(denoms)
+            torch._foreach_add_(denoms, eps)
+            # The Nesterov step: a gradient term and a momentum term, each with its
+            # own bias correction from the momentum products.
+            grad_coefs = [(-lr * (1.0 - mu) / (1.0 - prod)) for mu, prod in zip(mus, products)]
+            avg_coefs = [
+                (-lr * mu_next) / (1.0 - prod * mu_next)
+                for mu_next, prod in zip(mus_next, products)
+            ]
+            torch._foreach_addcdiv_(params, grads, denoms, grad_coefs)
+            torch._foreach_addcdiv_(params, exp_avgs, denoms, avg_coefs)
+        return loss
+
+
+class RAdam(Optimizer):
+    """RAdam (Liu et al., 2019): Adam with the variance of the adaptive learning
+    rate rectified; plain momentum SGD while the rectification is undefined
+    (approximated SMA length rho_t <= 5).
+
+    ``maximize`` and ``decoupled_weight_decay`` are extensions (torch has them).
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0,
+        *,
+        decoupled_weight_decay: bool = False,
+        maximize: bool = False,
+    ) -> None:
+        _check_adam_args(type(self).__name__, lr, betas, eps, weight_decay)
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            decoupled_weight_decay=decoupled_weight_decay,
+            maximize=maximize,
+        )
+        super().__init__(params, defaults, enable_global_step=True)
+
+    def preinitialize(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["exp_avg"] = zeros_like(p)
+                self.state[p]["exp_avg_sq"] = zeros_like(p)
+
+    def state_names_to_sparsify(self) -> list[str]:
+        return ["exp_avg", "exp_avg_sq"]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = run_closure(closure)
+        for group in self.param_groups:
+            params, grads = collect_grads("RAdam", group, group["maximize"])
+            if not params:
+                continue
+            lr, eps = hyper(group, "lr"), hyper(group, "eps")
+            beta1, beta2 = group["betas"]
+            weight_decay = hyper(group, "weight_decay")
+            exp_avgs = state_list(self.state, params, "exp_avg")
+            exp_avg_sqs = state_list(self.state, params, "exp_avg_sq")
+            steps = self._advance_steps(params)
+
+            if weight_decay != 0:
+                if group["decoupled_weight_decay"]:
+                    torch._foreach_mul_(params, 1 - lr * weight_decay)
+                else:
+                    grads = add_l2(grads, params, weight_decay)
+
+            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+            torch._foreach_mul_(exp_avg_sqs, beta2)
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+
+            # updates = lr * m / (1 - beta1^t), rectified below where defined.
+            updates = torch._foreach_div(exp_avgs, [1 - beta1**s for s in steps])
+            torch._foreach_mul_(updates, lr)
+
+            rho_inf = 2 / (1 - beta2) - 1
+            rectified: list[int] = []
+            rects: list[float] = []
+            bias_corrections2: list[float] = []
+            for i, s in enumerate(steps):
+                bias_correction2 = 1 - beta2**s
+                rho_t = rho_inf - 2 * s * (beta2**s) / bias_correction2
+                if rho_t > 5.0:
+                    rectified.append(i)
+                    bias_corrections2.append(bias_correction2)
+                    rects.append(
+                        (
+                            (rho_t - 4)
+                            * (rho_t - 2)
+                            * rho_inf
+                            / ((rho_inf - 4) * (rho_inf - 2) * rho_t)
+                        )
+                        ** 0.5
+                    )
+            if rectified:
+                # adaptive lr = sqrt(1 - beta2^t) / (sqrt(v) + eps), computed as
+                # reciprocal-then-multiply: the order torch's `scalar / tensor` uses.
+                adaptive = torch._foreach_sqrt([exp_avg_sqs[i] for i in rectified])
+                torch._foreach_add_(adaptive, eps)
+                torch._foreach_reciprocal_(adaptive)
+                torch._foreach_mul_(adaptive, [bc**0.5 for bc in bias_corrections2])
+                rectified_updates = [updates[i] for i in rectified]
+                torch._foreach_mul_(rectified_updates, adaptive)
+                torch._foreach_mul_(rectified_updates, rects)
+            torch._foreach_add_(params, updates, alpha=-1.0)
+        return loss

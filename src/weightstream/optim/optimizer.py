@@ -1,0 +1,243 @@
+"""The base class of every weightstream optimizer.
+
+Note [preinitialized state]
+---------------------------
+torch.optim creates an optimizer's state lazily, inside the first ``step()``.
+Here every state tensor is created by ``preinitialize()`` during construction
+instead, because:
+
+* the host weight store sizes and lays out a parameter's state when the
+  parameter is registered, long before the first gradient arrives;
+* a checkpoint written before the first step already holds the complete
+  state, so "resume at step 0" and "resume at step N" take the same path;
+* ``load_state_dict`` can copy into tensors that already exist, keeping
+  their dtype, device and identity (see :meth:`Optimizer.load_state_dict`).
+
+``step()`` may therefore only update state, never create it.
+
+Note [matching torch.optim bit for bit]
+---------------------------------------
+Where torch.optim has the same algorithm, a weightstream optimizer performs the
+same floating-point operations in the same order as torch's single-tensor
+implementation (the one plain eager PyTorch uses on CPU), so parameters match
+bitwise (design invariant 1, pinned by tests/test_optim.py). Concretely:
+
+* the per-element work uses ``torch._foreach_*`` ops. On CPU these run the very
+  same kernel per tensor as the single-tensor code, with one Python call per
+  parameter list instead of one per parameter;
+* step-dependent scalars (bias corrections, decayed learning rates) are
+  computed in Python double precision from the float32 ``step`` tensor, just as
+  torch does, and passed to the kernels as Python numbers;
+* torch's fused CPU kernels (``fused=True``) are not used: they are faster but
+  round differently (measured: up to 5e-7 apart from the eager result after 50
+  Adam/SGD steps).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable
+from typing import Any, TypeAlias
+
+import torch
+from torch import Tensor
+
+__all__ = ["Optimizer", "ParamsT"]
+
+ParamsT: TypeAlias = Iterable[Tensor] | Iterable[dict[str, Any]]
+
+
+class Optimizer(torch.optim.Optimizer, abc.ABC):
+    """Base class of weightstream optimizers (``cstorch.optim.Optimizer``).
+
+    Subclasses implement three methods:
+
+    * ``preinitialize()`` creates every state tensor (Note [preinitialized state]);
+    * ``step(closure=None)`` updates parameters and state;
+    * ``state_names_to_sparsify()`` names the state tensors shaped like their
+      parameter, which follow the parameter's sparsity mask.
+
+    Args:
+        params: parameters, or dicts defining parameter groups. A group may carry
+            ``tags``, a set of strings that schedulers use to select groups.
+        defaults: default hyperparameters of a group.
+        enable_global_step: give every parameter a ``state[p]["step"]`` float32
+            scalar tensor counting the steps that updated it.
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        defaults: dict[str, Any],
+        enable_global_step: bool = False,
+    ) -> None:
+        # Set before torch's __init__, which calls add_param_group for each group.
+        self.enable_global_step = enable_global_step
+        self._preinitialized = False
+        super().__init__(params, defaults)
+        self._create_state()
+        self._preinitialized = True
+
+    # ------------------------------------------------------------------ abstract
+
+    @abc.abstractmethod
+    def preinitialize(self) -> None:
+        """Create every state tensor of every parameter in ``self.param_groups``."""
+
+    @abc.abstractmethod
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """Update the parameters from their gradients; create no state."""
+
+    @abc.abstractmethod
+    def state_names_to_sparsify(self) -> list[str]:
+        """Names of the state tensors that follow a parameter's sparsity mask."""
+
+    # ------------------------------------------------------------------- groups
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group; its state is created at once (not at its first step)."""
+        if "tags" in param_group:
+            param_group["tags"] = _normalize_tags(param_group["tags"])
+        super().add_param_group(param_group)
+        if self._preinitialized:
+            # preinitialize() walks self.param_groups; showing it only the new
+            # group creates the new state without resetting the existing state.
+            all_groups = self.param_groups
+            self.param_groups = [all_groups[-1]]
+            try:
+                self._create_state()
+            finally:
+                self.param_groups = all_groups
+
+    def _create_state(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not (p.is_floating_point()):
+                    raise TypeError(
+                        f"{type(self).__name__} updates real floating-point parameters, but got "
+                        f"a parameter of dtype {p.dtype} and shape {tuple(p.shape)}. "
+                        "Fix: leave integer/complex tensors out of the optimizer's params."
+                    )
+        with torch.no_grad():
+            self.preinitialize()
+            if self.enable_global_step:
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        state = self.state[p]
+                        if "step" not in state:
+                            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+
+    # --------------------------------------------------------------- global step
+
+    def increment_global_step(self, p: Tensor) -> Tensor:
+        """Add one to ``state[p]["step"]`` and return that float32 tensor."""
+        return self._steps_tensors([p], advance=True)[0]
+
+    def _advance_steps(self, params: list[Tensor]) -> list[float]:
+        """Increment the step of each parameter; return the new values as Python floats.
+
+        Reading the values is a host sync on an accelerator; on the CPU host
+        store it is a plain read. torch.optim reads them the same way (``.item()``)
+        so that step-dependent scalars are computed in double precision.
+        """
+        steps = self._steps_tensors(params, advance=True)
+        return [s.item() for s in steps]
+
+    def _steps_tensors(self, params: list[Tensor], advance: bool) -> list[Tensor]:
+        try:
+            steps = [self.state[p]["step"] for p in params]
+        except KeyError:
+            raise ValueError(
+                f"{type(self).__name__} reads the global step, but a parameter has no "
+                "state['step']. Fix: pass enable_global_step=True to Optimizer.__init__."
+            ) from None
+        if advance and steps:
+            torch._foreach_add_(steps, 1.0)
+        return steps
+
+    # --------------------------------------------------------------- checkpoints
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from :meth:`state_dict` (torch's format).
+
+        The state is checked against the preinitialized state before anything
+        changes: every state tensor this optimizer has must be present with the
+        same shape. Values are then copied into the preinitialized tensors, which
+        keeps their dtype and device (torch would cast scalar state such as
+        ASGD's ``eta`` to the parameter dtype) and their identity. Hyperparameters
+        of the groups come from the state dict, as in torch.
+        """
+        index_to_param = self._map_saved_indices(state_dict)
+        saved_state = state_dict.get("state", {})
+        for index, p in index_to_param.items():
+            saved = saved_state.get(index, {})
+            for key, current in self.state[p].items():
+                if not isinstance(current, Tensor):
+                    continue
+                value = saved.get(key)
+                if not isinstance(value, Tensor):
+                    raise ValueError(
+                        f"{type(self).__name__}.load_state_dict: the state dict has no tensor "
+                        f"{key!r} for parameter {index} (shape {tuple(p.shape)}); it was saved "
+                        "by an optimizer with different settings (e.g. amsgrad, momentum, "
+                        "centered), or by one that creates state lazily (torch.optim before "
+                        "its first step). Fix: construct the optimizer with the settings it "
+                        "was saved with."
+                    )
+                if value.shape != current.shape:
+                    raise ValueError(
+                        f"{type(self).__name__}.load_state_dict: state {key!r} of parameter "
+                        f"{index} has shape {tuple(value.shape)} in the state dict but "
+                        f"{tuple(current.shape)} here. Fix: load the state dict into an "
+                        "optimizer over the same model parameters, in the same order."
+                    )
+        preinitialized = {p: dict(self.state[p]) for p in index_to_param.values()}
+        super().load_state_dict(state_dict)
+        with torch.no_grad():
+            for index, p in index_to_param.items():
+                loaded = self.state[p]
+                for key, tensor in preinitialized[p].items():
+                    if isinstance(tensor, Tensor):
+                        # Copy from the caller's tensor, not torch's dtype-cast copy.
+                        tensor.copy_(saved_state[index][key])
+                        loaded[key] = tensor
+
+    def _map_saved_indices(self, state_dict: dict[str, Any]) -> dict[Any, Tensor]:
+        saved_groups = state_dict.get("param_groups")
+        if not isinstance(saved_groups, list):
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict expects a dict with 'state' and "
+                "'param_groups', as returned by optimizer.state_dict()."
+            )
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: the state dict has "
+                f"{len(saved_groups)} parameter groups, this optimizer has "
+                f"{len(self.param_groups)}. Fix: build the optimizer with the same groups."
+            )
+        mapping: dict[Any, Tensor] = {}
+        for number, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"{type(self).__name__}.load_state_dict: group {number} has "
+                    f"{len(saved['params'])} parameters in the state dict but "
+                    f"{len(group['params'])} here. Fix: build the optimizer with the same groups."
+                )
+            mapping.update(zip(saved["params"], group["params"]))
+        return mapping
+
+
+def _normalize_tags(tags: Any) -> set[str]:
+    """``"a"`` -> ``{"a"}``; lists, tuples and sets -> set; anything else is an error."""
+    if isinstance(tags, str):
+        tags = {tags}
+    elif isinstance(tags, (list, tuple, set, frozenset)):
+        tags = set(tags)
+    else:
+        raise TypeError(
+            f"param group 'tags' must be a string or a set of strings, got {type(tags).__name__}."
+        )
+    bad = [t for t in tags if not isinstance(t, str)]
+    if bad:
+        raise TypeError(f"param group 'tags' must contain strings only, got {bad!r}.")
+    return tags
