@@ -263,7 +263,16 @@ def test_auto_granularity_merges_blocks_up_to_the_size_target():
     x, _ = _batch("lm", 0)
     runner(x)
     names = [u.display_name for u in runner.plan.units]
-    assert names == ["wte", "wpe", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "ln_f", "lm_head"]
+    assert names == [
+        "wte",
+        "wpe",
+        "blocks.0",
+        "blocks.1",
+        "blocks.2",
+        "blocks.3",
+        "ln_f",
+        "lm_head",
+    ]
 
 
 def test_explicit_unit_classes_and_names():

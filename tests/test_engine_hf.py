@@ -14,7 +14,12 @@ transformers = pytest.importorskip("transformers")
 
 def _gpt2():
     cfg = transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, vocab_size=300, n_positions=64, bos_token_id=0,
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=300,
+        n_positions=64,
+        bos_token_id=0,
         eos_token_id=0,
     )
     return transformers.GPT2LMHeadModel(cfg)  # tied input/output embeddings, dropout 0.1
@@ -22,8 +27,14 @@ def _gpt2():
 
 def _llama():
     cfg = transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=300, max_position_embeddings=64, bos_token_id=0,
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        max_position_embeddings=64,
+        bos_token_id=0,
         eos_token_id=0,
     )
     return transformers.LlamaForCausalLM(cfg)  # RMSNorm, rotary, SwiGLU, grouped-query attention

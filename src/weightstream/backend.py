@@ -94,7 +94,9 @@ class CompiledModule(nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         return self._orig_mod.load_state_dict(state_dict, strict=strict, assign=assign)
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ):
         return self._orig_mod.named_parameters(prefix, recurse, remove_duplicate)
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
@@ -139,8 +141,10 @@ def compile(
             f"(backend 'wse_ws'); backend {backend!r} does not stream."
         )
     if device is None:
-        device = torch.device("cuda") if name == "gpu" else (
-            torch.device("cpu") if name == "cpu" else default_device()
+        device = (
+            torch.device("cuda")
+            if name == "gpu"
+            else (torch.device("cpu") if name == "cpu" else default_device())
         )
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -77,8 +77,8 @@ class RunConfig:
 
 def _check_type(name: str, value, types) -> None:
     if not isinstance(value, types):
-        expected = types.__name__ if isinstance(types, type) else " or ".join(
-            t.__name__ for t in types
+        expected = (
+            types.__name__ if isinstance(types, type) else " or ".join(t.__name__ for t in types)
         )
         raise TypeError(f"configure(): {name} must be {expected}, got {type(value).__name__}.")
 
@@ -115,8 +115,11 @@ def configure(**kwargs) -> RunConfig:
             close = difflib.get_close_matches(key, sorted(fields | _ACCEPTED_EXTRA), n=3)
             hints.append(f"{key!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
         raise TypeError(
-            "configure() got unknown argument(s): " + ", ".join(hints) + ". Valid arguments: "
-            + ", ".join(sorted(fields)) + "."
+            "configure() got unknown argument(s): "
+            + ", ".join(hints)
+            + ". Valid arguments: "
+            + ", ".join(sorted(fields))
+            + "."
         )
     _config = RunConfig(**known, extra=extra)
     return _config
