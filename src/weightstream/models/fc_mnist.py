@@ -2,7 +2,27 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
+
+
+@dataclass
+class FCMNISTConfig:
+    in_features: int = 784
+    hidden: tuple[int, ...] = (256, 128)
+    num_classes: int = 10
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.hidden = tuple(self.hidden)
+        if self.in_features <= 0 or self.num_classes < 2 or any(h <= 0 for h in self.hidden):
+            raise ValueError(
+                "FCMNISTConfig: in_features and hidden sizes must be positive and "
+                f"num_classes >= 2, got {self}."
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"FCMNISTConfig.dropout must be in [0, 1), got {self.dropout}.")
 
 
 class FCMNIST(nn.Module):
