@@ -29,6 +29,12 @@ class StreamingConfig:
             become one unit with everything below them.
         device_memory_budget: bytes of device memory that streamed weights may
             use. Compile fails, before any step, if the plan needs more.
+        compute_dtype: the dtype floating-point weights are cast to on their way
+            to the device ("bfloat16", "float16", "cbfloat16", a torch dtype, or
+            None to stream each parameter in its own dtype). The store keeps the
+            masters in their own dtype (normally fp32) and gradients are
+            accumulated there in that dtype. cbfloat16 has no torch dtype: its
+            weights travel as float32 holding cbfloat16 values.
     """
 
     prefetch_depth: int = 1
@@ -37,8 +43,10 @@ class StreamingConfig:
     unit_modules: list[str] | tuple[str, ...] | None = None
     unit_classes: tuple | list | None = None
     device_memory_budget: int | None = None
+    compute_dtype: str | torch.dtype | None = None
 
     def __post_init__(self) -> None:
+        self.compute_dtype = _resolve_compute_dtype(self.compute_dtype)
         if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int):
             raise TypeError(
                 f"prefetch_depth must be an int >= 0, got {type(self.prefetch_depth).__name__}."
@@ -74,3 +82,29 @@ class StreamingConfig:
                 "device_memory_budget must be a positive number of bytes or None, "
                 f"got {self.device_memory_budget!r}."
             )
+
+
+_COMPUTE_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "cbfloat16": "cbfloat16",
+    "cb16": "cbfloat16",
+}
+
+
+def _resolve_compute_dtype(value):
+    """None, a torch floating dtype, or the string "cbfloat16"."""
+    if value is None or (isinstance(value, torch.dtype) and value.is_floating_point):
+        return value
+    if getattr(value, "name", None) == "cbfloat16":  # the amp.cbfloat16 object
+        return "cbfloat16"
+    if isinstance(value, str) and value.lower() in _COMPUTE_DTYPES:
+        return _COMPUTE_DTYPES[value.lower()]
+    raise ValueError(
+        f"compute_dtype must be None, a floating torch dtype or one of "
+        f"{', '.join(sorted(_COMPUTE_DTYPES))}; got {value!r}."
+    )

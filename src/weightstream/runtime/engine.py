@@ -82,8 +82,28 @@ class StreamingEngine:
             plan = build_plan(self.module, self.config, trace)
         check_budget(plan, self.config)
         self.plan = plan
-        self.streamer = Streamer(plan, self.ops, self.config.prefetch_depth, lambda p: p.dtype)
+        self.streamer = Streamer(
+            plan, self.ops, self.config.prefetch_depth, self.stream_dtype, self._postprocess()
+        )
         self.streamer.install()
+
+    def stream_dtype(self, p: torch.Tensor) -> torch.dtype:
+        """The dtype ``p`` travels in: the compute dtype for floating weights."""
+        dt = self.config.compute_dtype
+        if dt is None or not p.is_floating_point():
+            return p.dtype
+        return torch.float32 if dt == "cbfloat16" else dt
+
+    def _postprocess(self):
+        """cbfloat16 travels as float32 rounded to the cbfloat16 grid on the way."""
+        if self.config.compute_dtype != "cbfloat16":
+            return None
+        from weightstream.amp.cbfloat16 import round_to_cbfloat16
+
+        def to_cbfloat16(flat: torch.Tensor) -> None:
+            flat.copy_(round_to_cbfloat16(flat))
+
+        return to_cbfloat16
 
     def __call__(self, *args, **kwargs):
         args, kwargs = pytree.tree_map_only(

@@ -110,8 +110,11 @@ class _Window:
 class Streamer:
     """Owns the units' device copies, the module hooks and the saved-tensor hooks."""
 
-    def __init__(self, plan: Plan, ops: DeviceOps, prefetch_depth: int, compute_dtype_of):
+    def __init__(
+        self, plan: Plan, ops: DeviceOps, prefetch_depth: int, compute_dtype_of, postprocess=None
+    ):
         self.plan = plan
+        self._postprocess = postprocess  # applied to each flat buffer after the copy
         self.ops = ops
         self.depth = prefetch_depth
         self.units = [StreamingUnit.from_spec(u, compute_dtype_of) for u in plan.units]
@@ -160,12 +163,14 @@ class Streamer:
     def _issue(self, unit: StreamingUnit, background: bool) -> UnitCopy:
         copy = UnitCopy(unit)
         groups = [(dt, [unit.params[i] for i in idx]) for dt, idx in unit.groups.items()]
-        ops, meter = self.ops, self.meter
+        ops, meter, post = self.ops, self.meter, self._postprocess
 
         def run():
             buffers = []
             for dt, masters in groups:
                 buf = ops.copy_flat(masters, dt, sum(m.numel() for m in masters))
+                if post is not None and buf.is_floating_point():
+                    post(buf)
                 meter.track(buf)
                 buffers.append(buf)
             return buffers
