@@ -1,0 +1,582 @@
+"""Reading H5 checkpoints: ours and the reference system's (Note [checkpoint layout]).
+
+# Note [fast reads]
+
+A tensor is read into a freshly allocated tensor (``torch.empty``) through
+its numpy view, so loading costs one copy from the page cache and no more. For
+a dataset that is contiguous, unfiltered and stored in the requested byte
+order (everything we write without compression), the byte range is read with
+``os.preadv`` at the offset HDF5 reports: no HDF5 call on the data path. Other
+datasets (LZ4 or gzip compressed, chunked, big-endian) go through
+``Dataset.read_direct`` into the same preallocated buffer. Every dataset with a
+``checksum_sum64`` attribute is verified after the read.
+
+With ``mmap=True`` such a plain byte range is not copied at all: the tensor
+is a view of a copy-on-write mapping of the file (writable, changes stay in
+memory), as safetensors and ``torch.load(mmap=True)`` do. The checksum is
+still verified (reading the pages once through the page cache). The mapping
+lives as long as any tensor from it; a file replaced by a later save (a
+rename) does not affect it, but a file truncated in place by another program
+would (SIGBUS on access), which is why copying is the default.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import pickle
+import warnings
+from collections.abc import Hashable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+import h5py
+import numpy as np
+import torch
+
+from weightstream.checkpoint.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    PickleNotAllowedError,
+)
+from weightstream.checkpoint.format import (
+    ATTR_BFLOAT16,
+    ATTR_CHECKSUM,
+    ATTR_DTYPE,
+    ATTR_IS_PARAMETER,
+    ATTR_LIBRARY_VERSION,
+    ATTR_NUMPY_SCALAR,
+    ATTR_PYTHON_TYPE,
+    ATTR_REFERENCE_LIBRARY_VERSION,
+    ATTR_REQUIRES_GRAD,
+    ATTR_SHAPE,
+    ATTR_SPEC,
+    ATTR_SPEC_CHECKSUM,
+    ATTR_STRING,
+    ATTR_SUCCESS,
+    ATTR_TYPE,
+    ATTR_VALUE,
+    ATTR_VERSION,
+    ENCODING_BYTES,
+    FORMAT_VERSION,
+    TYPE_BIGINT,
+    TYPE_BYTES,
+    TYPE_NONE,
+    TYPE_NUMPY,
+    TYPE_PICKLE,
+    TYPE_REFERENCE_OBJECT,
+    TYPE_SCALAR,
+    TYPE_STRING,
+    TYPE_TENSOR,
+    TYPE_TORCH_DEVICE,
+    TYPE_TORCH_DTYPE,
+    TYPE_TORCH_SIZE,
+    Branch,
+    Leaf,
+    Node,
+    Sum64,
+    checksum,
+    dataset_name,
+    is_tree_json,
+    iter_leaves,
+    map_tensor,
+    storage_array,
+    stored_shape,
+    tensor_encoding,
+    torch_dtype_from_name,
+    torch_dtype_of_numpy,
+    tree_from_json,
+)
+from weightstream.checkpoint.refspec import decode_reference_spec
+from weightstream.checkpoint.source import LeafInfo, Source, read_exact
+
+# Tags of the reference system's newer storage layer (`__TYPE__` attribute).
+_TENSOR_TAGS = {TYPE_TENSOR, "TorchTensorSerializer"}
+_REFERENCE_TYPE_ATTR = "__TYPE__"
+_REFERENCE_NUMPY_ATTR = "__NUMPY__"
+_REFERENCE_BYTES_ATTR = "__BYTES__"
+_REFERENCE_OBJECT_ATTR = "object_value"
+
+_source_ids = itertools.count()
+
+# Plain byte ranges are read (and checksummed) in pieces of this size: small
+# enough to stay in the CPU cache between the read and the sum.
+READ_PIECE = 4 * 2**20
+
+_DAMAGED_FIX = (
+    "The file is damaged (truncated, overwritten, or corrupted in a copy). Load an "
+    "earlier checkpoint (weightstream.checkpoint.find_latest_checkpoint picks the newest "
+    "complete one) or copy the file again from a good source."
+)
+
+
+def _text(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    if isinstance(value, np.ndarray) and value.size == 1:
+        return _text(value.reshape(-1)[0])
+    return str(value)
+
+
+def _version(value: Any) -> float | None:
+    try:
+        return None if value is None else float(_text(value) or "")
+    except ValueError:
+        return None
+
+
+class H5Source(Source):
+    """An H5 checkpoint opened for reading (kept open until :meth:`close`)."""
+
+    format = "h5"
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        allow_pickle: bool = False,
+        allow_incomplete: bool = False,
+        verify: bool = True,
+        mmap: bool = False,
+    ) -> None:
+        self.path = Path(path)
+        self._allow_pickle = allow_pickle
+        self._verify = verify
+        self._use_mmap = mmap
+        self._mapping: mmap.mmap | None = None
+        self._uid = next(_source_ids)
+        self._fd: int | None = None
+        try:
+            self._f = h5py.File(self.path, "r", locking=False)
+        except OSError as e:
+            raise CorruptCheckpointError(
+                f"{self.path}: cannot open it as HDF5 ({e}). {_DAMAGED_FIX}"
+            ) from e
+        try:
+            self._open(allow_incomplete)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- opening ----------------------------------------------------------
+
+    def _open(self, allow_incomplete: bool) -> None:
+        try:
+            attrs = dict(self._f.attrs)
+            names = set(self._f.keys())  # link names only: no object is opened
+        except (OSError, RuntimeError, KeyError, ValueError) as e:
+            raise CorruptCheckpointError(
+                f"{self.path}: cannot read the file's index ({e}). {_DAMAGED_FIX}"
+            ) from e
+        if not bool(attrs.get(ATTR_SUCCESS, False)) and not allow_incomplete:
+            raise IncompleteCheckpointError(
+                f"{self.path} is incomplete: it has no {ATTR_SUCCESS} marker, which a save "
+                "writes last, so the save that wrote it was probably interrupted (crash, "
+                "kill, full disk). Load the previous checkpoint instead "
+                "(weightstream.checkpoint.find_latest_checkpoint skips incomplete files) "
+                "and save again. Only if it comes from an old release that did not write "
+                "the marker and you know it is whole, pass allow_incomplete=True."
+            )
+        self.version = _version(attrs.get(ATTR_VERSION))
+        if self.version is not None and self.version > FORMAT_VERSION + 1e-9:
+            raise CheckpointError(
+                f"{self.path} has checkpoint format version {self.version}, newer than "
+                f"{FORMAT_VERSION}, the newest this weightstream reads. Upgrade weightstream."
+            )
+        self._attrs = attrs
+        self.tree, flat_names = self._decode_tree(attrs.get(ATTR_SPEC), names)
+        self._names = flat_names or {
+            leaf.key: dataset_name(leaf.key) for leaf in iter_leaves(self.tree)
+        }
+        missing = [k for k, n in self._names.items() if n not in names]
+        if missing:
+            shown = ", ".join(repr(k) for k in missing[:5])
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise CorruptCheckpointError(
+                f"{self.path}: {len(missing)} value(s) listed in its spec have no dataset: "
+                f"{shown}{more}. Datasets were deleted or renamed after the save. "
+                f"{_DAMAGED_FIX}"
+            )
+        self._fd = os.open(self.path, os.O_RDONLY)
+
+    def _decode_tree(self, spec: Any, names: set[str]) -> tuple[Node, dict[str, str] | None]:
+        """The tree, and for a file without a usable spec the key -> dataset names."""
+        text = _text(spec)
+        stored = self._attrs.get(ATTR_SPEC_CHECKSUM)
+        if text is not None and stored is not None and self._verify:
+            actual = checksum(np.frombuffer(text.encode("utf-8", "surrogatepass"), np.uint8))
+            if actual != int(np.asarray(stored).reshape(-1)[0]):
+                raise CorruptCheckpointError(
+                    f"{self.path}: its {ATTR_SPEC} attribute (the state's structure) does not "
+                    f"match its checksum. {_DAMAGED_FIX}"
+                )
+        if text is not None and is_tree_json(text):
+            try:
+                return tree_from_json(text), None
+            except ValueError as e:
+                raise CorruptCheckpointError(
+                    f"{self.path}: its {ATTR_SPEC} attribute (the state's structure) is "
+                    f"unreadable ({e}). {_DAMAGED_FIX}"
+                ) from e
+        if text is not None:
+            try:
+                return decode_reference_spec(text), None
+            except Exception as e:  # any failure: fall back to the flat keys below
+                warnings.warn(
+                    f"{self.path}: its {ATTR_SPEC} (a pickled pytree spec from the reference "
+                    f"system) could not be decoded safely ({e}); the state is returned as a "
+                    "flat dict keyed by the flattened names.",
+                    stacklevel=4,
+                )
+        by_key = {unquote(n): n for n in sorted(names)}
+        keys = list(by_key)
+        return Branch("dict", keys, [Leaf(k) for k in keys]), by_key
+
+    # -- Source ------------------------------------------------------------
+
+    def _name(self, key: str) -> str:
+        try:
+            return self._names[key]
+        except KeyError:
+            raise KeyError(f"{self.path} has no key {key!r}") from None
+
+    @contextmanager
+    def _reading(self, key: str, name: str) -> Iterator[None]:
+        """Turn h5py's errors on a damaged file into one that names file, key and fix."""
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except (OSError, RuntimeError, ValueError, TypeError, KeyError) as e:
+            raise CorruptCheckpointError(
+                f"{self.path}: cannot read key {key!r} (dataset {name!r}): {e}. {_DAMAGED_FIX}"
+            ) from e
+
+    def read(self, key: str) -> Any:
+        name = self._name(key)
+        with self._reading(key, name):
+            return self._read_dataset(key, name, self._f[name])
+
+    def tie(self, key: str) -> Hashable | None:
+        name = self._name(key)
+        with self._reading(key, name):
+            return ("h5", self._uid, h5py.h5o.get_info(self._f[name].id).addr)
+
+    def describe(self, key: str) -> LeafInfo:
+        name = self._name(key)
+        with self._reading(key, name):
+            return self._describe(key, self._f[name])
+
+    def _describe(self, key: str, dset: h5py.Dataset) -> LeafInfo:
+        attrs = dset.attrs
+        kind = self._kind(dset, attrs)
+        shape = None if dset.shape is None else tuple(dset.shape)
+        dtype: str | None = None
+        if kind == "tensor":
+            torch_dtype = self._tensor_dtype(key, dset, attrs)
+            dtype = str(torch_dtype)
+            if ATTR_SHAPE in attrs:
+                shape = tuple(int(d) for d in attrs[ATTR_SHAPE])
+            elif tensor_encoding(torch_dtype)[0] == ENCODING_BYTES and shape:
+                shape = shape[:-1]
+        elif kind == "numpy":
+            dtype = f"numpy.{dset.dtype}"
+        elif kind == "object":
+            dtype = _text(attrs.get(ATTR_PYTHON_TYPE))
+        elif kind == "scalar" and dset.shape is not None:
+            dtype = str(dset.dtype)
+        nbytes = 0 if dset.shape is None else int(dset.size * dset.dtype.itemsize)
+        return LeafInfo(key, kind, shape, dtype, nbytes, _storage(dset))
+
+    def properties(self) -> dict[str, Any]:
+        library = self._attrs.get(ATTR_LIBRARY_VERSION)
+        writer = "weightstream"
+        if library is None:
+            library, writer = self._attrs.get(ATTR_REFERENCE_LIBRARY_VERSION), "reference"
+        return {
+            "format": "h5",
+            "format_version": self.version,
+            "writer": writer,
+            "library_version": _text(library),
+            "complete": bool(self._attrs.get(ATTR_SUCCESS, False)),
+        }
+
+    def close(self) -> None:
+        # Tensors mapped from the file keep the mapping alive; just drop ours.
+        self._mapping = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        f = getattr(self, "_f", None)
+        if f is not None:
+            try:
+                f.close()
+            except Exception:  # closing a damaged file must not mask the real error
+                pass
+            self._f = None
+
+    # -- values ------------------------------------------------------------
+
+    def _kind(self, dset: h5py.Dataset, attrs: Any) -> str:
+        tag = _text(attrs.get(ATTR_TYPE)) or _text(attrs.get(_REFERENCE_TYPE_ATTR))
+        if _REFERENCE_BYTES_ATTR in attrs or tag in (TYPE_PICKLE, TYPE_REFERENCE_OBJECT):
+            return "object"
+        if tag in _TENSOR_TAGS:
+            return "tensor"
+        if tag == TYPE_NUMPY:
+            # The reference saved tensors under this tag up to format 0.3.
+            return "tensor" if self.version is not None and self.version <= 0.3 else "numpy"
+        simple = {
+            TYPE_SCALAR: "scalar",
+            TYPE_STRING: "string",
+            TYPE_NONE: "none",
+            TYPE_BYTES: "bytes",
+            TYPE_BIGINT: "scalar",
+            TYPE_TORCH_DTYPE: "dtype",
+            TYPE_TORCH_DEVICE: "device",
+            TYPE_TORCH_SIZE: "size",
+        }
+        if tag in simple:
+            return simple[tag]
+        if tag is not None and not attrs.get(_REFERENCE_NUMPY_ATTR):
+            return f"unknown:{tag}"
+        # Untagged: the layouts of older reference releases.
+        if attrs.get("is_none"):
+            return "none"
+        if attrs.get("is_string") or ATTR_STRING in attrs:
+            return "string"
+        if dset.shape is None:
+            return "none"
+        if attrs.get("is_scalar"):
+            return "scalar"
+        return "tensor"
+
+    def _read_dataset(self, key: str, name: str, dset: h5py.Dataset) -> Any:
+        attrs = dict(dset.attrs)
+        kind = self._kind(dset, attrs)
+        if kind == "tensor":
+            return self._read_tensor(key, name, dset, attrs)
+        if kind == "none":
+            return None
+        if kind == "scalar":
+            if _text(attrs.get(ATTR_TYPE)) == TYPE_BIGINT:
+                return int(_text(attrs[ATTR_VALUE]) or "")
+            return self._read_array(key, name, dset, attrs).item()
+        if kind == "string":
+            for attr in (ATTR_STRING, "string_val"):
+                if attr in attrs:
+                    return _text(attrs[attr])
+            data = self._read_array(key, name, dset, attrs)
+            return data.tobytes().decode("utf-8", errors="surrogatepass")
+        if kind == "numpy":
+            array = self._read_array(key, name, dset, attrs)
+            if attrs.get(ATTR_BFLOAT16):
+                return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+            return array[()] if attrs.get(ATTR_NUMPY_SCALAR) else array
+        if kind == "bytes":
+            data = self._read_array(key, name, dset, attrs).tobytes()
+            return bytearray(data) if _text(attrs.get(ATTR_PYTHON_TYPE)) == "bytearray" else data
+        if kind == "dtype":
+            value = torch_dtype_from_name(_text(attrs[ATTR_VALUE]) or "")
+            if value is None:
+                raise CorruptCheckpointError(
+                    f"{self.path}: key {key!r} names an unknown torch dtype "
+                    f"{attrs[ATTR_VALUE]!r}. It was saved by a newer torch; upgrade torch."
+                )
+            return value
+        if kind == "device":
+            return torch.device(_text(attrs[ATTR_VALUE]) or "cpu")
+        if kind == "size":
+            return torch.Size(int(d) for d in self._read_array(key, name, dset, attrs))
+        if kind == "object":
+            return self._read_object(key, name, dset, attrs)
+        raise CheckpointError(
+            f"{self.path}: key {key!r} (dataset {name!r}) has the type tag "
+            f"{kind.split(':', 1)[-1]!r}, which this weightstream does not know. It was "
+            "probably written by a newer release; upgrade weightstream."
+        )
+
+    def _read_object(self, key: str, name: str, dset: h5py.Dataset, attrs: dict) -> Any:
+        if _REFERENCE_BYTES_ATTR in attrs:
+            data = np.asarray(attrs[_REFERENCE_BYTES_ATTR]).tobytes()
+        elif _REFERENCE_OBJECT_ATTR in attrs:
+            data = bytes.fromhex(_text(attrs[_REFERENCE_OBJECT_ATTR]) or "")
+        else:
+            data = self._read_array(key, name, dset, attrs).tobytes()
+        python_type = _text(attrs.get(ATTR_PYTHON_TYPE)) or "Python object"
+        if not self._allow_pickle:
+            raise PickleNotAllowedError(
+                f"{self.path}: key {key!r} holds a pickled {python_type}. Unpickling can run "
+                "arbitrary code, so it is refused by default. If you trust this file, pass "
+                "allow_pickle=True to load() (command line: --allow-pickle). Otherwise load "
+                "lazily (map_location=None) and leave this key alone."
+            )
+        try:
+            import dill  # the reference pickles with dill; plain pickle reads most of it
+
+            return dill.loads(data)
+        except ImportError:
+            return pickle.loads(data)
+
+    def _tensor_dtype(self, key: str, dset: h5py.Dataset, attrs: Any) -> torch.dtype:
+        name = _text(attrs.get(ATTR_DTYPE))
+        if name is None and "dtypes" in attrs:
+            name = _text(np.asarray(attrs["dtypes"]).reshape(-1)[0])
+        if name is not None:
+            dtype = torch_dtype_from_name(name)
+            if dtype is None:
+                raise CheckpointError(
+                    f"{self.path}: key {key!r} has dtype {name!r}, unknown to this torch "
+                    f"({torch.__version__}). Upgrade torch to read it."
+                )
+            return dtype
+        if attrs.get(ATTR_BFLOAT16):
+            return torch.bfloat16
+        dtype = torch_dtype_of_numpy(dset.dtype)
+        if dtype is None:
+            raise CheckpointError(
+                f"{self.path}: key {key!r} has HDF5 data of numpy type {dset.dtype}, which "
+                "has no torch dtype; read it with h5py directly."
+            )
+        return dtype
+
+    def _read_tensor(self, key: str, name: str, dset: h5py.Dataset, attrs: dict) -> torch.Tensor:
+        dtype = self._tensor_dtype(key, dset, attrs)
+        encoding, np_dtype = tensor_encoding(dtype)
+        on_disk = tuple(dset.shape or ())
+        if ATTR_SHAPE in attrs:
+            shape = tuple(int(d) for d in np.asarray(attrs[ATTR_SHAPE]).reshape(-1))
+        else:
+            shape = on_disk[:-1] if encoding == ENCODING_BYTES else on_disk
+        stored_dtype = dset.dtype.newbyteorder("=")
+        allowed = {np_dtype} | ({np.dtype(np.int16)} if dtype == torch.bfloat16 else set())
+        if stored_shape(shape, dtype) != on_disk or stored_dtype not in allowed:
+            raise CorruptCheckpointError(
+                f"{self.path}: key {key!r} (dataset {name!r}) says it is a {dtype} tensor of "
+                f"shape {list(shape)} but holds {dset.dtype} data of shape {list(on_disk)}. "
+                f"{_DAMAGED_FIX}"
+            )
+        out = self._map(dset, dtype, shape, stored_dtype)
+        if out is not None:
+            self._check(key, name, attrs, storage_array(out).view(stored_dtype))
+        else:
+            out = torch.empty(shape, dtype=dtype)
+            if out.numel() > 0:
+                # bfloat16 may be stored as int16 (the reference allows it): same bits.
+                target = storage_array(out).view(stored_dtype)
+                self._read_into(key, name, dset, attrs, target)
+        if attrs.get(ATTR_IS_PARAMETER):
+            out = torch.nn.Parameter(out, requires_grad=bool(attrs.get(ATTR_REQUIRES_GRAD)))
+        return out
+
+    def _map(
+        self, dset: h5py.Dataset, dtype: torch.dtype, shape: tuple, stored_dtype: np.dtype
+    ) -> torch.Tensor | None:
+        """The tensor as a view of the file mapping, or None to copy (Note [fast reads])."""
+        if not self._use_mmap or self._fd is None or dset.dtype != stored_dtype:
+            return None
+        offset = _raw_offset(dset)
+        if offset is None:
+            return None
+        nbytes = int(dset.size * dset.dtype.itemsize)
+        if self._mapping is None:
+            size = os.fstat(self._fd).st_size
+            if size == 0:
+                return None
+            self._mapping = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
+        if offset + nbytes > len(self._mapping):
+            return None  # past the end: the copying path reports the truncation
+        return map_tensor(self._mapping, offset, dtype, shape)
+
+    def _read_array(self, key: str, name: str, dset: h5py.Dataset, attrs: dict) -> np.ndarray:
+        array = np.empty(dset.shape, dtype=dset.dtype.newbyteorder("="))
+        if array.size > 0:
+            self._read_into(key, name, dset, attrs, array)
+        return array
+
+    def _expected(self, attrs: dict) -> int | None:
+        """The stored checksum to verify against, or None (not stored, or verify=False)."""
+        if not self._verify or ATTR_CHECKSUM not in attrs:
+            return None
+        return int(np.asarray(attrs[ATTR_CHECKSUM]).reshape(-1)[0])
+
+    def _check(self, key: str, name: str, attrs: dict, array: np.ndarray) -> None:
+        expected = self._expected(attrs)
+        if expected is not None:
+            self._compare(key, name, checksum(array), expected)
+
+    def _compare(self, key: str, name: str, actual: int, expected: int) -> None:
+        if actual != expected:
+            raise CorruptCheckpointError(
+                f"{self.path}: the data of key {key!r} (dataset {name!r}) does not match its "
+                "checksum: its bytes changed after the save. The file cannot be trusted. "
+                f"{_DAMAGED_FIX}"
+            )
+
+    def _read_into(
+        self, key: str, name: str, dset: h5py.Dataset, attrs: dict, target: np.ndarray
+    ) -> None:
+        """Fill ``target`` (C-contiguous, native order) and verify it (Note [fast reads]).
+
+        The plain byte range is read in pieces of READ_PIECE bytes, each summed
+        for the checksum right after it arrives, while it is still in the CPU
+        cache: verifying then costs no second pass over memory.
+        """
+        expected = self._expected(attrs)
+        offset = _raw_offset(dset)
+        if offset is None or dset.dtype != target.dtype or self._fd is None:
+            _register_filters()
+            dset.read_direct(target)
+            if expected is not None:
+                self._compare(key, name, checksum(target), expected)
+            return
+        buffer = memoryview(target.reshape(-1).view(np.uint8))
+        digest = Sum64() if expected is not None else None
+        for start in range(0, len(buffer), READ_PIECE):
+            piece = buffer[start : start + READ_PIECE]
+            if not read_exact(self._fd, piece, offset + start):
+                raise CorruptCheckpointError(
+                    f"{self.path}: key {key!r} (dataset {name!r}) ends past the end of "
+                    f"the file: the file is truncated. {_DAMAGED_FIX}"
+                )
+            if digest is not None:
+                digest.update(np.frombuffer(piece, dtype=np.uint8))
+        if digest is not None and expected is not None:
+            self._compare(key, name, digest.digest(), expected)
+
+
+def _register_filters() -> None:
+    """Make HDF5 filters from hdf5plugin (LZ4 = 32004, ...) available, once."""
+    import hdf5plugin  # noqa: F401  (importing registers the filters)
+
+
+def _raw_offset(dset: h5py.Dataset) -> int | None:
+    """File offset of the data if it is one plain byte range, else None."""
+    plist = dset.id.get_create_plist()
+    if plist.get_layout() != h5py.h5d.CONTIGUOUS or plist.get_nfilters() != 0:
+        return None
+    if plist.get_external_count() != 0:
+        return None
+    return dset.id.get_offset()
+
+
+def _storage(dset: h5py.Dataset) -> str:
+    if dset.shape is None:
+        return "attribute"
+    plist = dset.id.get_create_plist()
+    filters = []
+    for i in range(plist.get_nfilters()):
+        code = plist.get_filter(i)[0]
+        filters.append(
+            {1: "gzip", 2: "shuffle", 3: "fletcher32", 32004: "lz4"}.get(code, str(code))
+        )
+    if filters:
+        return "+".join(filters)
+    layout = plist.get_layout()
+    return {h5py.h5d.CONTIGUOUS: "contiguous", h5py.h5d.COMPACT: "compact"}.get(layout, "chunked")

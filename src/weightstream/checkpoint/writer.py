@@ -1,0 +1,451 @@
+"""Streaming, atomic writer of H5 checkpoints (layout: Note [checkpoint layout]).
+
+# Note [atomic save]
+
+A save writes a temporary file next to the target (same directory, so the
+final rename never crosses file systems), leaf by leaf, then writes the root
+attributes with ``__SUCCESS__`` last, closes it, fsyncs it, renames it over the
+target and fsyncs the directory. Until that rename the target is untouched, so
+a crash or a kill at any moment leaves the previous checkpoint intact; the
+temporary file is hidden (``.{name}.{pid}-{token}.tmp``), never matches
+``checkpoint_{step}.mdl`` and has no ``__SUCCESS__``. On any exception
+(KeyboardInterrupt included) it is deleted before the exception propagates. A
+process killed with SIGKILL cannot clean up: its temporary file stays behind,
+harmless, until someone deletes it.
+
+# Note [save memory]
+
+Leaves are written one at a time, straight from the tensor's memory: a
+contiguous CPU tensor is handed to HDF5 as numpy views of pieces of about
+``SLAB_BYTES`` along its first dimension, no copy. A strided tensor is written
+in the same pieces, each made contiguous, then dropped. A tensor on another
+device is copied to the CPU one at a time, and dtypes numpy lacks (float8,
+complex32) are made contiguous. So the extra memory of a save is at most one
+tensor (the largest) plus a small constant, never a copy of the state; for
+CPU tensors of the common dtypes it is one piece (plus one row of dim 0, if a
+row is larger).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import secrets
+from collections.abc import Hashable, Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from weightstream.checkpoint.format import (
+    ATTR_BFLOAT16,
+    ATTR_CHECKSUM,
+    ATTR_DTYPE,
+    ATTR_IS_PARAMETER,
+    ATTR_LIBRARY_VERSION,
+    ATTR_NUMPY_SCALAR,
+    ATTR_PYTHON_TYPE,
+    ATTR_REQUIRES_GRAD,
+    ATTR_SHAPE,
+    ATTR_SPEC,
+    ATTR_SPEC_CHECKSUM,
+    ATTR_STRING,
+    ATTR_SUCCESS,
+    ATTR_TYPE,
+    ATTR_VALUE,
+    ATTR_VERSION,
+    ENCODING_BFLOAT16,
+    ENCODING_BYTES,
+    FORMAT_VERSION,
+    MAX_STRING_ATTR_BYTES,
+    TYPE_BIGINT,
+    TYPE_BYTES,
+    TYPE_NONE,
+    TYPE_NUMPY,
+    TYPE_PICKLE,
+    TYPE_SCALAR,
+    TYPE_STRING,
+    TYPE_TENSOR,
+    TYPE_TORCH_DEVICE,
+    TYPE_TORCH_DTYPE,
+    TYPE_TORCH_SIZE,
+    Deferred,
+    Sum64,
+    checksum,
+    dataset_name,
+    dtype_name,
+    flatten,
+    storage_array,
+    stored_shape,
+    tensor_encoding,
+    tree_to_json,
+)
+
+# Tensors are written in pieces of about this many bytes (Note [save memory]):
+# small enough to stay in the CPU cache between checksum and write, and the
+# most a strided tensor's contiguous copy takes at a time.
+SLAB_BYTES = 4 * 2**20
+
+# HDF5 format bounds: 1.8 object headers (checksummed metadata, attributes
+# larger than 64 KiB for big specs), nothing newer than 1.10 so that the
+# reference system's HDF5 reads the file.
+LIBVER = ("v108", "v110")
+
+COMPRESSIONS = (None, "gzip", "lz4")
+
+# Data blocks of 4 KiB or more start on a 4 KiB boundary, so that load(mmap=True)
+# can map tensors in place (aligned); the padding is at most 4 KiB per tensor.
+ALIGNMENT = 4096
+
+
+def save(
+    state_dict: Any,
+    path: str | os.PathLike,
+    *,
+    compression: str | None = None,
+    compression_level: int | None = None,
+    fsync: bool = True,
+) -> None:
+    """Save ``state_dict`` to an H5 checkpoint at ``path``, atomically.
+
+    Args:
+        state_dict: nested dicts / OrderedDicts / lists / tuples of tensors
+            (any dtype, any device, strided or not), Python scalars, strings,
+            None, numpy arrays, and other picklable objects (pickled; loading
+            those needs ``allow_pickle=True``). A lazy state dict returned by
+            :func:`load` is streamed from its file tensor by tensor.
+        path: the file to write. Its directory is created if missing. An
+            existing file is replaced only once the new one is complete.
+        compression: None (default, fastest), "gzip" or "lz4" (needs hdf5plugin).
+        compression_level: gzip level 0-9 (default 4); ignored for lz4.
+        fsync: flush the file and the directory to disk before returning
+            (default). Turn off only for scratch files.
+    """
+    target = _target_path(path, "save")
+    options = _compression_options(compression, compression_level)
+    flat = flatten(state_dict)
+    names = _dataset_names([key for key, _ in flat.leaves])
+    spec = tree_to_json(flat.tree)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with (
+        atomic_path(target, fsync=fsync) as tmp,
+        h5py.File(
+            tmp, "w", libver=LIBVER, alignment_threshold=ALIGNMENT, alignment_interval=ALIGNMENT
+        ) as f,
+    ):
+        writer = LeafWriter(f, options)
+        for (key, value), name in zip(flat.leaves, names):
+            writer.write(key, name, value)
+        f.attrs[ATTR_SPEC] = spec
+        f.attrs[ATTR_SPEC_CHECKSUM] = np.uint64(checksum(np.frombuffer(spec.encode(), np.uint8)))
+        f.attrs[ATTR_VERSION] = FORMAT_VERSION
+        set_text(f.attrs, ATTR_LIBRARY_VERSION, _library_version())
+        f.attrs[ATTR_SUCCESS] = True  # last: Note [atomic save]
+
+
+@contextmanager
+def atomic_path(target: Path, *, fsync: bool = True) -> Iterator[Path]:
+    """Yield a temporary path next to ``target``; rename it over ``target`` on success.
+
+    See Note [atomic save]. Also used for safetensors and torch outputs.
+    """
+    tmp = target.parent / f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    try:
+        yield tmp
+        if fsync:
+            _fsync_path(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        with suppress(OSError):
+            tmp.unlink()
+        raise
+    if fsync:
+        _fsync_path(target.parent, directory=True)
+
+
+def _fsync_path(path: Path, *, directory: bool = False) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        if directory:
+            return  # some platforms cannot open a directory; the rename is still atomic
+        raise
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not directory:
+            raise
+    finally:
+        os.close(fd)
+
+
+def _target_path(path: Any, what: str) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"{what}(): path must be a str or os.PathLike, got {type(path).__name__}. "
+            "H5 checkpoints are written to a named file (atomically, through a temporary "
+            "file beside it), not to an open file object."
+        )
+    target = Path(os.fspath(path))
+    if target.is_dir():
+        raise IsADirectoryError(
+            f"{what}(): {target} is a directory; give the checkpoint's file name, "
+            f"e.g. {target / 'checkpoint.mdl'}."
+        )
+    return target
+
+
+def _compression_options(compression: str | None, level: int | None) -> dict:
+    if isinstance(compression, str) and compression.lower() == "none":
+        compression = None
+    if isinstance(compression, str):
+        compression = compression.lower()
+    if compression not in COMPRESSIONS:
+        raise ValueError(
+            f"save(): compression={compression!r} is not supported; use None (default, "
+            "fastest), 'gzip' or 'lz4'."
+        )
+    if compression == "gzip":
+        if level is None:
+            level = 4
+        if not (isinstance(level, int) and 0 <= level <= 9):
+            raise ValueError(f"save(): compression_level={level!r}; gzip takes 0-9.")
+        return {"compression": "gzip", "compression_opts": level}
+    if compression == "lz4":
+        import hdf5plugin  # registers HDF5 filter 32004
+
+        return dict(hdf5plugin.LZ4())
+    return {}
+
+
+def _dataset_names(keys: list[str]) -> list[str]:
+    names = [dataset_name(k) for k in keys]
+    seen: dict[str, str] = {}
+    for key, name in zip(keys, names):
+        if name in seen:
+            raise ValueError(
+                f"save(): the keys {seen[name]!r} and {key!r} both flatten to the dataset "
+                f"name {name!r} (nested keys are joined with '.'), so one would overwrite "
+                "the other. Rename one of them."
+            )
+        seen[name] = key
+    return names
+
+
+def _library_version() -> str:
+    from weightstream import __version__  # lazy: the package imports this module
+
+    return str(__version__)
+
+
+def storage_identity(t: torch.Tensor) -> Hashable | None:
+    """Equal for two tensors that are the same view of the same memory (tied weights)."""
+    if t.numel() == 0:
+        return None
+    ptr = t.untyped_storage().data_ptr()
+    if ptr == 0:
+        return None
+    return (
+        "memory",
+        str(t.device),
+        ptr,
+        t.storage_offset(),
+        tuple(t.shape),
+        tuple(t.stride()),
+        t.dtype,
+        t.is_conj(),
+        t.is_neg(),
+    )
+
+
+def is_plain_tensor(value: Any) -> bool:
+    """A dense tensor stored as data (others, e.g. sparse or quantized, are pickled)."""
+    return (
+        isinstance(value, torch.Tensor)
+        and type(value) in (torch.Tensor, torch.nn.Parameter)
+        and value.layout == torch.strided
+        and not value.is_quantized
+        and not value.is_nested
+        and value.device.type != "meta"
+    )
+
+
+class LeafWriter:
+    """Writes leaves into an open ``h5py.File`` as datasets (Note [checkpoint layout])."""
+
+    def __init__(self, f: h5py.File, compression: dict) -> None:
+        self._f = f
+        self._compression = compression
+        # First dataset written for each tie identity; later ones become hard links.
+        self._first: dict[Hashable, str] = {}
+
+    def write(self, key: str, name: str, value: Any) -> None:
+        tie: Hashable | None = None
+        if isinstance(value, Deferred):
+            # A deferred read allocates fresh memory, so only the source knows ties.
+            source_tie = value.tie()
+            tie = None if source_tie is None else ("source", source_tie)
+            value = value.get()
+        elif is_plain_tensor(value):
+            tie = storage_identity(value)
+        if tie is not None and tie in self._first:
+            self._f[name] = self._f[self._first[tie]]  # HDF5 hard link
+            return
+        self._write_value(key, name, value)
+        if tie is not None:
+            self._first[tie] = name
+
+    def _write_value(self, key: str, name: str, value: Any) -> None:
+        if is_plain_tensor(value):
+            self._write_tensor(name, value)
+        elif value is None:
+            self._empty(name, TYPE_NONE)
+        elif type(value) in (bool, float, complex) or (
+            type(value) is int and -(2**63) <= value < 2**63
+        ):
+            self._data(name, np.asarray(value), TYPE_SCALAR)
+        elif type(value) is int:
+            self._empty(name, TYPE_BIGINT, {ATTR_VALUE: str(value)})
+        elif type(value) is str:
+            self._write_string(name, value)
+        elif type(value) in (bytes, bytearray):
+            array = np.frombuffer(bytes(value), dtype=np.uint8)
+            self._data(name, array, TYPE_BYTES, {ATTR_PYTHON_TYPE: type(value).__name__})
+        elif isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind in "biufc":
+            scalar = isinstance(value, np.generic)
+            dset = self._data(name, np.asarray(value), TYPE_NUMPY, compress=not scalar)
+            dset.attrs[ATTR_BFLOAT16] = False
+            if scalar:
+                dset.attrs[ATTR_NUMPY_SCALAR] = True
+        elif isinstance(value, torch.dtype):
+            self._empty(name, TYPE_TORCH_DTYPE, {ATTR_VALUE: dtype_name(value)})
+        elif isinstance(value, torch.device):
+            self._empty(name, TYPE_TORCH_DEVICE, {ATTR_VALUE: str(value)})
+        elif type(value) is torch.Size:
+            self._data(name, np.asarray(list(value), dtype=np.int64), TYPE_TORCH_SIZE)
+        else:
+            self._write_pickle(key, name, value)
+
+    def _empty(self, name: str, tag: str, text: dict[str, str] | None = None) -> h5py.Dataset:
+        """A dataset without data: the value lives in its (checksummed) attributes."""
+        dset = self._f.create_dataset(name, data=h5py.Empty("f"))
+        set_text(dset.attrs, ATTR_TYPE, tag)
+        for attr, value in (text or {}).items():
+            set_text(dset.attrs, attr, value)
+        return dset
+
+    def _data(
+        self,
+        name: str,
+        array: np.ndarray,
+        tag: str,
+        text: dict[str, str] | None = None,
+        *,
+        compress: bool = False,
+    ) -> h5py.Dataset:
+        """A dataset holding ``array``, with its checksum (any data can be damaged)."""
+        options = self._options_for(array.shape) if compress else {}
+        if not array.flags.c_contiguous:
+            array = array.copy(order="C")  # (np.ascontiguousarray would make 0-d 1-d)
+        dset = self._f.create_dataset(name, data=array, **options)
+        set_text(dset.attrs, ATTR_TYPE, tag)
+        for attr, value in (text or {}).items():
+            set_text(dset.attrs, attr, value)
+        dset.attrs[ATTR_CHECKSUM] = np.uint64(checksum(array))
+        return dset
+
+    def _options_for(self, shape: tuple[int, ...]) -> dict:
+        # HDF5 filters need chunked storage, which 0-d and empty datasets cannot have.
+        if not self._compression or len(shape) == 0 or 0 in shape:
+            return {}
+        return self._compression
+
+    def _write_tensor(self, name: str, value: torch.Tensor) -> None:
+        is_parameter = isinstance(value, torch.nn.Parameter)
+        requires_grad = bool(value.requires_grad)
+        t = value.detach()
+        if t.device.type != "cpu":
+            t = t.to("cpu")  # one tensor at a time (Note [save memory])
+        t = t.resolve_conj().resolve_neg()  # no copy unless a lazy conj/neg bit is set
+        encoding, np_dtype = tensor_encoding(t.dtype)
+        if encoding == ENCODING_BYTES and not t.is_contiguous():
+            t = t.contiguous()
+        shape = stored_shape(tuple(t.shape), t.dtype)
+        options = self._options_for(shape)
+        if not options:
+            # Contiguous layout and no fill pass: the data is written exactly once.
+            options = {"fillvalue": None, "fill_time": "never"}
+        dset = self._f.create_dataset(name, shape=shape, dtype=np_dtype, **options)
+        digest = Sum64()
+        if t.numel() > 0:
+            self._write_pieces(dset, t, digest)
+        attrs = dset.attrs
+        set_text(attrs, ATTR_TYPE, TYPE_TENSOR)
+        set_text(attrs, ATTR_DTYPE, dtype_name(value.dtype))
+        attrs[ATTR_SHAPE] = np.asarray(tuple(value.shape), dtype=np.int64)
+        attrs[ATTR_BFLOAT16] = encoding == ENCODING_BFLOAT16
+        attrs[ATTR_CHECKSUM] = np.uint64(digest.digest())
+        if is_parameter:
+            attrs[ATTR_IS_PARAMETER] = True
+            attrs[ATTR_REQUIRES_GRAD] = requires_grad
+
+    @staticmethod
+    def _write_pieces(dset: h5py.Dataset, t: torch.Tensor, digest: Sum64) -> None:
+        """Write ``t`` in pieces of about SLAB_BYTES along dim 0 (Note [save memory]).
+
+        Each piece is summed for the checksum and then written while it is still
+        in the CPU cache (one pass over memory, not two); a piece of a strided
+        tensor is first copied contiguous, so a save holds at most one piece.
+        """
+        if t.dim() == 0:
+            array = storage_array(t)
+            dset.write_direct(array)
+            digest.update(array)
+            return
+        row_bytes = max(1, t[0].numel() * t.element_size())
+        rows = max(1, SLAB_BYTES // row_bytes)
+        for start in range(0, t.shape[0], rows):
+            stop = min(start + rows, t.shape[0])
+            piece = t[start:stop]
+            array = storage_array(piece if piece.is_contiguous() else piece.contiguous())
+            digest.update(array)
+            dset.write_direct(array, dest_sel=np.s_[start:stop])
+            del piece, array  # before the next piece exists: one piece at a time
+
+    def _write_string(self, name: str, value: str) -> None:
+        try:
+            encoded = value.encode("utf-8")
+        except UnicodeEncodeError:
+            encoded = None  # lone surrogates: kept, as bytes in the data
+        if encoded is not None and len(encoded) <= MAX_STRING_ATTR_BYTES and b"\0" not in encoded:
+            self._empty(name, TYPE_STRING, {ATTR_STRING: value})
+        else:
+            data = value.encode("utf-8", errors="surrogatepass")
+            self._data(name, np.frombuffer(data, dtype=np.uint8), TYPE_STRING)
+
+    def _write_pickle(self, key: str, name: str, value: Any) -> None:
+        try:
+            data = pickle.dumps(value, protocol=pickle.DEFAULT_PROTOCOL)
+        except Exception as e:
+            raise TypeError(
+                f"save(): cannot save key {key!r}: a {type(value).__qualname__} is not a "
+                f"tensor, number, string, None or container, and pickling it failed ({e}). "
+                "Convert it to one of those types or leave it out of the state."
+            ) from e
+        python_type = f"{type(value).__module__}.{type(value).__qualname__}"
+        array = np.frombuffer(data, dtype=np.uint8)
+        self._data(name, array, TYPE_PICKLE, {ATTR_PYTHON_TYPE: python_type})
+
+
+def set_text(attrs: h5py.AttributeManager, name: str, value: str) -> None:
+    """A string attribute stored fixed-length, inside the dataset's object header.
+
+    HDF5 checksums object headers (format 1.8+) but not the global heap where
+    variable-length strings live, so a flipped byte in a variable-length
+    string would go unnoticed; in the header it is caught when the file is read.
+    """
+    data = value.encode("utf-8")
+    attrs.create(name, data=np.bytes_(data), dtype=h5py.string_dtype("utf-8", max(1, len(data))))
