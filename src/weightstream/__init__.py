@@ -6,6 +6,7 @@ written for it runs with ``import weightstream as cstorch``.
 
 from weightstream import amp, metrics, optim, utils
 from weightstream.backend import CompiledModule, ExecutionMode, compile
+from weightstream.checkpoint import load, save
 from weightstream.config import configure
 from weightstream.runtime.config import StreamingConfig
 from weightstream.runtime.executor import checkpoint_closure, compile_step, step_closure
@@ -20,8 +21,10 @@ __all__ = [
     "amp",
     "checkpoint_closure",
     "compile_step",
+    "load",
     "metrics",
     "optim",
+    "save",
     "step_closure",
     "utils",
     "compile",
