@@ -19,3 +19,12 @@ def _fresh_configuration():
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _quick_machine_profile(monkeypatch, tmp_path_factory):
+    """Compile phases in tests measure the machine with tiny sizes, cached per session."""
+    cache = tmp_path_factory.getbasetemp() / "weightstream-cache"
+    monkeypatch.setenv("WEIGHTSTREAM_CACHE_DIR", str(cache))
+    monkeypatch.setenv("WEIGHTSTREAM_QUICK_MACHINE_PROFILE", "1")
+    yield

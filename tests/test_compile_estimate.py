@@ -1,0 +1,467 @@
+"""Compile-time costs, machine profile, estimate and compile directory (invariant 4).
+
+FLOPs are checked against formulas written out term by term and against
+torch's own FlopCounterMode run independently on the real model; activation
+bytes against the arithmetic of what each operator saves; the estimate against
+a hand-made machine profile with the numbers written out.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import models as zoo
+import pytest
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from weightstream.compiler import machine as machine_mod
+from weightstream.compiler.cost import OUTSIDE_NAME, StepCosts, UnitCost, unit_costs
+from weightstream.compiler.estimate import EstimateSettings, estimate
+from weightstream.compiler.machine import MachineProfile, load_or_measure
+from weightstream.compiler.partition import build_plan
+from weightstream.compiler.report import compile_checksum, load_compile_dir, write_compile_dir
+from weightstream.compiler.trace import trace_forward
+from weightstream.models import GPT, GPTConfig
+from weightstream.runtime.config import StreamingConfig
+
+F32 = 4  # bytes per float32 element
+
+
+def _plan(model, *args, **config):
+    return build_plan(model, StreamingConfig(**config), trace_forward(model, args, {}))
+
+
+class Chain(nn.Module):
+    """Linear layers back to back: every FLOP and every saved byte has a formula."""
+
+    def __init__(self, dims, act=False):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(dims))
+        self.act = nn.ReLU() if act else None
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if self.act is not None and i < len(self.layers) - 1:
+                x = self.act(x)
+        return x
+
+
+DIMS = [8, 16, 32, 4]
+B = 5
+
+
+# ---- FLOPs ---------------------------------------------------------------------------
+
+
+def test_linear_chain_flops_match_the_formula():
+    model = Chain(DIMS)
+    x = torch.randn(B, DIMS[0], requires_grad=True)  # so every layer also computes dX
+    costs = unit_costs(model, _plan(model, x), (x,), {})
+    assert costs.backward_measured
+    assert [u.name for u in costs.units] == ["layers.0", "layers.1", "layers.2"]
+    for u, (i, o) in zip(costs.units, itertools.pairwise(DIMS)):
+        # forward: addmm = 2*B*in*out (the bias add is not a matmul FLOP)
+        assert u.fwd_flops == 2 * B * i * o
+        # backward: dX = dY @ W (2*B*out*in) + dW = dY^T @ X (2*out*B*in)
+        assert u.bwd_flops == 2 * B * o * i + 2 * o * B * i
+    # 8x16, 16x32, 32x4: forward 2*5*(128 + 512 + 128) = 7680, backward twice that
+    assert costs.fwd_flops == 7680
+    assert costs.bwd_flops == 15360
+    assert (costs.outside.fwd_flops, costs.outside.bwd_flops) == (0, 0)
+
+
+def test_first_layer_without_input_grad_only_computes_the_weight_grad():
+    model = Chain(DIMS)
+    x = torch.randn(B, DIMS[0])
+    costs = unit_costs(model, _plan(model, x), (x,), {})
+    first, second = costs.units[0], costs.units[1]
+    assert first.bwd_flops == 2 * B * 8 * 16  # dW only: nothing upstream needs dX
+    assert second.bwd_flops == 4 * B * 16 * 32
+
+
+def _per_unit_reference(model, plan, args):
+    """FlopCounterMode on the real model, one unit at a time, on its captured inputs."""
+    captured = {}
+
+    def grab(index):
+        def hook(_mod, inputs):
+            captured.setdefault(index, [t.detach().requires_grad_(t.requires_grad) for t in inputs])
+
+        return hook
+
+    handles = [u.module.register_forward_pre_hook(grab(u.index)) for u in plan.units]
+    model(*args)
+    for h in handles:
+        h.remove()
+    ref = {}
+    for u in plan.units:
+        inputs = captured[u.index]
+        with FlopCounterMode(display=False) as fwd:
+            out = u.module(*inputs)
+        with FlopCounterMode(display=False) as bwd:
+            out.backward(torch.ones_like(out))
+        ref[u.index] = (fwd.get_total_flops(), bwd.get_total_flops())
+    return ref
+
+
+def test_gpt_flops_per_unit_match_flop_counter_on_the_real_model():
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, d_model=32, n_head=4)
+    model = GPT(cfg)
+    idx = torch.randint(0, 64, (2, 16))
+    plan = _plan(model, idx)
+    costs = unit_costs(model, plan, (idx,), {})
+    assert costs.backward_measured
+    # On the meta device attention takes the math path (bmm, counted); the CPU
+    # flash kernel is not in FlopCounterMode's table, so the real run uses the
+    # math kernel too: the same products.
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = _per_unit_reference(model, plan, (idx,))
+        with FlopCounterMode(display=False) as whole:
+            model(idx).sum().backward()
+    model.zero_grad(set_to_none=True)
+    for u in costs.units:
+        assert (u.fwd_flops, u.bwd_flops) == ref[u.index], u.name
+    # Every FLOP of the step lands in exactly one entry.
+    assert costs.flops == whole.get_total_flops()
+    # A block: qkv 2*BT*C*3C + proj 2*BT*C*C + fc 2*BT*C*4C + proj 2*BT*4C*C (BT=32, C=32)
+    # + attention 2 * (2*B*H*T*T*D) (B=2, H=4, T=16, D=8).
+    block = costs.units[[u.name for u in costs.units].index("blocks.0")]
+    assert block.fwd_flops == 2 * 32 * 32 * (3 * 32 + 32 + 4 * 32 + 4 * 32) + 2 * (
+        2 * 2 * 4 * 16 * 16 * 8
+    )
+
+
+@pytest.mark.parametrize(
+    "make, args",
+    [
+        (zoo.RootParams, lambda: (torch.randint(0, 50, (4, 8)),)),
+        (zoo.CalledTwice, lambda: (torch.randn(16, 20),)),
+        (zoo.PartlyFrozen, lambda: (torch.randn(16, 20),)),
+    ],
+)
+def test_entries_sum_to_the_flop_counter_total(make, args):
+    torch.manual_seed(0)
+    model = make()
+    a = args()
+    costs = unit_costs(model, _plan(model, *a), a, {})
+    with FlopCounterMode(display=False) as whole:
+        model(*a).sum().backward()
+    assert costs.flops == whole.get_total_flops() > 0
+
+
+def test_root_unit_gets_only_what_runs_outside_its_children():
+    torch.manual_seed(0)
+    model = zoo.RootParams()  # root: h @ emb.weight.t() in its own window, pinned
+    idx = torch.randint(0, 50, (4, 8))
+    costs = unit_costs(model, _plan(model, idx), (idx,), {})
+    by_name = {u.name: u for u in costs.units}
+    assert by_name["<root>"].pinned
+    # root: [32,16] @ [16,50]; mix: Linear(16,16) on 32 rows
+    assert by_name["<root>"].fwd_flops == 2 * 32 * 16 * 50
+    assert by_name["mix"].fwd_flops == 2 * 32 * 16 * 16
+    assert by_name["emb"].fwd_flops == 0
+
+
+def test_called_twice_unit_sums_both_calls():
+    model = zoo.CalledTwice()
+    x = torch.randn(16, 20)
+    costs = unit_costs(model, _plan(model, x), (x,), {})
+    shared = next(u for u in costs.units if u.name == "shared")
+    assert shared.fwd_flops == 2 * (2 * 16 * 32 * 32)
+
+
+class _NoMetaBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("this operator has no backward on meta")
+
+
+class _Boom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return _NoMetaBackward.apply(self.fc(x))
+
+
+def test_backward_falls_back_to_twice_forward():
+    model = _Boom()
+    x = torch.randn(3, 6)
+    costs = unit_costs(model, _plan(model, x), (x,), {})
+    assert not costs.backward_measured and "no backward on meta" in costs.backward_error
+    assert costs.units[0].fwd_flops == 2 * 3 * 6 * 6
+    assert costs.units[0].bwd_flops == 2 * costs.units[0].fwd_flops
+
+
+def test_costing_touches_no_real_data_and_no_rng():
+    torch.manual_seed(0)
+    model = Chain(DIMS, act=True)
+    x = torch.randn(B, DIMS[0])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    unit_costs(model, _plan(model, x), (x,), {})
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]) and v.device.type == "cpu"
+
+
+# ---- activation bytes ------------------------------------------------------------------
+
+
+def test_linear_chain_activation_bytes():
+    model = Chain(DIMS)
+    x = torch.randn(B, DIMS[0])
+    costs = unit_costs(model, _plan(model, x), (x,), {})
+    # Each Linear saves its input for dW (its weight is re-fetched, not counted);
+    # the last output is not saved; the sum loss saves only a shape.
+    assert [u.activation_bytes for u in costs.units] == [B * 8 * F32, B * 16 * F32, B * 32 * F32]
+    assert costs.outside.activation_bytes == 0
+
+
+def test_activation_saved_twice_counts_once():
+    model = Chain(DIMS, act=True)
+    x = torch.randn(B, DIMS[0])
+    costs = unit_costs(model, _plan(model, x), (x,), {})
+    # ReLU (not a unit: outside) saves its output; the next Linear saves the same
+    # tensor: counted once, where it was first saved.
+    assert [u.activation_bytes for u in costs.units] == [B * 8 * F32, 0, 0]
+    assert costs.outside.activation_bytes == B * 16 * F32 + B * 32 * F32
+
+
+# ---- estimate ------------------------------------------------------------------------------
+
+
+def _profile(device="cuda:0") -> MachineProfile:
+    return MachineProfile(
+        device=device,
+        device_name="hand-made",
+        torch_version=torch.__version__,
+        num_threads=1,
+        matmul_flops={"float32": 1e9, "bfloat16": 4e9},
+        copy_bandwidth=1e8,
+        host_memory_bandwidth=4e8,
+        disk_write_bandwidth=None,
+        disk_read_bandwidth=None,
+        disk_dir=None,
+    )
+
+
+def _costs() -> StepCosts:
+    small = UnitCost(0, "small", 1000, 1000, 4000, 4000, fwd_flops=2e6, bwd_flops=4e6)
+    big = UnitCost(1, "big", 500_000, 500_000, 2_000_000, 2_000_000, fwd_flops=1e6, bwd_flops=2e6)
+    outside = UnitCost(-1, OUTSIDE_NAME, fwd_flops=1e5, bwd_flops=2e5)
+    return StepCosts([small, big], outside)
+
+
+def test_estimate_arithmetic_with_prefetch():
+    est = estimate(_costs(), _profile(), EstimateSettings(batch_size=8, prefetch_depth=1))
+    small, big = est.units
+    # small: compute 2e6/1e9 = 2 ms fwd, 4 ms bwd; transfer 4000/1e8 = 40 us fwd,
+    # (4000 weights + 4000 grads)/1e8 = 80 us bwd -> compute-bound
+    assert small.fwd_compute_s == pytest.approx(2e-3)
+    assert small.bwd_compute_s == pytest.approx(4e-3)
+    assert small.fwd_transfer_s == pytest.approx(4e-5)
+    assert small.bwd_transfer_s == pytest.approx(8e-5)
+    assert (small.fwd_s, small.bwd_s, small.bound) == (
+        pytest.approx(2e-3),
+        pytest.approx(4e-3),
+        "compute",
+    )
+    # big: compute 1 ms / 2 ms; transfer 2e6/1e8 = 20 ms, 4e6/1e8 = 40 ms -> transfer-bound
+    assert (big.fwd_s, big.bwd_s, big.bound) == (
+        pytest.approx(0.02),
+        pytest.approx(0.04),
+        "transfer",
+    )
+    # update: 28 bytes per trainable parameter over 4e8 B/s
+    assert small.update_s == pytest.approx(1000 * 28 / 4e8)
+    assert big.update_s == pytest.approx(500_000 * 28 / 4e8)
+    assert est.update_s == pytest.approx(0.03507)
+    # outside the units: 1e5 and 2e5 FLOPs at 1e9 FLOP/s
+    assert (est.outside_fwd_s, est.outside_bwd_s) == (pytest.approx(1e-4), pytest.approx(2e-4))
+    step = (2e-3 + 4e-3) + (0.02 + 0.04) + (1e-4 + 2e-4) + 0.03507
+    assert est.step_s == pytest.approx(step)
+    assert est.est_samples_per_sec == pytest.approx(8 / step)
+    assert est.compute_s == pytest.approx(2e-3 + 4e-3 + 1e-3 + 2e-3 + 3e-4)
+    assert est.transfer_s == pytest.approx(4e-5 + 8e-5 + 0.02 + 0.04)
+    assert est.bound == "transfer"
+    # Limit: compute 9.3e6/1e9 = 9.3 ms; device link (2 x 2,004,000 weights +
+    # 2,004,000 grads)/1e8 = 60.12 ms; host RAM 501,000 x 28/4e8 = 35.07 ms.
+    assert est.link_bytes == 6_012_000 and est.host_bytes == 501_000 * 28
+    assert est.limit_s == pytest.approx(0.06012)
+    assert est.limit_bound == "device link"
+    assert est.limit_samples_per_sec == pytest.approx(8 / 0.06012)
+    assert est.fraction_of_limit(8 / 0.06012 / 2) == pytest.approx(0.5)
+
+
+def test_estimate_without_prefetch_adds_compute_and_transfer():
+    est = estimate(_costs(), _profile(), EstimateSettings(batch_size=8, prefetch_depth=0))
+    step = (2e-3 + 4e-5) + (4e-3 + 8e-5) + (1e-3 + 0.02) + (2e-3 + 0.04) + 3e-4 + 0.03507
+    assert est.step_s == pytest.approx(step)
+
+
+def test_estimate_dtypes_and_cpu_limit():
+    settings = EstimateSettings(
+        batch_size=8, compute_dtype=torch.bfloat16, transfer_dtype="bfloat16"
+    )
+    est = estimate(_costs(), _profile("cpu"), settings)
+    small, big = est.units
+    assert small.fwd_compute_s == pytest.approx(2e6 / 4e9)
+    assert big.fwd_transfer_s == pytest.approx(500_000 * 2 / 1e8)
+    assert big.bwd_transfer_s == pytest.approx(2 * 500_000 * 2 / 1e8)
+    # On the CPU the link is host RAM: copies move 2 x (2*501,000*2 + 501,000*2)
+    # bytes, the optimizer 501,000 x 28, all over 4e8 B/s.
+    link = 3 * 501_000 * 2
+    assert est.limit_bound == "host memory"
+    assert est.limit_s == pytest.approx((2 * link + 501_000 * 28) / 4e8)
+    with pytest.raises(ValueError, match="float16"):
+        estimate(_costs(), _profile(), EstimateSettings(batch_size=8, compute_dtype="float16"))
+    with pytest.raises(ValueError, match="batch_size"):
+        EstimateSettings(batch_size=0)
+
+
+# ---- checksum and compile directory -------------------------------------------------------
+
+
+def test_checksum_tracks_structure_batch_and_settings_not_weights():
+    torch.manual_seed(0)
+    model = Chain(DIMS)
+    batch = [((B, 8), torch.float32)]
+    settings = {"prefetch_depth": 1, "granularity": "auto"}
+    base = compile_checksum(model, batch, settings)
+    assert base == compile_checksum(model, batch, dict(reversed(settings.items())))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0).add_(1.0)
+    assert compile_checksum(model, batch, settings) == base  # weight values: no change
+    torch.manual_seed(1)
+    assert compile_checksum(Chain(DIMS), batch, settings) == base  # another init: no change
+    assert (
+        compile_checksum(model, [torch.empty(B, 8)], settings) == base
+    )  # tensor == (shape, dtype)
+
+    assert compile_checksum(model, [((B + 1, 8), torch.float32)], settings) != base
+    assert compile_checksum(model, [((B, 8), torch.bfloat16)], settings) != base
+    assert compile_checksum(model, batch, {**settings, "prefetch_depth": 2}) != base
+    assert compile_checksum(Chain([8, 16, 33, 4]), batch, settings) != base
+    assert compile_checksum(Chain(DIMS, act=True), batch, settings) != base
+    frozen = Chain(DIMS)
+    frozen.layers[0].weight.requires_grad_(False)
+    assert compile_checksum(frozen, batch, settings) != base
+    tied = Chain([8, 8, 8, 4])
+    untied = compile_checksum(tied, batch, settings)
+    tied.layers[1].weight = tied.layers[0].weight
+    assert compile_checksum(tied, batch, settings) != untied
+    with pytest.raises(TypeError, match="checksum"):
+        compile_checksum(model, batch, {"x": object()})
+
+
+def _compiled(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, d_model=32, n_head=4))
+    idx = torch.randint(0, 64, (2, 16))
+    plan = _plan(model, idx)
+    costs = unit_costs(model, plan, (idx,), {})
+    est = estimate(costs, _profile("cpu"), EstimateSettings(batch_size=2))
+    settings = {"prefetch_depth": 1, "unit_classes": [nn.Linear]}
+    checksum = compile_checksum(model, (idx,), settings)
+    path = write_compile_dir(tmp_path, checksum, plan, costs, est, _profile("cpu"), settings)
+    return checksum, path, plan, est
+
+
+def test_compile_dir_written_and_read_back(tmp_path):
+    checksum, path, plan, est = _compiled(tmp_path)
+    assert path == tmp_path / f"ws_{checksum}"
+    assert sorted(p.name for p in path.iterdir()) == ["compile_report.txt", "plan.json"]
+    data = load_compile_dir(tmp_path, checksum)
+    assert data == json.loads((path / "plan.json").read_text())
+    assert data["checksum"] == checksum
+    assert data["est_samples_per_sec"] == pytest.approx(est.est_samples_per_sec)
+    assert data["settings"] == {
+        "prefetch_depth": 1,
+        "unit_classes": ["torch.nn.modules.linear.Linear"],
+    }
+    assert [u["name"] for u in data["units"]] == [u.display_name for u in plan.units]
+    unit_keys = {
+        "index",
+        "name",
+        "params",
+        "weight_bytes",
+        "fwd_flops",
+        "bwd_flops",
+        "activation_bytes",
+        "est_fwd_s",
+        "est_bwd_s",
+        "est_fwd_transfer_s",
+        "est_bwd_transfer_s",
+        "est_update_s",
+        "pinned",
+        "bound",
+    }
+    assert all(unit_keys <= set(u) for u in data["units"])
+    assert data["totals"]["weight_bytes"] == sum(u.weight_bytes for u in plan.units)
+    text = (path / "compile_report.txt").read_text()
+    for u in plan.units:
+        assert f" {u.display_name} " in text
+    assert f"est. samples/sec      {est.est_samples_per_sec:.2f}  (bound by {est.bound})" in text
+
+
+def test_load_compile_dir_misses(tmp_path):
+    checksum, path, _, _ = _compiled(tmp_path)
+    assert load_compile_dir(tmp_path, "0" * 20) is None  # absent
+    text = (path / "plan.json").read_text()
+    (path / "plan.json").write_text(text[: len(text) // 2])  # torn
+    assert load_compile_dir(tmp_path, checksum) is None
+    data = json.loads(text)
+    del data["units"]
+    (path / "plan.json").write_text(json.dumps(data))  # incomplete
+    assert load_compile_dir(tmp_path, checksum) is None
+    (path / "plan.json").write_text(text)
+    assert load_compile_dir(tmp_path, checksum) is not None
+    (path / "compile_report.txt").unlink()  # report missing
+    assert load_compile_dir(tmp_path, checksum) is None
+
+
+# ---- machine profile -------------------------------------------------------------------------
+
+
+def test_machine_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("WEIGHTSTREAM_CACHE_DIR", str(tmp_path))
+    first = load_or_measure("cpu", quick=True)
+    path = machine_mod.default_path("cpu", quick=True)
+    assert path.parent == tmp_path and path.is_file()
+    assert first.quick and first.matmul_flops["float32"] > 0
+    assert first.copy_bandwidth > 0 and first.host_memory_bandwidth > 0
+    assert first.disk_read_bandwidth > 0 and first.disk_write_bandwidth > 0
+    assert all(len(s) == 3 for s in first.samples.values())  # 3 repetitions each
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # probe file removed
+
+    calls = []
+
+    def fake_measure(device, quick=False, disk_dir=None):
+        calls.append(device)
+        return first
+
+    monkeypatch.setattr(machine_mod, "measure", fake_measure)
+    assert load_or_measure("cpu", quick=True) == first
+    assert calls == []  # cache hit: nothing measured
+    load_or_measure("cpu", quick=True, remeasure=True)
+    assert len(calls) == 1
+    path.write_text("{not json")
+    with pytest.warns(UserWarning, match="measuring again"):
+        load_or_measure("cpu", quick=True)
+    assert len(calls) == 2
+    assert load_or_measure("cpu", path=tmp_path / "other.json", quick=True) == first
+    assert len(calls) == 3 and (tmp_path / "other.json").is_file()
