@@ -9,6 +9,7 @@ plain single-device run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -123,6 +124,23 @@ def configure(**kwargs) -> RunConfig:
         )
     _config = RunConfig(**known, extra=extra)
     return _config
+
+
+@contextlib.contextmanager
+def run_configuration(**kwargs):
+    """The configuration of one run of the ``weightstream run`` command.
+
+    Unlike :func:`configure`, which a user's script calls once per process, the
+    command sets the configuration for the duration of the run and restores the
+    previous one afterwards, so several runs can share a process (tests, notebooks).
+    """
+    global _config
+    previous = _config
+    _config = RunConfig(**kwargs)
+    try:
+        yield _config
+    finally:
+        _config = previous
 
 
 def current_config() -> RunConfig:

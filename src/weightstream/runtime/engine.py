@@ -105,10 +105,20 @@ class StreamingEngine:
 
         return to_cbfloat16
 
-    def __call__(self, *args, **kwargs):
-        args, kwargs = pytree.tree_map_only(
+    def prepare(self, *args, **kwargs) -> Plan:
+        """Fix the plan for a batch like ``args`` now, without running a step."""
+        if self.streamer is None:
+            args, kwargs = self._to_device(args, kwargs)
+            self._compile(args, kwargs)
+        return self.plan
+
+    def _to_device(self, args, kwargs):
+        return pytree.tree_map_only(
             torch.Tensor, lambda t: t.to(self.device, non_blocking=True), (args, kwargs)
         )
+
+    def __call__(self, *args, **kwargs):
+        args, kwargs = self._to_device(args, kwargs)
         if self.streamer is None:
             self._compile(args, kwargs)
         streamer = self.streamer

@@ -1,0 +1,41 @@
+"""The ``weightstream`` command.
+
+weightstream run CPU -p params.yaml -m train -o model_dir   (or: weightstream CPU -p ...)
+weightstream checkpoint {info,convert,diff} ...
+"""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: weightstream <command> [args]
+
+commands:
+  run {CPU,GPU} -p PARAMS -m MODE -o MODEL_DIR   train or evaluate a model from a params file
+  checkpoint {info,convert,diff} ...             inspect, convert and compare checkpoints
+
+`weightstream <command> -h` describes each command."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command.upper() in ("CPU", "GPU", "CSX"):  # the reference's `run.py CPU -p ...`
+        command, rest = "run", argv
+    if command == "run":
+        from weightstream.cli.run import main as run_main
+
+        return run_main(rest)
+    if command == "checkpoint":
+        from weightstream.checkpoint.cli import main as checkpoint_main
+
+        return checkpoint_main(rest)
+    print(f"weightstream: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

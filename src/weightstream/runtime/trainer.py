@@ -1,0 +1,275 @@
+"""The training and evaluation loops of the run command.
+
+A step reads top to bottom: take the batches of one optimizer step, forward and
+backward each (loss scaled, divided by the number of micro-batches), unscale,
+clip, step the optimizer (skipped on non-finite gradients under dynamic loss
+scaling), update the scaler, step the LR schedule, log, checkpoint.
+
+Everything a resumed run needs to continue bit for bit is in the trainer
+checkpoint: model, optimizer, schedulers, grad scaler, data loader position,
+random number generator states and the step counter.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from weightstream import checkpoint as ckpt
+from weightstream.amp import GradScaler
+from weightstream.runtime.performance import PerformanceTracker
+from weightstream.runtime.rng import capture_rng_state, restore_rng_state
+
+log = logging.getLogger("weightstream")
+
+
+def task_loss(task: str, model: Callable, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Forward one batch; returns (mean loss, logits, extra) for the task's batch format."""
+    if task == "lm":
+        logits = model(batch["input_ids"])  # [B, T, V]
+        labels = batch["labels"].to(logits.device)
+        per_token = F.cross_entropy(
+            logits.flatten(0, 1).float(), labels.flatten(), reduction="none"
+        )
+        mask = batch.get("attention_mask")
+        if mask is None:
+            weights = torch.ones_like(per_token)
+        else:
+            weights = mask.to(per_token.device, per_token.dtype).flatten()
+        loss = (per_token * weights).sum() / weights.sum().clamp_min(1.0)
+        return loss, logits, {"per_token": per_token, "weights": weights, "labels": labels}
+    if task == "classification":
+        logits = model(batch["inputs"])
+        labels = batch["labels"].to(logits.device)
+        return F.cross_entropy(logits.float(), labels), logits, {"labels": labels}
+    raise ValueError(f"unknown task {task!r}; expected 'lm' or 'classification'.")
+
+
+def batch_size_of(batch: dict) -> int:
+    first = batch["input_ids"] if "input_ids" in batch else batch["inputs"]
+    return int(first.shape[0])
+
+
+@dataclass
+class TrainerSettings:
+    task: str
+    model_dir: Path
+    log_steps: int = 10
+    checkpoint_steps: int = 0  # 0: only at the end
+    max_checkpoints: int | None = None
+    save_initial_checkpoint: bool = False
+    grad_accum_steps: int = 1
+    max_gradient_norm: float | None = None
+    max_gradient_value: float | None = None
+    check_loss_values: bool = True
+    metadata: dict = field(default_factory=dict)
+
+
+class Trainer:
+    """Owns the training objects of one run and the loops over them."""
+
+    def __init__(
+        self,
+        settings: TrainerSettings,
+        model: torch.nn.Module,
+        compiled: Callable,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler=None,
+        grad_scaler: GradScaler | None = None,
+        writer=None,
+        eval_writer=None,
+        perf: PerformanceTracker | None = None,
+    ):
+        self.s = settings
+        self.model = model
+        self.compiled = compiled
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.grad_scaler = grad_scaler or GradScaler()
+        self.writer = writer
+        self.eval_writer = eval_writer
+        self.perf = perf or PerformanceTracker()
+        self.global_step = 0
+        self.losses: list[float] = []
+
+    # ---- checkpoints ----------------------------------------------------------------
+
+    def state_dict(self, dataloader) -> dict:
+        state = {
+            "model": self.model.state_dict(),
+            "global_step": self.global_step,
+            "rng": capture_rng_state(),
+            "metadata": self.s.metadata,
+        }
+        if self.optimizer is not None:
+            state["optimizer"] = self.optimizer.state_dict()
+        if self.lr_scheduler is not None:
+            state["schedulers"] = [self.lr_scheduler.state_dict()]
+        state["grad_scaler"] = self.grad_scaler.state_dict()
+        if dataloader is not None:
+            state["dataloader"] = dataloader.state_dict()
+        return state
+
+    def save_checkpoint(self, dataloader) -> Path:
+        path = ckpt.checkpoint_path(self.s.model_dir, self.global_step)
+        ckpt.save(self.state_dict(dataloader), path)
+        log.info("Saving checkpoint at global step %d: %s", self.global_step, path)
+        if self.s.max_checkpoints:
+            ckpt.prune_checkpoints(self.s.model_dir, self.s.max_checkpoints)
+        return path
+
+    def load_checkpoint(self, path, dataloader=None, weights_only: bool = False) -> None:
+        state = ckpt.load(path, map_location="cpu")
+        if "model" not in state:
+            raise ValueError(
+                f"{path} is not a trainer checkpoint: it has no 'model' entry (keys: "
+                f"{', '.join(sorted(state)[:8])}). Pass a checkpoint written by this command."
+            )
+        self.model.load_state_dict(state["model"])
+        if weights_only:
+            return
+        if self.optimizer is not None and "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.lr_scheduler is not None and state.get("schedulers"):
+            self.lr_scheduler.load_state_dict(state["schedulers"][0])
+        if "grad_scaler" in state:
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
+        if dataloader is not None and "dataloader" in state:
+            dataloader.load_state_dict(state["dataloader"])
+        if "rng" in state:
+            restore_rng_state(state["rng"])
+        self.global_step = int(state.get("global_step", 0))
+        log.info("Resumed from %s at global step %d", path, self.global_step)
+
+    # ---- training ---------------------------------------------------------------------
+
+    def _micro_batches(self, it: Iterator) -> tuple[list[dict], float]:
+        t0 = time.perf_counter()
+        batches = []
+        for _ in range(self.s.grad_accum_steps):
+            try:
+                batches.append(next(it))
+            except StopIteration:
+                break
+        return batches, time.perf_counter() - t0
+
+    def _optimizer_step(self, batches: list[dict]) -> torch.Tensor:
+        opt, scaler = self.optimizer, self.grad_scaler
+        total = torch.zeros(())
+        for batch in batches:
+            loss, _, _ = task_loss(self.s.task, self.compiled, batch)
+            scaled = loss / len(batches)
+            scaler.scale(scaled).backward()
+            total = total + scaled.detach().cpu()
+        scaler.unscale_(opt)
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        if self.s.max_gradient_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, self.s.max_gradient_norm)
+        elif self.s.max_gradient_value is not None:
+            torch.nn.utils.clip_grad_value_(params, self.s.max_gradient_value)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        return total
+
+    def train(self, dataloader, num_steps: int) -> None:
+        """Run ``num_steps`` optimizer steps from ``self.global_step``."""
+        if self.s.save_initial_checkpoint and self.global_step == 0:
+            self.save_checkpoint(dataloader)
+        it = iter(dataloader)
+        self.perf.start()
+        end = self.global_step + num_steps
+        while self.global_step < end:
+            batches, wait = self._micro_batches(it)
+            if not batches:
+                break
+            t0 = time.perf_counter()
+            loss = self._optimizer_step(batches)
+            loss_value = loss.item()  # host sync point: the step is complete
+            seconds = time.perf_counter() - t0
+            self.global_step += 1
+            samples = sum(batch_size_of(b) for b in batches)
+            self.perf.add_step(seconds, wait, samples)
+            self.losses.append(loss_value)
+            self._check_loss(loss_value)
+            self._log(loss_value, samples / max(seconds + wait, 1e-9))
+            if self.s.checkpoint_steps and self.global_step % self.s.checkpoint_steps == 0:
+                self.save_checkpoint(dataloader)
+        self.perf.stop()
+        last = ckpt.checkpoint_path(self.s.model_dir, self.global_step)
+        if not last.exists():
+            self.save_checkpoint(dataloader)
+
+    def _check_loss(self, value: float) -> None:
+        if math.isfinite(value) or not self.s.check_loss_values:
+            return
+        if self.grad_scaler.dynamic:
+            return  # the scaler skipped the step; the loss scale adapts
+        raise FloatingPointError(
+            f"the loss is {value} at global step {self.global_step}; training stopped and the "
+            "newest checkpoint in the model directory is the last good state. Lower the learning "
+            "rate, enable dynamic loss scaling (loss_scaling_factor: dynamic) or set "
+            "runconfig.check_loss_values: false to continue regardless."
+        )
+
+    def _log(self, loss: float, rate: float) -> None:
+        step = self.global_step
+        if self.writer is not None:
+            self.writer.add_scalar("loss", loss, step)
+            if self.optimizer is not None:
+                self.writer.add_scalar("lr", self.optimizer.param_groups[0]["lr"], step)
+            self.writer.add_scalar("loss_scale", self.grad_scaler.get_scale(), step)
+            self.writer.add_scalar("samples_per_sec", rate, step)
+        if step % self.s.log_steps == 0 or step == 1:
+            log.info("global_step = %d, loss = %.5f", step, loss)
+
+    # ---- evaluation ---------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, dataloader, num_steps: int | None = None) -> dict[str, float]:
+        from weightstream import metrics
+
+        self.compiled.eval()
+        loss_sum, steps = 0.0, 0
+        accuracy = metrics.AccuracyMetric("eval/accuracy")
+        perplexity = metrics.PerplexityMetric("eval/perplexity") if self.s.task == "lm" else None
+        for i, batch in enumerate(dataloader):
+            if num_steps is not None and i >= num_steps:
+                break
+            loss, logits, extra = task_loss(self.s.task, self.compiled, batch)
+            loss_sum += loss.item()  # host sync point
+            steps += 1
+            labels = extra["labels"]
+            preds = logits.argmax(-1)
+            if self.s.task == "lm":
+                w = extra["weights"].view_as(labels)
+                accuracy.update(labels, preds, weights=w)
+                perplexity.update(labels, extra["per_token"].view_as(labels), weights=w)
+            else:
+                accuracy.update(labels, preds)
+        self.compiled.train()
+        if steps == 0:
+            raise ValueError("the evaluation data loader produced no batch; check eval_input.")
+        results = {"loss": loss_sum / steps, "accuracy": float(accuracy)}
+        if perplexity is not None:
+            results["perplexity"] = float(perplexity)
+        if self.eval_writer is not None:
+            for k, v in results.items():
+                self.eval_writer.add_scalar(k, v, self.global_step)
+            self.eval_writer.flush()
+        log.info(
+            "Eval at global step %d over %d steps: %s",
+            self.global_step,
+            steps,
+            ", ".join(f"{k} = {v:.5f}" for k, v in results.items()),
+        )
+        return results
