@@ -1,0 +1,96 @@
+"""``weightstream data write-gpt-hdf5``: text files -> GPT HDF5 files for GptHDF5DataProcessor.
+
+Tokens are bytes (vocabulary 256), so any text works without a tokenizer file;
+the default input is the Python standard library's source, present everywhere.
+
+    weightstream data write-gpt-hdf5 -o data/train --seq_len 256 --examples_per_file 1000
+    weightstream data write-gpt-hdf5 -o data/mine --input notes/ book.txt --seq_len 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from weightstream.data.corpus import read_corpus, stdlib_source_files
+
+
+def _files(inputs: list[str]) -> list[Path]:
+    files: list[Path] = []
+    for entry in map(Path, inputs):
+        if entry.is_dir():
+            # Every regular, non-hidden file below it, as TextCorpusProcessor's data_dir.
+            files += sorted(
+                p
+                for p in entry.rglob("*")
+                if p.is_file()
+                and not any(part.startswith(".") for part in p.relative_to(entry).parts)
+            )
+        elif entry.is_file():
+            files.append(entry)
+        else:
+            raise ValueError(f"--input {str(entry)!r} does not exist.")
+    if not files:
+        raise ValueError(f"--input {' '.join(inputs)} names no files.")
+    return files
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="weightstream data write-gpt-hdf5",
+        description="Write text as byte-level GPT HDF5 files (data [N, 3, seq]: input_ids, "
+        "attention_mask, labels) for data_processor: GptHDF5DataProcessor.",
+    )
+    p.add_argument("-o", "--output_dir", required=True, help="directory to write the .h5 files to")
+    p.add_argument(
+        "--input",
+        nargs="+",
+        metavar="PATH",
+        help="text files or directories (default: the Python standard library's source)",
+    )
+    p.add_argument("--seq_len", type=int, default=256, help="tokens per example (default 256)")
+    p.add_argument(
+        "--examples_per_file", type=int, default=1000, help="examples per .h5 file (default 1000)"
+    )
+    p.add_argument(
+        "--max_bytes", type=int, default=8 * 2**20, help="bytes of text to read (default 8 MiB)"
+    )
+    p.add_argument("--compression", choices=["none", "gzip", "lz4"], default="none")
+    p.add_argument(
+        "--overwrite", action="store_true", help="delete .h5 files already in output_dir"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command; returns the exit status (0 written, 2 bad arguments or input)."""
+    from weightstream.data.gpt_hdf5 import write_gpt_hdf5
+
+    args = build_parser().parse_args(argv)
+    try:
+        if args.max_bytes < 1:
+            raise ValueError(f"--max_bytes must be >= 1, got {args.max_bytes}.")
+        files = _files(args.input) if args.input else stdlib_source_files()
+        corpus = read_corpus(files, max_bytes=args.max_bytes)
+        written = write_gpt_hdf5(
+            args.output_dir,
+            corpus,
+            seq_len=args.seq_len,
+            examples_per_file=args.examples_per_file,
+            compression=None if args.compression == "none" else args.compression,
+            overwrite=args.overwrite,
+        )
+    except (ValueError, TypeError) as exc:
+        print(f"weightstream data write-gpt-hdf5: error: {exc}", file=sys.stderr)
+        return 2
+    examples = (len(corpus) - 1) // args.seq_len
+    print(
+        f"wrote {examples} examples of {args.seq_len} tokens from {len(corpus)} bytes of text "
+        f"in {len(written)} file(s) to {args.output_dir}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,575 @@
+"""Data processors: the params file's ``data_processor`` names, each building a DataLoader.
+
+A processor is a function ``(params, is_training) -> torch.utils.data.DataLoader``;
+``params`` is the ``train_input`` (``is_training=True``) or ``eval_input`` section
+as a dict. Batches are dicts in the formats of ``weightstream.models.registry``:
+"lm" batches hold int64 ``input_ids``, ``labels`` and ``attention_mask``
+[B, seq]; "classification" batches hold float32 ``inputs`` [B, features] and
+int64 ``labels`` [B].
+
+Keys every processor accepts (:data:`COMMON_KEYS`):
+
+- ``batch_size`` (required): the global batch; each of the N data-parallel
+  ranks gets ``batch_size / N`` samples per batch, so it must divide by N;
+- ``shuffle`` (default: ``is_training``), ``shuffle_seed`` (default 0: a fixed
+  seed makes every rank agree on the order and a restarted run replay it);
+- ``drop_last`` (default true): drop the last, partial batch of an epoch;
+- ``num_workers`` (default 0), ``prefetch_factor``, ``persistent_workers``:
+  torch DataLoader worker settings (the last two only mean something with
+  ``num_workers > 0``; given without workers they are ignored with a warning);
+- ``data_dir``: where the data is (processors that read no files ignore it,
+  with a warning);
+- ``data_processor``: the processor's own name.
+
+:func:`processor_keys` gives each processor's full key set, for the params
+parser to reject unknown keys. Map-style processors order their samples with
+:class:`weightstream.data.sampler.DistributedSampler` (one global order,
+sharded across ranks, fast restarts); the HDF5 processor shards files
+(``weightstream.data.gpt_hdf5``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import torch.utils.data
+from torch.utils.data import Dataset
+
+from weightstream.data.corpus import VOCAB_SIZE, ByteCorpusDataset
+from weightstream.data.gpt_hdf5 import GptHDF5Dataset, scan_gpt_hdf5_dir, write_gpt_hdf5
+from weightstream.data.sampler import DistributedSampler
+
+__all__ = [
+    "COMMON_KEYS",
+    "DATA_PROCESSORS",
+    "DataProcessor",
+    "digits_split",
+    "get_data_processor",
+    "processor_keys",
+    "write_gpt_hdf5",
+]
+
+DataProcessor = Callable[[dict, bool], torch.utils.data.DataLoader]
+
+COMMON_KEYS = frozenset(
+    {
+        "data_processor",
+        "data_dir",
+        "batch_size",
+        "shuffle",
+        "shuffle_seed",
+        "drop_last",
+        "num_workers",
+        "prefetch_factor",
+        "persistent_workers",
+    }
+)
+_SEQ_KEYS = frozenset({"seq_len", "max_sequence_length"})
+
+DATA_PROCESSORS: dict[str, DataProcessor] = {}
+_KEYS: dict[str, frozenset[str]] = {}
+
+
+def _register(name: str, keys: frozenset[str]) -> Callable[[DataProcessor], DataProcessor]:
+    def add(fn: DataProcessor) -> DataProcessor:
+        assert name not in DATA_PROCESSORS, name
+        DATA_PROCESSORS[name] = fn
+        _KEYS[name] = COMMON_KEYS | keys
+        return fn
+
+    return add
+
+
+def get_data_processor(name: str) -> DataProcessor:
+    """The processor registered as ``name``; ValueError naming the valid ones otherwise."""
+    if name not in DATA_PROCESSORS:
+        close = difflib.get_close_matches(str(name), list(DATA_PROCESSORS), n=3)
+        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise ValueError(
+            f"unknown data_processor {name!r}.{hint} Valid names: "
+            f"{', '.join(sorted(DATA_PROCESSORS))}."
+        )
+    return DATA_PROCESSORS[name]
+
+
+def processor_keys(name: str) -> set[str]:
+    """The keys the input section may hold for processor ``name`` (common keys included)."""
+    get_data_processor(name)  # the error for an unknown name
+    return set(_KEYS[name])
+
+
+def _streamer_position() -> tuple[int, int]:
+    """(this rank, number of ranks) among the data-parallel streamers.
+
+    One function so tests can simulate several ranks in one process.
+    """
+    from weightstream.utils.data import get_streaming_rank, num_streamers
+
+    return get_streaming_rank(), num_streamers()
+
+
+# -- reading a section ---------------------------------------------------------------
+
+
+class _Section:
+    """The input section being read: typed getters whose errors name ``section.key``."""
+
+    def __init__(self, name: str, params: Mapping[str, Any], is_training: bool) -> None:
+        if not isinstance(params, Mapping):
+            raise TypeError(
+                f"{'train_input' if is_training else 'eval_input'} must be a mapping of keys to "
+                f"values, got {type(params).__name__}."
+            )
+        self.processor = name
+        self.section = "train_input" if is_training else "eval_input"
+        self.params = dict(params)
+        unknown = sorted(set(self.params) - _KEYS[name])
+        if unknown:
+            key = unknown[0]
+            close = difflib.get_close_matches(key, sorted(_KEYS[name]), n=3)
+            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise ValueError(
+                f"{self.section}.{key} is not a key of data_processor {name!r}.{hint} "
+                f"Valid keys: {', '.join(sorted(_KEYS[name]))}."
+            )
+
+    def where(self, key: str) -> str:
+        return f"{self.section}.{key}"
+
+    def has(self, key: str) -> bool:
+        return self.params.get(key) is not None
+
+    def get(self, key: str, default: Any) -> Any:
+        # A key given as null means "the default", as if it were absent: the
+        # params parser writes every common key, with None for unset ones.
+        value = self.params.get(key)
+        return default if value is None else value
+
+    def int_(self, key: str, default: int | None, minimum: int) -> int:
+        value = self.get(key, default)
+        if value is None:
+            raise ValueError(
+                f"{self.where(key)} is required by data_processor {self.processor!r}; add it."
+            )
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(
+                f"{self.where(key)} must be an int, got {type(value).__name__} {value!r}."
+            )
+        if value < minimum:
+            raise ValueError(f"{self.where(key)} must be >= {minimum}, got {value}.")
+        return value
+
+    def float_(self, key: str, default: float, low: float, high: float) -> float:
+        value = self.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value < high:
+            raise ValueError(
+                f"{self.where(key)} must be a number strictly between {low} and {high}, got "
+                f"{value!r}."
+            )
+        return float(value)
+
+    def bool_(self, key: str, default: bool) -> bool:
+        value = self.get(key, default)
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"{self.where(key)} must be true or false, got {type(value).__name__} {value!r}."
+            )
+        return value
+
+    def choice(self, key: str, default: Any, choices: tuple) -> Any:
+        value = self.get(key, default)
+        if value not in choices:
+            raise ValueError(
+                f"{self.where(key)} must be one of {', '.join(map(repr, choices))}, got {value!r}."
+            )
+        return value
+
+    def seq_len(self, default: int | None) -> int:
+        """``seq_len``, or its reference name ``max_sequence_length`` (both: they must agree)."""
+        given = {k: self.params[k] for k in sorted(_SEQ_KEYS) if self.params.get(k) is not None}
+        if len(given) == 2 and given["seq_len"] != given["max_sequence_length"]:
+            raise ValueError(
+                f"{self.where('seq_len')} ({given['seq_len']}) and "
+                f"{self.where('max_sequence_length')} ({given['max_sequence_length']}) name the "
+                "same setting with different values; keep one of them."
+            )
+        key = next(iter(given), "seq_len")
+        return self.int_(key, default, minimum=1)
+
+    def ignore(self, key: str, why: str) -> None:
+        if self.has(key):
+            warnings.warn(f"{self.where(key)} is ignored: {why}.", stacklevel=3)
+
+
+@dataclass(frozen=True)
+class _LoaderSettings:
+    """The common keys, checked; ``per_rank_batch`` is this rank's share of batch_size."""
+
+    batch_size: int
+    per_rank_batch: int
+    shuffle: bool
+    shuffle_seed: int
+    drop_last: bool
+    num_workers: int
+    prefetch_factor: int | None
+    persistent_workers: bool
+    rank: int
+    num_ranks: int
+
+    def worker_kwargs(self) -> dict[str, Any]:
+        if self.num_workers == 0:
+            return {"num_workers": 0}
+        kwargs: dict[str, Any] = {
+            "num_workers": self.num_workers,
+            "persistent_workers": self.persistent_workers,
+        }
+        if self.prefetch_factor is not None:
+            kwargs["prefetch_factor"] = self.prefetch_factor
+        return kwargs
+
+
+def _loader_settings(s: _Section, is_training: bool) -> _LoaderSettings:
+    batch_size = s.int_("batch_size", None, minimum=1)
+    rank, num_ranks = _streamer_position()
+    if batch_size % num_ranks:
+        raise ValueError(
+            f"{s.where('batch_size')} = {batch_size} (the global batch) does not divide by the "
+            f"{num_ranks} data-parallel ranks, and each rank must get the same share. Use a "
+            f"multiple of {num_ranks}, e.g. {(batch_size // num_ranks + 1) * num_ranks}."
+        )
+    num_workers = s.int_("num_workers", 0, minimum=0)
+    prefetch = s.params.get("prefetch_factor")
+    if prefetch is not None:
+        prefetch = s.int_("prefetch_factor", None, minimum=1)
+    persistent = s.bool_("persistent_workers", False)
+    if num_workers == 0:
+        s.ignore("prefetch_factor", "it applies to worker processes and num_workers is 0")
+        if persistent:
+            s.ignore("persistent_workers", "it applies to worker processes and num_workers is 0")
+            persistent = False
+    return _LoaderSettings(
+        batch_size=batch_size,
+        per_rank_batch=batch_size // num_ranks,
+        shuffle=s.bool_("shuffle", is_training),
+        shuffle_seed=s.int_("shuffle_seed", 0, minimum=0),
+        drop_last=s.bool_("drop_last", True),
+        num_workers=num_workers,
+        prefetch_factor=prefetch,
+        persistent_workers=persistent,
+        rank=rank,
+        num_ranks=num_ranks,
+    )
+
+
+def _map_style_loader(
+    s: _Section, settings: _LoaderSettings, dataset: Dataset
+) -> torch.utils.data.DataLoader:
+    """Batches of ``dataset`` in the DistributedSampler's global order, this rank's share."""
+    n, need = len(dataset), settings.batch_size
+    if settings.drop_last and n < need:
+        raise ValueError(
+            f"{s.section}: the {s.processor} data has {n} samples, fewer than one global batch "
+            f"({s.where('batch_size')} = {need}), and drop_last is on, so there would be no "
+            "batch at all. Lower batch_size, give more data, or set drop_last: false."
+        )
+    sampler = DistributedSampler(
+        dataset,
+        shuffle=settings.shuffle,
+        seed=settings.shuffle_seed,
+        batch_size=settings.per_rank_batch,
+        drop_last=settings.drop_last,
+        num_shards=settings.num_ranks,
+        shard_index=settings.rank,
+    )
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, **settings.worker_kwargs())
+
+
+# -- TextCorpusProcessor --------------------------------------------------------------
+
+
+class _LMWindows(Dataset):
+    """ByteCorpusDataset's (input_ids, labels) pairs as lm batch dicts."""
+
+    def __init__(self, windows: ByteCorpusDataset) -> None:
+        self.windows = windows
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        input_ids, labels = self.windows[i]
+        return {
+            "input_ids": input_ids,
+            "labels": labels,
+            "attention_mask": torch.ones_like(input_ids),
+        }
+
+
+def _text_files(s: _Section) -> list[Path] | None:
+    """data_dir as a file list: None (standard library), a file, a directory, or a list of those."""
+    data_dir = s.params.get("data_dir")
+    if data_dir is None:
+        return None
+    entries = [data_dir] if isinstance(data_dir, (str, os.PathLike)) else data_dir
+    if not isinstance(entries, (list, tuple)) or not all(
+        isinstance(e, (str, os.PathLike)) for e in entries
+    ):
+        raise TypeError(
+            f"{s.where('data_dir')} must be a path or a list of paths, got {data_dir!r}."
+        )
+    files: list[Path] = []
+    for entry in map(Path, entries):
+        if entry.is_dir():
+            # Every regular, non-hidden file below the directory, in a stable order.
+            files += sorted(
+                p
+                for p in entry.rglob("*")
+                if p.is_file()
+                and not any(part.startswith(".") for part in p.relative_to(entry).parts)
+            )
+        elif entry.is_file():
+            files.append(entry)
+        else:
+            raise ValueError(
+                f"{s.where('data_dir')}: {str(entry)!r} does not exist; give text files or "
+                "directories of them, or remove data_dir to use the standard library's source."
+            )
+    if not files:
+        raise ValueError(f"{s.where('data_dir')} = {data_dir!r} contains no files.")
+    return files
+
+
+@_register(
+    "TextCorpusProcessor",
+    _SEQ_KEYS | {"vocab_size", "max_bytes", "eval_fraction"},
+)
+def text_corpus_processor(params: dict, is_training: bool) -> torch.utils.data.DataLoader:
+    """Byte-level lm batches from text files (default: the Python standard library's source).
+
+    Keys: ``seq_len`` / ``max_sequence_length`` (default 256); ``data_dir``: a
+    text file, a directory (every non-hidden file below it) or a list of those;
+    ``max_bytes`` of text read (default 8 MiB); ``eval_fraction`` (default 0.05):
+    the tail of the text kept for eval_input; ``vocab_size``, if given, must be
+    at least 256 (the byte vocabulary).
+    """
+    s = _Section("TextCorpusProcessor", params, is_training)
+    settings = _loader_settings(s, is_training)
+    seq_len = s.seq_len(256)
+    if s.has("vocab_size") and s.int_("vocab_size", None, minimum=1) < VOCAB_SIZE:
+        raise ValueError(
+            f"{s.where('vocab_size')} = {params['vocab_size']}: tokens are bytes, which need a "
+            f"vocabulary of at least {VOCAB_SIZE}. Set vocab_size (and the model's) to >= 256."
+        )
+    windows = ByteCorpusDataset(
+        seq_len,
+        paths=_text_files(s),
+        split="train" if is_training else "eval",
+        eval_fraction=s.float_("eval_fraction", 0.05, 0.0, 1.0),
+        max_bytes=s.int_("max_bytes", 8 * 2**20, minimum=1),
+    )
+    return _map_style_loader(s, settings, _LMWindows(windows))
+
+
+# -- GptHDF5DataProcessor -------------------------------------------------------------
+
+
+@_register("GptHDF5DataProcessor", _SEQ_KEYS | {"vocab_size"})
+def gpt_hdf5_processor(params: dict, is_training: bool) -> torch.utils.data.DataLoader:
+    """lm batches from a directory of GPT HDF5 files (format: ``weightstream.data.gpt_hdf5``).
+
+    Keys: ``data_dir`` (required): the directory of ``*.h5`` files;
+    ``seq_len`` / ``max_sequence_length``: if given, must equal the files'
+    sequence length; ``vocab_size``: if given, every token id read is checked
+    against it. Files are sharded across ranks and input workers (Note [hdf5
+    sharding]), so the directory needs at least one file per rank.
+    """
+    s = _Section("GptHDF5DataProcessor", params, is_training)
+    settings = _loader_settings(s, is_training)
+    if not s.has("data_dir"):
+        raise ValueError(
+            f"{s.where('data_dir')} is required by GptHDF5DataProcessor: the directory of .h5 "
+            "files (write one with `weightstream data write-gpt-hdf5`)."
+        )
+    data_dir = s.params["data_dir"]
+    if not isinstance(data_dir, (str, os.PathLike)):
+        raise TypeError(f"{s.where('data_dir')} must be a directory path, got {data_dir!r}.")
+    files, features = scan_gpt_hdf5_dir(data_dir, key=s.where("data_dir"))
+    if any(s.has(k) for k in _SEQ_KEYS):
+        seq_len = s.seq_len(None)
+        if seq_len != files[0].seq_len:
+            raise ValueError(
+                f"{s.section}: the files in {str(data_dir)!r} hold sequences of "
+                f"{files[0].seq_len} tokens, but the section asks for {seq_len}. Set "
+                f"max_sequence_length to {files[0].seq_len} or use data of the wanted length."
+            )
+    vocab_size = s.int_("vocab_size", None, minimum=1) if s.has("vocab_size") else None
+    if len(files) < settings.num_ranks:
+        raise ValueError(
+            f"{s.where('data_dir')} {str(data_dir)!r} has {len(files)} .h5 file(s) for "
+            f"{settings.num_ranks} data-parallel ranks; files are the unit of sharding, so each "
+            "rank needs at least one. Write more, smaller files (a smaller examples_per_file)."
+        )
+    dataset = GptHDF5Dataset(
+        files,
+        settings.per_rank_batch,
+        features=features,
+        shuffle=settings.shuffle,
+        shuffle_seed=settings.shuffle_seed,
+        drop_last=settings.drop_last,
+        num_workers=settings.num_workers,
+        rank=settings.rank,
+        num_ranks=settings.num_ranks,
+        vocab_size=vocab_size,
+    )
+    if len(dataset) == 0:
+        examples = sum(f.n_examples for f in dataset.rank_files)
+        raise ValueError(
+            f"{s.section}: rank {settings.rank}'s files in {str(data_dir)!r} hold {examples} "
+            f"examples, which make no full batch of {settings.per_rank_batch} per input worker "
+            f"({s.where('batch_size')} = {settings.batch_size} over {settings.num_ranks} "
+            "rank(s)). Lower batch_size or num_workers, give more data, or set drop_last: false."
+        )
+    # batch_size=None: the dataset yields whole batches (it reads them per file).
+    return torch.utils.data.DataLoader(dataset, batch_size=None, **settings.worker_kwargs())
+
+
+# -- DigitsProcessor ------------------------------------------------------------------
+
+
+def digits_split(is_training: bool, eval_fraction: float = 0.2) -> np.ndarray:
+    """Indices into scikit-learn's digits (1797 images) of the train or eval split.
+
+    A fixed permutation (seed 0) puts the first ``round(1797 * eval_fraction)``
+    images in eval and the rest in train, on every machine and every run.
+    """
+    n = 1797  # len(load_digits().target), fixed by the bundled file
+    order = np.random.default_rng(0).permutation(n)
+    n_eval = round(n * eval_fraction)
+    return np.sort(order[n_eval:] if is_training else order[:n_eval])
+
+
+class _Classification(Dataset):
+    def __init__(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        assert len(inputs) == len(labels)
+        self.inputs, self.labels = inputs, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"inputs": self.inputs[i], "labels": self.labels[i]}
+
+
+@_register("DigitsProcessor", frozenset({"image_size", "eval_fraction"}))
+def digits_processor(params: dict, is_training: bool) -> torch.utils.data.DataLoader:
+    """Classification batches of scikit-learn's bundled 8x8 digits (no download).
+
+    Pixels are scaled from 0..16 to [0, 1] and flattened. ``image_size`` 8 gives
+    64 features; 28 (default) resizes bilinearly (corners aligned, so the four
+    corner pixels are the original ones) to 28x28 = 784 features, the input of
+    the fc_mnist model. ``eval_fraction`` (default 0.2): see :func:`digits_split`.
+    """
+    s = _Section("DigitsProcessor", params, is_training)
+    settings = _loader_settings(s, is_training)
+    s.ignore("data_dir", "DigitsProcessor reads scikit-learn's bundled copy of the digits")
+    image_size = s.int_("image_size", 28, minimum=1)
+    if image_size not in (8, 28):
+        raise ValueError(
+            f"{s.where('image_size')} must be 8 (the digits as bundled) or 28 (resized to "
+            f"MNIST's 28x28), got {image_size}."
+        )
+    eval_fraction = s.float_("eval_fraction", 0.2, 0.0, 1.0)
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as exc:
+        raise ImportError(
+            "DigitsProcessor reads the digits bundled with scikit-learn; install it with "
+            "`pip install scikit-learn`, or use another data_processor."
+        ) from exc
+    digits = load_digits()
+    index = digits_split(is_training, eval_fraction)
+    images = torch.from_numpy(digits.images[index]).float().div_(16.0)  # [N, 8, 8]
+    if image_size != 8:
+        images = F.interpolate(
+            images[:, None], size=(image_size, image_size), mode="bilinear", align_corners=True
+        )[:, 0]
+    inputs = images.reshape(len(index), image_size * image_size).contiguous()
+    labels = torch.from_numpy(digits.target[index]).long()
+    return _map_style_loader(s, settings, _Classification(inputs, labels))
+
+
+# -- SyntheticDataProcessor -----------------------------------------------------------
+
+
+class _SyntheticSamples(Dataset):
+    """Sample i drawn from (seed, split, i) alone: the same on every rank, worker and restart."""
+
+    def __init__(self, task: str, num_samples: int, seed: int, split: int, **sizes: int) -> None:
+        self.task, self.num_samples, self.seed, self.split = task, num_samples, seed, split
+        self.sizes = sizes
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        rng = np.random.default_rng([self.seed, self.split, i])
+        if self.task == "lm":
+            tokens = torch.from_numpy(
+                rng.integers(0, self.sizes["vocab_size"], self.sizes["seq_len"] + 1)
+            )
+            return {
+                "input_ids": tokens[:-1],
+                "labels": tokens[1:],
+                "attention_mask": torch.ones(self.sizes["seq_len"], dtype=torch.int64),
+            }
+        features = rng.standard_normal(self.sizes["in_features"], dtype=np.float32)
+        label = rng.integers(0, self.sizes["num_classes"])
+        return {"inputs": torch.from_numpy(features), "labels": torch.tensor(label)}
+
+
+@_register(
+    "SyntheticDataProcessor",
+    _SEQ_KEYS | {"task", "vocab_size", "in_features", "num_classes", "num_samples", "seed"},
+)
+def synthetic_processor(params: dict, is_training: bool) -> torch.utils.data.DataLoader:
+    """Random lm or classification batches, for smoke tests and throughput runs (nothing to learn).
+
+    Keys: ``task`` ("lm", default, or "classification"); for lm ``seq_len`` /
+    ``max_sequence_length`` (default 256) and ``vocab_size`` (default 4096):
+    uniform token ids; for classification ``in_features`` (default 784) and
+    ``num_classes`` (default 10): standard normal inputs, uniform labels;
+    ``num_samples`` per epoch (default 1024); ``seed`` (default 0). train_input
+    and eval_input draw different samples from the same seed.
+    """
+    s = _Section("SyntheticDataProcessor", params, is_training)
+    settings = _loader_settings(s, is_training)
+    s.ignore("data_dir", "SyntheticDataProcessor generates its data")
+    task = s.choice("task", "lm", ("lm", "classification"))
+    if task == "lm":
+        for key in ("in_features", "num_classes"):
+            s.ignore(key, "it applies to task 'classification'")
+        sizes = {"seq_len": s.seq_len(256), "vocab_size": s.int_("vocab_size", 4096, minimum=1)}
+    else:
+        for key in sorted(_SEQ_KEYS | {"vocab_size"}):
+            s.ignore(key, "it applies to task 'lm'")
+        sizes = {
+            "in_features": s.int_("in_features", 784, minimum=1),
+            "num_classes": s.int_("num_classes", 10, minimum=2),
+        }
+    dataset = _SyntheticSamples(
+        task,
+        num_samples=s.int_("num_samples", 1024, minimum=1),
+        seed=s.int_("seed", 0, minimum=0),
+        split=0 if is_training else 1,
+        **sizes,
+    )
+    return _map_style_loader(s, settings, dataset)
