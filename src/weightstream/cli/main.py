@@ -13,6 +13,7 @@ USAGE = """usage: weightstream <command> [args]
 commands:
   run {CPU,GPU} -p PARAMS -m MODE -o MODEL_DIR   train or evaluate a model from a params file
   checkpoint {info,convert,diff} ...             inspect, convert and compare checkpoints
+  data write-gpt-hdf5 ...                        write a text corpus in the GPT HDF5 format
 
 `weightstream <command> -h` describes each command."""
 
@@ -33,6 +34,13 @@ def main(argv: list[str] | None = None) -> int:
         from weightstream.checkpoint.cli import main as checkpoint_main
 
         return checkpoint_main(rest)
+    if command == "data":
+        if not rest or rest[0] != "write-gpt-hdf5":
+            print("usage: weightstream data write-gpt-hdf5 [args] (-h for help)", file=sys.stderr)
+            return 2
+        from weightstream.data.hdf5_writer_cli import main as writer_main
+
+        return writer_main(rest[1:])
     print(f"weightstream: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -1,0 +1,206 @@
+"""The run command end to end: params file in, model_dir out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from weightstream import checkpoint as ckpt
+from weightstream.cli.main import main
+
+pytest.importorskip("tensorboard")
+
+
+def _params(tmp_path: Path, **runconfig) -> Path:
+    params = {
+        "train_input": {
+            "data_processor": "TextCorpusProcessor",
+            "batch_size": 4,
+            "seq_len": 32,
+            "vocab_size": 256,
+            "shuffle_seed": 3,
+        },
+        "eval_input": {
+            "data_processor": "TextCorpusProcessor",
+            "batch_size": 4,
+            "seq_len": 32,
+            "vocab_size": 256,
+        },
+        "model": {
+            "name": "gpt2",
+            "n_layer": 2,
+            "d_model": 32,
+            "n_head": 2,
+            "seq_len": 32,
+            "vocab_size": 256,
+        },
+        "optimizer": {
+            "optimizer_type": "AdamW",
+            "learning_rate": [
+                {
+                    "scheduler": "Linear",
+                    "initial_learning_rate": 0.0,
+                    "end_learning_rate": 3e-3,
+                    "total_iters": 4,
+                },
+                {
+                    "scheduler": "CosineDecay",
+                    "initial_learning_rate": 3e-3,
+                    "end_learning_rate": 1e-4,
+                    "total_iters": 100,
+                },
+            ],
+            "weight_decay": 0.01,
+            "max_gradient_norm": 1.0,
+        },
+        "runconfig": {
+            "max_steps": 8,
+            "checkpoint_steps": 4,
+            "log_steps": 2,
+            "seed": 7,
+            "unit_size_target": 20_000,
+            **runconfig,
+        },
+    }
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
+def _scalars(event_dir: Path, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(event_dir))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_logs():
+    import logging
+
+    logging.getLogger("weightstream").handlers.clear()
+    yield
+
+
+def test_train_writes_every_artifact(tmp_path):
+    model_dir = tmp_path / "model_dir"
+    rc = main(["run", "CPU", "-p", str(_params(tmp_path)), "-m", "train", "-o", str(model_dir)])
+    assert rc == 0
+    # checkpoints every 4 steps and at the end
+    assert [s for s, _ in ckpt.list_checkpoints(model_dir)] == [4, 8]
+    state = ckpt.load(model_dir / "checkpoint_8.mdl", map_location="cpu")
+    assert state["global_step"] == 8
+    assert {"model", "optimizer", "schedulers", "grad_scaler", "dataloader", "rng"} <= set(state)
+    # performance.json fields and types (seed 000)
+    perf = json.loads((model_dir / "performance" / "performance.json").read_text())
+    assert set(perf) == {
+        "compile_time",
+        "est_samples_per_sec",
+        "programming_time",
+        "samples_per_sec",
+        "suspected_input_bottleneck",
+        "total_samples",
+        "total_time",
+    }
+    assert perf["total_samples"] == 8 * 4
+    assert isinstance(perf["suspected_input_bottleneck"], bool)
+    assert perf["samples_per_sec"] > 0 and perf["total_time"] > 0 and perf["compile_time"] > 0
+    # TensorBoard scalars, read back with tensorboard's own reader
+    losses = _scalars(model_dir / "train", "loss")
+    assert [s for s, _ in losses] == list(range(1, 9))
+    assert len(_scalars(model_dir / "train", "lr")) == 8
+    assert len(_scalars(model_dir / "train", "samples_per_sec")) == 8
+    # the run's params
+    saved = yaml.safe_load((model_dir / "train" / "params_train.yaml").read_text())
+    assert saved["runconfig"]["max_steps"] == 8 and saved["model"]["name"] == "gpt2"
+
+
+def test_resume_continues_exactly(tmp_path):
+    """Train 8 steps at once, or 4, stop, and resume for 4 more: same weights and losses."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    params = _params(tmp_path)
+    assert main(["run", "CPU", "-p", str(params), "-o", str(whole)]) == 0
+    assert main(["run", "CPU", "-p", str(params), "-o", str(split), "--max_steps", "4"]) == 0
+    assert main(["run", "CPU", "-p", str(params), "-o", str(split)]) == 0  # autoload resumes
+    a = ckpt.load(whole / "checkpoint_8.mdl", map_location="cpu")
+    b = ckpt.load(split / "checkpoint_8.mdl", map_location="cpu")
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    la = [v for _, v in _scalars(whole / "train", "loss")]
+    lb = [v for _, v in _scalars(split / "train", "loss")]
+    assert la == lb
+
+
+def test_bad_params_file_is_reported_without_training(tmp_path, capsys):
+    path = _params(tmp_path)
+    raw = yaml.safe_load(path.read_text())
+    raw["runconfig"]["max_stepz"] = 3
+    path.write_text(yaml.safe_dump(raw))
+    model_dir = tmp_path / "out"
+    assert main(["run", "CPU", "-p", str(path), "-o", str(model_dir)]) == 2
+    assert not list(model_dir.glob("checkpoint_*"))
+
+
+def _compile_dirs(root: Path) -> list[Path]:
+    return sorted(root.glob("ws_*"))
+
+
+def test_validate_only_and_compile_only_do_not_train(tmp_path):
+    params = _params(tmp_path)
+    v_dir, c_dir = tmp_path / "v", tmp_path / "c"
+    assert main(["run", "CPU", "-p", str(params), "-o", str(v_dir), "--validate_only"]) == 0
+    assert not list(v_dir.glob("checkpoint_*")) and not _compile_dirs(v_dir)
+    assert main(["run", "CPU", "-p", str(params), "-o", str(c_dir), "--compile_only"]) == 0
+    assert not list(c_dir.glob("checkpoint_*"))
+    (compiled,) = _compile_dirs(c_dir)
+    report = (compiled / "compile_report.txt").read_text()
+    plan = json.loads((compiled / "plan.json").read_text())
+    assert plan["est_samples_per_sec"] > 0
+    for unit in plan["units"]:
+        assert unit["name"] in report
+    perf = json.loads((c_dir / "performance" / "performance.json").read_text())
+    assert perf["est_samples_per_sec"] == plan["est_samples_per_sec"]
+    assert perf["total_samples"] == 0
+
+
+def test_compile_cache_hit_and_checksum_follows_the_batch_size(tmp_path):
+    params = _params(tmp_path)
+    cache = tmp_path / "cache"
+    args = ["run", "CPU", "-p", str(params), "--compile_only", "--compile_dir", str(cache)]
+    assert main([*args, "-o", str(tmp_path / "a")]) == 0
+    (compiled,) = _compile_dirs(cache)
+    written = (compiled / "plan.json").stat().st_mtime_ns
+    assert main([*args, "-o", str(tmp_path / "b")]) == 0
+    # The second compile reused the first: same directory, plan not rewritten,
+    # and the same estimate reported.
+    assert _compile_dirs(cache) == [compiled]
+    assert (compiled / "plan.json").stat().st_mtime_ns == written
+    first, second = (
+        json.loads((tmp_path / d / "performance" / "performance.json").read_text())
+        for d in ("a", "b")
+    )
+    assert second["est_samples_per_sec"] == first["est_samples_per_sec"]
+    raw = yaml.safe_load(params.read_text())
+    raw["train_input"]["batch_size"] = 8
+    params.write_text(yaml.safe_dump(raw))
+    assert main([*args, "-o", str(tmp_path / "c")]) == 0
+    assert len(_compile_dirs(cache)) == 2  # a new batch size is a new checksum
+
+
+@pytest.mark.parametrize("execution_mode", ["weight_streaming", "layer_pipelined"])
+def test_train_and_eval_then_eval_all(tmp_path, execution_mode):
+    params = _params(tmp_path, eval_steps=3)
+    model_dir = tmp_path / "m"
+    base = ["run", "CPU", "-p", str(params), "-o", str(model_dir)]
+    assert main([*base, "-m", "train_and_eval", "--execution_mode", execution_mode]) == 0
+    assert (model_dir / "eval" / "params_eval.yaml").exists()
+    assert [s for s, _ in _scalars(model_dir / "eval", "loss")] == [8]
+    assert main([*base, "-m", "eval_all", "--execution_mode", execution_mode]) == 0
+    steps = sorted({s for s, _ in _scalars(model_dir / "eval", "loss")})
+    assert steps == [4, 8]
+    assert len(_scalars(model_dir / "eval", "perplexity")) >= 3
