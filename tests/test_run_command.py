@@ -204,3 +204,17 @@ def test_train_and_eval_then_eval_all(tmp_path, execution_mode):
     steps = sorted({s for s, _ in _scalars(model_dir / "eval", "loss")})
     assert steps == [4, 8]
     assert len(_scalars(model_dir / "eval", "perplexity")) >= 3
+
+
+def test_progress_bar_line():
+    import io
+
+    from weightstream.runtime.trainer import ProgressBar
+
+    out = io.StringIO()
+    bar = ProgressBar(0, 10, stream=out, width=10)
+    bar.update(5, 2.5)
+    bar.close()
+    text = out.getvalue()
+    assert text.startswith("\r[#####.....] 5/10 loss 2.5000 ")
+    assert "steps/s ETA " in text and text.endswith("\n")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -98,6 +99,7 @@ class Trainer:
         self.perf = perf or PerformanceTracker()
         self.global_step = 0
         self.losses: list[float] = []
+        self._progress: ProgressBar | None = None
 
     # ---- checkpoints ----------------------------------------------------------------
 
@@ -188,6 +190,7 @@ class Trainer:
         it = iter(dataloader)
         self.perf.start()
         end = self.global_step + num_steps
+        self._progress = ProgressBar(self.global_step, end) if sys.stdout.isatty() else None
         while self.global_step < end:
             batches, wait = self._micro_batches(it)
             if not batches:
@@ -205,6 +208,9 @@ class Trainer:
             if self.s.checkpoint_steps and self.global_step % self.s.checkpoint_steps == 0:
                 self.save_checkpoint(dataloader)
         self.perf.stop()
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
         last = ckpt.checkpoint_path(self.s.model_dir, self.global_step)
         if not last.exists():
             self.save_checkpoint(dataloader)
@@ -230,7 +236,11 @@ class Trainer:
             self.writer.add_scalar("loss_scale", self.grad_scaler.get_scale(), step)
             self.writer.add_scalar("samples_per_sec", rate, step)
         if step % self.s.log_steps == 0 or step == 1:
+            if self._progress is not None:
+                self._progress.clear()
             log.info("global_step = %d, loss = %.5f", step, loss)
+        if self._progress is not None:
+            self._progress.update(step, loss)
 
     # ---- evaluation ---------------------------------------------------------------------
 
@@ -273,3 +283,34 @@ class Trainer:
             ", ".join(f"{k} = {v:.5f}" for k, v in results.items()),
         )
         return results
+
+
+class ProgressBar:
+    """One terminal line: steps done, loss, rate and time left (only on a terminal)."""
+
+    def __init__(self, start: int, end: int, stream=None, width: int = 30):
+        self.start, self.end, self.width = start, end, width
+        self.stream = stream or sys.stdout
+        self.t0 = time.perf_counter()
+
+    def update(self, step: int, loss: float) -> None:
+        done = step - self.start
+        total = max(self.end - self.start, 1)
+        elapsed = time.perf_counter() - self.t0
+        rate = done / elapsed if elapsed > 0 else 0.0
+        eta = (self.end - step) / rate if rate > 0 else float("inf")
+        filled = int(self.width * done / total)
+        bar = "#" * filled + "." * (self.width - filled)
+        eta_text = time.strftime("%H:%M:%S", time.gmtime(eta)) if math.isfinite(eta) else "--:--:--"
+        self.stream.write(
+            f"\r[{bar}] {step}/{self.end} loss {loss:.4f} {rate:.2f} steps/s ETA {eta_text}"
+        )
+        self.stream.flush()
+
+    def clear(self) -> None:
+        self.stream.write("\r\033[K")
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.stream.write("\n")
+        self.stream.flush()
