@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,7 +14,6 @@ from weightstream.optim._common import (
     check_pair,
     collect_grads,
     hyper,
-    run_closure,
 )
 from weightstream.optim.optimizer import Optimizer, ParamsT
 
@@ -127,9 +125,8 @@ class Adafactor(Optimizer):
         return ["exp_avg_sq"]
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = run_closure(closure)
-        for group in self.param_groups:
+    def _update(self, groups: list[dict[str, Any]]) -> None:
+        for group in groups:
             params, grads = collect_grads("Adafactor", group)
             if not params:
                 continue
@@ -174,4 +171,3 @@ class Adafactor(Optimizer):
                 work.sub_(update)
                 if work is not p:
                     p.copy_(work)
-        return loss

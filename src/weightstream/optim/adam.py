@@ -6,7 +6,6 @@ Each follows the arithmetic of its torch.optim counterpart step for step
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,7 +16,6 @@ from weightstream.optim._common import (
     check_non_negative,
     collect_grads,
     hyper,
-    run_closure,
     state_list,
     zeros_like,
 )
@@ -78,10 +76,9 @@ class _AdamBase(Optimizer):
         return ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = run_closure(closure)
+    def _update(self, groups: list[dict[str, Any]]) -> None:
         name = type(self).__name__
-        for group in self.param_groups:
+        for group in groups:
             params, grads = collect_grads(name, group, group["maximize"])
             if not params:
                 continue
@@ -117,7 +114,6 @@ class _AdamBase(Optimizer):
                 step_sizes = [-lr] * len(params)
             torch._foreach_add_(denoms, eps)
             torch._foreach_addcdiv_(params, exp_avgs, denoms, step_sizes)
-        return loss
 
 
 class Adam(_AdamBase):
@@ -207,9 +203,8 @@ class Adamax(Optimizer):
         return ["exp_avg", "exp_inf"]
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = run_closure(closure)
-        for group in self.param_groups:
+    def _update(self, groups: list[dict[str, Any]]) -> None:
+        for group in groups:
             params, grads = collect_grads("Adamax", group, group["maximize"])
             if not params:
                 continue
@@ -229,7 +224,6 @@ class Adamax(Optimizer):
 
             step_sizes = [-(lr / (1 - beta1**s)) for s in steps]
             torch._foreach_addcdiv_(params, exp_avgs, exp_infs, step_sizes)
-        return loss
 
 
 class NAdam(Optimizer):
@@ -278,9 +272,8 @@ class NAdam(Optimizer):
         return ["exp_avg", "exp_avg_sq"]
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = run_closure(closure)
-        for group in self.param_groups:
+    def _update(self, groups: list[dict[str, Any]]) -> None:
+        for group in groups:
             params, grads = collect_grads("NAdam", group, group["maximize"])
             if not params:
                 continue
@@ -320,7 +313,6 @@ class NAdam(Optimizer):
             ]
             torch._foreach_addcdiv_(params, grads, denoms, grad_coefs)
             torch._foreach_addcdiv_(params, exp_avgs, denoms, avg_coefs)
-        return loss
 
 
 class RAdam(Optimizer):
@@ -363,9 +355,8 @@ class RAdam(Optimizer):
         return ["exp_avg", "exp_avg_sq"]
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = run_closure(closure)
-        for group in self.param_groups:
+    def _update(self, groups: list[dict[str, Any]]) -> None:
+        for group in groups:
             params, grads = collect_grads("RAdam", group, group["maximize"])
             if not params:
                 continue
@@ -420,4 +411,3 @@ class RAdam(Optimizer):
                 torch._foreach_mul_(rectified_updates, adaptive)
                 torch._foreach_mul_(rectified_updates, rects)
             torch._foreach_add_(params, updates, alpha=-1.0)
-        return loss

@@ -6,7 +6,6 @@ Each follows the arithmetic of its torch.optim counterpart step for step
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,7 +17,6 @@ from weightstream.optim._common import (
     check_unit_interval,
     collect_grads,
     hyper,
-    run_closure,
     state_list,
     zeros_like,
 )
@@ -57,9 +55,8 @@ class Adadelta(Optimizer):
         return ["square_avg", "acc_delta"]
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = run_closure(closure)
-        for group in self.param_groups:
+    def _update(self, groups: list[dict[str, Any]]) -> None:
+        for group in groups:
             params, grads = collect_grads("Adadelta", group, group["maximize"])
             if not params:
                 continue
@@ -80,7 +77,6 @@ class Adadelta(Optimizer):
             torch._foreach_mul_(acc_deltas, rho)
             torch._foreach_addcmul_(acc_deltas, deltas, deltas, value=1 - rho)
             torch._foreach_add_(params, deltas, alpha=-lr)
-        return loss
 
 
 class Adagrad(Optimizer):
@@ -123,9 +119,8 @@ class Adagrad(Optimizer):
         return ["sum"]
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = run_closure(closure)
-        for group in self.param_groups:
+    def _update(self, groups: list[dict[str, Any]]) -> None:
+        for group in groups:
             params, grads = collect_grads("Adagrad", group, group["maximize"])
             if not params:
                 continue
@@ -139,7 +134,6 @@ class Adagrad(Optimizer):
             torch._foreach_add_(stds, eps)
             step_sizes = [-(lr / (1 + (s - 1) * lr_decay)) for s in steps]
             torch._foreach_addcdiv_(params, grads, stds, step_sizes)
-        return loss
 
 
 class RMSprop(Optimizer):
@@ -191,9 +185,8 @@ class RMSprop(Optimizer):
         return ["square_avg", "momentum_buffer", "grad_avg"]
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = run_closure(closure)
-        for group in self.param_groups:
+    def _update(self, groups: list[dict[str, Any]]) -> None:
+        for group in groups:
             params, grads = collect_grads("RMSprop", group, group["maximize"])
             if not params:
                 continue
@@ -221,7 +214,6 @@ class RMSprop(Optimizer):
                 torch._foreach_add_(params, bufs, alpha=-lr)
             else:
                 torch._foreach_addcdiv_(params, grads, avgs, value=-lr)
-        return loss
 
 
 class Rprop(Optimizer):
@@ -273,9 +265,8 @@ class Rprop(Optimizer):
         return ["prev", "step_size"]
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = run_closure(closure)
-        for group in self.param_groups:
+    def _update(self, groups: list[dict[str, Any]]) -> None:
+        for group in groups:
             params, grads = collect_grads("Rprop", group, group["maximize"])
             if not params:
                 continue
@@ -307,4 +298,3 @@ class Rprop(Optimizer):
             signs = torch._foreach_sign(grads)
             torch._foreach_addcmul_(params, signs, step_sizes, value=-1)
             torch._foreach_copy_(prevs, grads)
-        return loss

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,7 +11,6 @@ from weightstream.optim._common import (
     check_non_negative,
     collect_grads,
     hyper,
-    run_closure,
     state_list,
     zeros_like,
 )
@@ -66,9 +64,8 @@ class Lamb(Optimizer):
         return ["exp_avg", "exp_avg_sq"]
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = run_closure(closure)
-        for group in self.param_groups:
+    def _update(self, groups: list[dict[str, Any]]) -> None:
+        for group in groups:
             params, grads = collect_grads("Lamb", group)
             if not params:
                 continue
@@ -100,7 +97,6 @@ class Lamb(Optimizer):
                 trust_ratios = ratios.tolist()
             for p, adam_step, trust in zip(params, adam_steps, trust_ratios):
                 p.add_(adam_step, alpha=-lr * trust)
-        return loss
 
 
 class Lion(Optimizer):
@@ -134,9 +130,8 @@ class Lion(Optimizer):
         return ["exp_avg"]
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = run_closure(closure)
-        for group in self.param_groups:
+    def _update(self, groups: list[dict[str, Any]]) -> None:
+        for group in groups:
             params, grads = collect_grads("Lion", group)
             if not params:
                 continue
@@ -150,4 +145,3 @@ class Lion(Optimizer):
             torch._foreach_sign_(updates)
             torch._foreach_add_(params, updates, alpha=-lr)
             torch._foreach_lerp_(exp_avgs, grads, 1 - beta2)
-        return loss

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,7 +13,6 @@ from weightstream.optim._common import (
     check_number,
     collect_grads,
     hyper,
-    run_closure,
     state_list,
     zeros_like,
 )
@@ -140,9 +138,8 @@ class Muon(Optimizer):
         return ["momentum_buffer"]
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = run_closure(closure)
-        for group in self.param_groups:
+    def _update(self, groups: list[dict[str, Any]]) -> None:
+        for group in groups:
             params, grads = collect_grads("Muon", group)
             if not params:
                 continue
@@ -162,4 +159,3 @@ class Muon(Optimizer):
                 )
                 ratio = _lr_ratio(group["adjust_lr_fn"], matrix.shape[0], matrix.shape[1])
                 p.add_(ortho.reshape(p.shape), alpha=-(lr * ratio))
-        return loss

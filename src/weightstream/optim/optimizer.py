@@ -84,9 +84,39 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
     def preinitialize(self) -> None:
         """Create every state tensor of every parameter in ``self.param_groups``."""
 
-    @abc.abstractmethod
+    @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        """Update the parameters from their gradients; create no state."""
+        """Update the parameters from their gradients; create no state.
+
+        Subclasses implement :meth:`_update` (or override ``step`` itself, as in
+        the reference API). When the parameters are the masters of a streaming
+        engine with overlapped updates, the update is applied unit by unit
+        behind the next forward (Note [overlapped updates] in runtime/updater.py).
+        """
+        from weightstream.optim._common import run_closure
+        from weightstream.runtime.updater import updater_for
+
+        loss = run_closure(closure)
+        updater = updater_for(self)
+        if updater is not None:
+            updater.defer(self)
+        else:
+            self._update(self.param_groups)
+        return loss
+
+    def _update(self, groups: list[dict[str, Any]]) -> None:
+        """Apply one step to the parameters of ``groups`` (copies of param_groups)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement step() or _update(groups)."
+        )
+
+    def synchronize(self) -> None:
+        """Wait for an overlapped step still being applied (a no-op otherwise)."""
+        from weightstream.runtime.updater import updater_for
+
+        updater = updater_for(self)
+        if updater is not None:
+            updater.synchronize()
 
     @abc.abstractmethod
     def state_names_to_sparsify(self) -> list[str]:
@@ -157,6 +187,10 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
 
     # --------------------------------------------------------------- checkpoints
 
+    def state_dict(self) -> dict[str, Any]:
+        self.synchronize()  # the state of an overlapped step must be complete
+        return super().state_dict()
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict` (torch's format).
 
@@ -167,6 +201,7 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
         ASGD's ``eta`` to the parameter dtype) and their identity. Hyperparameters
         of the groups come from the state dict, as in torch.
         """
+        self.synchronize()  # never load under a step still being applied
         index_to_param = self._map_saved_indices(state_dict)
         saved_state = state_dict.get("state", {})
         for index, p in index_to_param.items():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -13,7 +12,6 @@ from weightstream.optim._common import (
     check_number,
     collect_grads,
     hyper,
-    run_closure,
     state_list,
     zeros_like,
 )
@@ -71,9 +69,8 @@ class SGD(Optimizer):
         return ["momentum_buffer"]
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = run_closure(closure)
-        for group in self.param_groups:
+    def _update(self, groups: list[dict[str, Any]]) -> None:
+        for group in groups:
             params, grads = collect_grads("SGD", group, group["maximize"])
             if not params:
                 continue
@@ -100,7 +97,6 @@ class SGD(Optimizer):
                 else:
                     grads = bufs
             torch._foreach_add_(params, grads, alpha=-lr)
-        return loss
 
 
 class ASGD(Optimizer):
@@ -148,9 +144,8 @@ class ASGD(Optimizer):
         return ["ax"]
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = run_closure(closure)
-        for group in self.param_groups:
+    def _update(self, groups: list[dict[str, Any]]) -> None:
+        for group in groups:
             params, grads = collect_grads("ASGD", group, group["maximize"])
             if not params:
                 continue
@@ -182,4 +177,3 @@ class ASGD(Optimizer):
             for eta, mu, s in zip(etas, mus, steps):
                 eta.fill_(lr / ((1 + lambd * lr * s) ** alpha))
                 mu.fill_(1 / max(1, s - t0))
-        return loss

@@ -35,6 +35,10 @@ class StreamingConfig:
             masters in their own dtype (normally fp32) and gradients are
             accumulated there in that dtype. cbfloat16 has no torch dtype: its
             weights travel as float32 holding cbfloat16 values.
+        overlap_updates: apply a weightstream optimizer's step unit by unit in
+            the background, behind the next forward, which waits per unit
+            (Note [overlapped updates] in runtime/updater.py). ``p.grad`` is None
+            right after ``step()`` in this mode.
     """
 
     prefetch_depth: int = 1
@@ -44,9 +48,12 @@ class StreamingConfig:
     unit_classes: tuple | list | None = None
     device_memory_budget: int | None = None
     compute_dtype: str | torch.dtype | None = None
+    overlap_updates: bool = False
 
     def __post_init__(self) -> None:
         self.compute_dtype = _resolve_compute_dtype(self.compute_dtype)
+        if not isinstance(self.overlap_updates, bool):
+            raise TypeError(f"overlap_updates must be a bool, got {self.overlap_updates!r}.")
         if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int):
             raise TypeError(
                 f"prefetch_depth must be an int >= 0, got {type(self.prefetch_depth).__name__}."

@@ -13,6 +13,7 @@ from weightstream.compiler.trace import trace_forward
 from weightstream.runtime.config import StreamingConfig
 from weightstream.runtime.device import DeviceOps
 from weightstream.runtime.streamer import Streamer
+from weightstream.runtime.updater import UnitUpdater
 
 
 def _fmt_bytes(n: int) -> str:
@@ -63,6 +64,7 @@ class StreamingEngine:
         self.plan: Plan = build_plan(module, config)  # structural; refined at the first call
         check_budget(self.plan, config)
         self.streamer: Streamer | None = None
+        self.updater: UnitUpdater | None = None
         _place(module, self.device)
 
     def _compile(self, args: tuple, kwargs: dict) -> None:
@@ -82,10 +84,31 @@ class StreamingEngine:
             plan = build_plan(self.module, self.config, trace)
         check_budget(plan, self.config)
         self.plan = plan
+        self.updater = None
+        if self.config.overlap_updates:
+            self.updater = UnitUpdater([u.params for u in plan.units])
+            # Reading or loading the whole model must see the step fully applied.
+            self._state_hooks = [
+                self.module.register_state_dict_pre_hook(self._synchronize_hook),
+                self.module.register_load_state_dict_pre_hook(self._synchronize_hook),
+            ]
         self.streamer = Streamer(
-            plan, self.ops, self.config.prefetch_depth, self.stream_dtype, self._postprocess()
+            plan,
+            self.ops,
+            self.config.prefetch_depth,
+            self.stream_dtype,
+            self._postprocess(),
+            before_fetch=None if self.updater is None else self.updater.wait_unit,
         )
         self.streamer.install()
+
+    def _synchronize_hook(self, *_args, **_kwargs) -> None:
+        self.synchronize()
+
+    def synchronize(self) -> None:
+        """Wait until an overlapped optimizer step is completely applied."""
+        if self.updater is not None:
+            self.updater.synchronize()
 
     def stream_dtype(self, p: torch.Tensor) -> torch.dtype:
         """The dtype ``p`` travels in: the compute dtype for floating weights."""
@@ -133,6 +156,8 @@ class StreamingEngine:
         return out
 
     def close(self) -> None:
+        if self.updater is not None:
+            self.updater.close()
         if self.streamer is not None:
             self.streamer.remove()
             self.streamer = None

@@ -111,9 +111,18 @@ class Streamer:
     """Owns the units' device copies, the module hooks and the saved-tensor hooks."""
 
     def __init__(
-        self, plan: Plan, ops: DeviceOps, prefetch_depth: int, compute_dtype_of, postprocess=None
+        self,
+        plan: Plan,
+        ops: DeviceOps,
+        prefetch_depth: int,
+        compute_dtype_of,
+        postprocess=None,
+        before_fetch=None,
     ):
         self.plan = plan
+        # Called with a unit index before its masters are read: waits for that
+        # unit's share of an overlapped optimizer step.
+        self._before_fetch = before_fetch
         self._postprocess = postprocess  # applied to each flat buffer after the copy
         self.ops = ops
         self.depth = prefetch_depth
@@ -163,9 +172,12 @@ class Streamer:
     def _issue(self, unit: StreamingUnit, background: bool) -> UnitCopy:
         copy = UnitCopy(unit)
         groups = [(dt, [unit.params[i] for i in idx]) for dt, idx in unit.groups.items()]
-        ops, meter, post = self.ops, self.meter, self._postprocess
+        ops, meter, post, before = self.ops, self.meter, self._postprocess, self._before_fetch
+        index = unit.index
 
         def run():
+            if before is not None:
+                before(index)  # never copy a master whose update is still running
             buffers = []
             for dt, masters in groups:
                 buf = ops.copy_flat(masters, dt, sum(m.numel() for m in masters))

@@ -1,0 +1,144 @@
+"""Overlapped host updates: an optimizer step run unit by unit behind the next forward.
+
+Note [overlapped updates]
+-------------------------
+With ``StreamingConfig(overlap_updates=True)``, ``optimizer.step()`` on a
+weightstream optimizer whose parameters are the masters of one streaming engine
+does not update them at once. Everything global was already decided by then
+(the loss scaler's unscale and non-finite check, gradient clipping: they ran
+before ``step()``), so the step only has to be applied. It is split by unit, in
+the forward order of the plan, and run on a background thread; the next
+forward's fetch of unit k waits for unit k's share only, so the first units
+compute while the last ones are still being updated. No weight is ever fetched
+stale.
+
+At ``step()`` the update takes the hyperparameters of every group as they are
+then (an LR scheduler stepping right after does not change this step) and takes
+the gradients out of ``p.grad`` (which becomes None), so ``zero_grad()`` and the
+next backward cannot race with it. Anything that reads the masters or the
+optimizer state as a whole (``state_dict()`` of the model or the optimizer,
+``load_state_dict()``) waits for the pending update first.
+
+A parameter shared by several units (a tied embedding) is updated with the
+first unit that holds it; one worker runs the shares in order, so waiting for a
+unit's share also waits for every earlier share.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+# id(master parameter) -> the updater of the engine that streams it. Keyed by id
+# (tensors compare elementwise); the updater keeps its parameters alive, so an
+# id stays valid for as long as its entry exists.
+_updater_of: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def updater_for(optimizer) -> UnitUpdater | None:
+    """The updater that owns every parameter of ``optimizer``, if one does."""
+    owner = None
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            u = _updater_of.get(id(p))
+            if u is None or (owner is not None and u is not owner):
+                return None
+            owner = u
+    return owner
+
+
+class UnitUpdater:
+    def __init__(self, unit_params: Sequence[Sequence[torch.nn.Parameter]]):
+        self._unit_params = [list(ps) for ps in unit_params]  # forward order
+        # Owner: this updater. Why: the host update of unit k must run while the
+        # next forward computes units before k; one worker keeps the units in order.
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._unit_futures: list[concurrent.futures.Future | None] = []
+        self._all: list[concurrent.futures.Future] = []
+        for params in self._unit_params:
+            for p in params:
+                _updater_of[id(p)] = self
+
+    # ---- scheduling ------------------------------------------------------------------
+
+    def defer(self, optimizer) -> None:
+        """Schedule ``optimizer``'s step by unit (see the Note)."""
+        self.synchronize()  # a previous step must be complete before this one starts
+        snapshot = [dict(g) for g in optimizer.param_groups]
+        grads: dict[int, torch.Tensor] = {}
+        for g in snapshot:
+            for p in g["params"]:
+                if p.grad is not None:
+                    grads[id(p)] = p.grad
+                    p.grad = None
+        claimed: set[int] = set()
+        shares: list[list[torch.nn.Parameter]] = []
+        for params in self._unit_params:
+            mine = [p for p in params if id(p) in grads and id(p) not in claimed]
+            claimed.update(id(p) for p in mine)
+            shares.append(mine)
+        rest = [p for g in snapshot for p in g["params"] if id(p) in grads and id(p) not in claimed]
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="weightstream-update"
+            )
+        with self._lock:
+            self._unit_futures = []
+            self._all = []
+            for share in [*shares, rest]:
+                future = (
+                    self._executor.submit(_apply, optimizer, snapshot, share, grads)
+                    if share
+                    else None
+                )
+                self._unit_futures.append(future)
+                if future is not None:
+                    self._all.append(future)
+
+    # ---- waiting ----------------------------------------------------------------------
+
+    def wait_unit(self, index: int) -> None:
+        """Block until unit ``index``'s share of the pending step (and all before it) is done."""
+        with self._lock:
+            futures = self._unit_futures[: index + 1]
+        for f in reversed(futures):
+            if f is not None:
+                f.result()  # host sync point; re-raises an error of the update
+                return
+
+    def synchronize(self) -> None:
+        """Block until the pending step is completely applied."""
+        with self._lock:
+            futures, self._all, self._unit_futures = self._all, [], []
+        for f in futures:
+            f.result()
+
+    @property
+    def pending(self) -> bool:
+        with self._lock:
+            return any(not f.done() for f in self._all)
+
+    def close(self) -> None:
+        self.synchronize()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+
+def _apply(optimizer, snapshot, share, grads) -> None:
+    """Run the optimizer's update on ``share`` with the step's hyperparameters."""
+    ids = {id(p) for p in share}
+    groups = [{**g, "params": [p for p in g["params"] if id(p) in ids]} for g in snapshot]
+    for p in share:
+        p.grad = grads[id(p)]
+    try:
+        with torch.no_grad():
+            optimizer._update([g for g in groups if g["params"]])
+    finally:
+        for p in share:
+            p.grad = None
