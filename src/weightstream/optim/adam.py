@@ -49,9 +49,16 @@ class _AdamBase(Optimizer):
         maximize: bool,
         correct_bias: bool,
         decoupled_weight_decay: bool,
+        fused: bool = False,
     ) -> None:
         _check_adam_args(type(self).__name__, lr, betas, eps, weight_decay)
+        if fused and not correct_bias:
+            raise ValueError(
+                f"{type(self).__name__}: fused=True needs correct_bias=True (the fused kernel "
+                "always corrects the bias). Fix: drop fused or correct_bias=False."
+            )
         defaults = dict(
+            fused=bool(fused),
             lr=lr,
             betas=betas,
             eps=eps,
@@ -75,6 +82,33 @@ class _AdamBase(Optimizer):
     def state_names_to_sparsify(self) -> list[str]:
         return ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
 
+    def _fused_update(self, group, params, grads, exp_avgs, exp_avg_sqs) -> None:
+        """One fused kernel over the whole group: the host update at memory speed.
+
+        The same kernel as torch.optim.Adam/AdamW(fused=True), so bitwise equal
+        to those (not to the foreach path, which rounds differently).
+        """
+        steps = self._steps_tensors(params, advance=True)
+        kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
+        beta1, beta2 = group["betas"]
+        kernel(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            state_list(self.state, params, "max_exp_avg_sq") if group["amsgrad"] else [],
+            steps,
+            amsgrad=group["amsgrad"],
+            lr=hyper(group, "lr"),
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=hyper(group, "weight_decay"),
+            eps=hyper(group, "eps"),
+            maximize=False,  # collect_grads already negated the gradients
+            grad_scale=None,
+            found_inf=None,
+        )
+
     @torch.no_grad()
     def _update(self, groups: list[dict[str, Any]]) -> None:
         name = type(self).__name__
@@ -87,6 +121,9 @@ class _AdamBase(Optimizer):
             weight_decay = hyper(group, "weight_decay")
             exp_avgs = state_list(self.state, params, "exp_avg")
             exp_avg_sqs = state_list(self.state, params, "exp_avg_sq")
+            if group.get("fused"):
+                self._fused_update(group, params, grads, exp_avgs, exp_avg_sqs)
+                continue
             steps = self._advance_steps(params)
 
             if weight_decay != 0:
@@ -131,6 +168,7 @@ class Adam(_AdamBase):
         amsgrad: bool = False,
         *,
         maximize: bool = False,
+        fused: bool = False,
     ) -> None:
         super().__init__(
             params,
@@ -142,6 +180,7 @@ class Adam(_AdamBase):
             maximize=maximize,
             correct_bias=True,
             decoupled_weight_decay=False,
+            fused=fused,
         )
 
 
@@ -163,6 +202,7 @@ class AdamW(_AdamBase):
         amsgrad: bool = False,
         *,
         maximize: bool = False,
+        fused: bool = False,
     ) -> None:
         super().__init__(
             params,
@@ -174,6 +214,7 @@ class AdamW(_AdamBase):
             maximize=maximize,
             correct_bias=correct_bias,
             decoupled_weight_decay=True,
+            fused=fused,
         )
 
 
