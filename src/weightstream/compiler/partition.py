@@ -198,9 +198,10 @@ def build_plan(model: nn.Module, config: StreamingConfig, trace: Trace | None = 
             m = parent[id(m)]
         raise AssertionError("every slot's module is covered by a unit")
 
+    modules_by_id = {id(m): m for m in model.modules()}
     units_by_head: dict[int, UnitSpec] = {}
     for mid, slots in direct.items():
-        owner = next(m for m in model.modules() if id(m) == mid)
+        owner = modules_by_id[mid]
         for s in slots:
             h = head_of(owner)
             u = units_by_head.setdefault(id(h), UnitSpec(0, names[id(h)], h))

@@ -128,6 +128,11 @@ class Streamer:
         self.depth = prefetch_depth
         self.units = [StreamingUnit.from_spec(u, compute_dtype_of) for u in plan.units]
         self.meter = ResidencyMeter()
+        # id(parameter) -> every (module, name) slot registering it, for foreign reads.
+        self._slots_by_param: dict[int, list[tuple[nn.Module, str]]] = {}
+        for u in self.units:
+            for slot in u.spec.slots:
+                self._slots_by_param.setdefault(id(slot.param), []).append((slot.module, slot.name))
         self._hooks: list = []
         self._ids = itertools.count()
         # Predicted forward order of units (positions): the last forward's, or the plan's.
@@ -240,7 +245,7 @@ class Streamer:
             previous.append((slot.module, slot.name, slot.module._parameters[slot.name]))
             slot.module._parameters[slot.name] = by_param[id(slot.param)]
         for p in unit.spec.foreign:
-            for owner, name in self._slots_of(p):
+            for owner, name in self._slots_by_param.get(id(p), ()):
                 previous.append((owner, name, owner._parameters[name]))
                 owner._parameters[name] = by_param[id(p)]
         self._windows.append(_Window(unit, pos, copy, previous))
@@ -269,12 +274,6 @@ class Streamer:
         for p in range(pos + 1, min(pos + 1 + self.depth, len(self._order_hint))):
             if p not in self._prefetched:
                 self._prefetched[p] = self._issue(self.units[self._order_hint[p]], background=True)
-
-    def _slots_of(self, param: nn.Parameter):
-        for u in self.units:
-            for s in u.spec.slots:
-                if s.param is param:
-                    yield s.module, s.name
 
     # ---- saved tensors (backward) -------------------------------------------------
 
