@@ -17,6 +17,7 @@ checksum), ``writer`` (atomic streaming save), ``reader`` (H5 source),
 from weightstream.checkpoint.convert import convert
 from weightstream.checkpoint.errors import (
     CheckpointError,
+    CheckpointWriteError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     PickleNotAllowedError,
@@ -38,6 +39,7 @@ from weightstream.checkpoint.writer import save
 __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
+    "CheckpointWriteError",
     "CorruptCheckpointError",
     "DiffResult",
     "IncompleteCheckpointError",

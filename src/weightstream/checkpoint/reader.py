@@ -208,6 +208,13 @@ class H5Source(Source):
     def _decode_tree(self, spec: Any, names: set[str]) -> tuple[Node, dict[str, str] | None]:
         """The tree, and for a file without a usable spec the key -> dataset names."""
         text = _text(spec)
+        if text is None and ATTR_LIBRARY_VERSION in self._attrs:
+            # Every file weightstream writes has a spec: without it the nesting of the
+            # state is lost, and a flat dict of dataset names is not what was saved.
+            raise CorruptCheckpointError(
+                f"{self.path}: its {ATTR_SPEC} attribute (the state's structure), which "
+                f"weightstream always writes, is missing. {_DAMAGED_FIX}"
+            )
         stored = self._attrs.get(ATTR_SPEC_CHECKSUM)
         if text is not None and stored is not None and self._verify:
             actual = checksum(np.frombuffer(text.encode("utf-8", "surrogatepass"), np.uint8))

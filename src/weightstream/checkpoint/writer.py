@@ -40,6 +40,8 @@ import h5py
 import numpy as np
 import torch
 
+from weightstream.checkpoint.crash import crash_point
+from weightstream.checkpoint.errors import CheckpointWriteError
 from weightstream.checkpoint.format import (
     ATTR_BFLOAT16,
     ATTR_CHECKSUM,
@@ -123,27 +125,52 @@ def save(
         compression_level: gzip level 0-9 (default 4); ignored for lz4.
         fsync: flush the file and the directory to disk before returning
             (default). Turn off only for scratch files.
+
+    Raises:
+        CheckpointWriteError (an OSError) when the file cannot be written
+        (full disk, file size limit, permissions); ``path`` is then untouched.
     """
     target = _target_path(path, "save")
     options = _compression_options(compression, compression_level)
     flat = flatten(state_dict)
     names = _dataset_names([key for key, _ in flat.leaves])
     spec = tree_to_json(flat.tree)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with (
-        atomic_path(target, fsync=fsync) as tmp,
-        h5py.File(
-            tmp, "w", libver=LIBVER, alignment_threshold=ALIGNMENT, alignment_interval=ALIGNMENT
-        ) as f,
-    ):
-        writer = LeafWriter(f, options)
-        for (key, value), name in zip(flat.leaves, names):
-            writer.write(key, name, value)
-        f.attrs[ATTR_SPEC] = spec
-        f.attrs[ATTR_SPEC_CHECKSUM] = np.uint64(checksum(np.frombuffer(spec.encode(), np.uint8)))
-        f.attrs[ATTR_VERSION] = FORMAT_VERSION
-        set_text(f.attrs, ATTR_LIBRARY_VERSION, _library_version())
-        f.attrs[ATTR_SUCCESS] = True  # last: Note [atomic save]
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with (
+            atomic_path(target, fsync=fsync) as tmp,
+            open(tmp, "w+b", buffering=0) as raw,
+        ):
+            guard = WriteGuard(raw)
+            with h5py.File(
+                guard,
+                "w",
+                libver=LIBVER,
+                alignment_threshold=ALIGNMENT,
+                alignment_interval=ALIGNMENT,
+            ) as f:
+                writer = LeafWriter(f, options)
+                for (key, value), name in zip(flat.leaves, names):
+                    writer.write(key, name, value)
+                    guard.check()  # stop at the first failed write
+                    crash_point("save.leaf")  # Note [crash points]
+                f.attrs[ATTR_SPEC] = spec
+                f.attrs[ATTR_SPEC_CHECKSUM] = np.uint64(
+                    checksum(np.frombuffer(spec.encode(), np.uint8))
+                )
+                f.attrs[ATTR_VERSION] = FORMAT_VERSION
+                set_text(f.attrs, ATTR_LIBRARY_VERSION, _library_version())
+                f.attrs[ATTR_SUCCESS] = True  # last: Note [atomic save]
+            guard.check()  # closing flushes the metadata: that may fail too
+    except (OSError, RuntimeError) as e:
+        # A failed write (full disk, file size limit, read-only directory);
+        # RuntimeError: what h5py raises for some other HDF5 failures.
+        raise CheckpointWriteError(
+            f"save(): could not write {target} ({type(e).__name__}: {e}). Nothing was "
+            f"replaced: {target.name} is as it was before (if it existed) and the partial "
+            "temporary file was deleted. Free disk space, raise the file size limit "
+            f"(ulimit -f) or make {target.parent} writable, then save again."
+        ) from e
 
 
 @contextmanager
@@ -158,12 +185,71 @@ def atomic_path(target: Path, *, fsync: bool = True) -> Iterator[Path]:
         if fsync:
             _fsync_path(tmp)
         os.replace(tmp, target)
+        crash_point("save.renamed")  # Note [crash points]
     except BaseException:
         with suppress(OSError):
             tmp.unlink()
         raise
     if fsync:
         _fsync_path(target.parent, directory=True)
+
+
+class WriteGuard:
+    """The file object HDF5 writes a checkpoint through (``driver="fileobj"``).
+
+    Note [failed writes]: HDF5 does not survive write errors well. When a
+    write fails (full disk, file size limit, quota), h5py raises on some later
+    call, objects whose metadata cannot be flushed stay open, their
+    deallocation raises again, and the process can crash with a segmentation
+    fault (in the middle of the save, or at exit when HDF5 closes what is left).
+    So HDF5 never sees a failed write: the guard keeps the first error and
+    pretends later writes succeed (they are dropped; the file is deleted
+    anyway), HDF5 closes cleanly, and :meth:`check` raises the kept error.
+    Reads, seeks and the rest go straight to the file.
+    """
+
+    def __init__(self, raw) -> None:
+        self._raw = raw  # an unbuffered binary file: every write reaches the OS now
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        if self.error is None:
+            try:
+                done = 0
+                while done < len(view):  # an unbuffered write may be partial
+                    done += self._raw.write(view[done:])
+            except OSError as e:
+                self.error = e
+        return len(view)
+
+    def truncate(self, size: int | None = None) -> int:
+        if self.error is None:
+            try:
+                return self._raw.truncate(size)
+            except OSError as e:
+                self.error = e
+        return self._raw.tell() if size is None else size
+
+    def flush(self) -> None:
+        pass  # unbuffered: nothing is held back
+
+    def read(self, size: int = -1) -> bytes:
+        return self._raw.read(size)
+
+    def readinto(self, buffer) -> int:
+        return self._raw.readinto(buffer)
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self._raw.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def check(self) -> None:
+        """Raise the first failed write, if there was one."""
+        if self.error is not None:
+            raise self.error
 
 
 def _fsync_path(path: Path, *, directory: bool = False) -> None:

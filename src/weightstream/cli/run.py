@@ -2,7 +2,8 @@
 
 model_dir after a training run:
     checkpoint_{step}.mdl        trainer checkpoints (every checkpoint_steps and at the end)
-    train/                       TensorBoard events of training, params_train.yaml
+    train/                       TensorBoard events of training, params_train.yaml,
+                                 losses.jsonl (the loss of every step; see trainer.LossLog)
     eval/                        TensorBoard events of evaluation, params_eval.yaml
     ws_<checksum>/               the compile directory: plan.json, compile_report.txt
     performance/performance.json compile_time, est_samples_per_sec, ... (seed 000)
@@ -15,6 +16,7 @@ import logging
 import os
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,7 +28,9 @@ from weightstream import checkpoint as ckpt
 from weightstream.cli.params import Params, save_params
 from weightstream.cli.run_args import build_run_parser, params_from_args
 from weightstream.config import run_configuration
+from weightstream.runtime import swarm
 from weightstream.runtime.performance import PerformanceTracker
+from weightstream.runtime.rng import capture_rng_state, restore_rng_state
 from weightstream.runtime.trainer import Trainer, TrainerSettings, batch_size_of
 
 log = logging.getLogger("weightstream")
@@ -62,9 +66,28 @@ class Run:
 
     # ---- building ---------------------------------------------------------------------
 
+    def _write_performance(self) -> None:
+        if swarm.is_main():
+            self.perf.write(self.model_dir)
+
     def _write_params(self, sub: str) -> None:
+        """The first write of a phase: model_dir/sub/params_{sub}.yaml (rank 0)."""
+        if not swarm.is_main():
+            return
         directory = self.model_dir / sub
-        directory.mkdir(parents=True, exist_ok=True)
+        # Say plainly when model_dir cannot be written, before TensorBoard's
+        # writer thread or a checkpoint save finds out on its own.
+        for d in (self.model_dir, directory):
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryFile(dir=d):
+                    pass
+            except OSError as e:
+                raise OSError(
+                    e.errno,
+                    f"cannot write in {d} ({e.strerror}); make it writable, or give another "
+                    "model directory with -o",
+                ) from e
         save_params(self.params, directory / f"params_{sub}.yaml")
 
     def _compute_dtype(self):
@@ -86,6 +109,7 @@ class Run:
                 unit_size_target=self.rc.unit_size_target,
                 compute_dtype=self._compute_dtype(),
             )
+        swarm.broadcast_module(model)  # every rank starts from rank 0's weights
         compiled = cstorch.compile(model, backend="wse_ws" if self.ws else "wse_lp", **kwargs)
         return model, compiled
 
@@ -105,7 +129,19 @@ class Run:
     # ---- compile ----------------------------------------------------------------------
 
     def compile(self, compiled, section) -> None:
-        """Trace with the real batch shape, build the plan and the report (seeds 001/002)."""
+        """Trace with the real batch shape, build the plan and the report (seeds 001/002).
+
+        Draws no random number from the run's generators (the example batch's
+        loader draws its seed from torch's): a run resumed from a checkpoint
+        restores them before compiling, and must continue from them exactly.
+        """
+        rng = capture_rng_state()
+        try:
+            self._compile(compiled, section)
+        finally:
+            restore_rng_state(rng)
+
+    def _compile(self, compiled, section) -> None:
         t0 = time.perf_counter()
         example = next(iter(self._input_fn(section, True)()))
         args = self._model_inputs(example)
@@ -126,6 +162,8 @@ class Run:
     # ---- modes ------------------------------------------------------------------------
 
     def execute(self) -> int:
+        if swarm.init_from_env(self.device) and not swarm.is_main():
+            log.setLevel(logging.WARNING)  # rank 0 reports for the run
         self.model_dir.mkdir(parents=True, exist_ok=True)
         with run_configuration(
             model_dir=str(self.model_dir),
@@ -172,17 +210,20 @@ class Run:
         return latest
 
     def train(self) -> None:
-        self._write_params("train")
         p, rc = self.params, self.rc
         model, compiled = self._build_model()
-        self.compile(compiled, p.train_input)
         if rc.validate_only or rc.compile_only:
-            self.perf.write(self.model_dir)
+            self.compile(compiled, p.train_input)
+            self._write_params("train")
+            self._write_performance()
             log.info(
                 "%s: done without training.",
                 "validate_only" if rc.validate_only else "compile_only",
             )
             return
+        # Everything that can be wrong with the input (data settings and files,
+        # optimizer, the checkpoint to resume from) is checked before the first
+        # write to model_dir: bad input changes nothing on disk (invariant 3).
         t_program = time.perf_counter()
         opt_params = p.optimizer
         groups = model.parameters()
@@ -199,9 +240,6 @@ class Run:
                 optimizer, learning_rate, adjust_learning_rate=opt_params.adjust_learning_rate
             )
         scaler = cstorch.amp.GradScaler(**opt_params.grad_scaler_kwargs())
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(str(self.model_dir / "train"))
         settings = TrainerSettings(
             task=self.task,
             model_dir=self.model_dir,
@@ -222,7 +260,6 @@ class Run:
             optimizer,
             lr_scheduler,
             scaler,
-            writer=writer,
             perf=self.perf,
         )
         dataloader = self._dataloader(
@@ -237,16 +274,38 @@ class Run:
         resume = Path(rc.checkpoint_path) if rc.checkpoint_path else None
         if resume is None and rc.autoload_last_checkpoint:
             resume = ckpt.find_latest_checkpoint(self.model_dir)
+        if resume is not None and self._finished(resume):
+            return
         if resume is not None:
-            trainer.load_checkpoint(resume, dataloader)
+            self._resume(trainer, resume, dataloader)
         self.perf.programming_time = time.perf_counter() - t_program
+        # Compiling reads the first batch (checking the data) and writes only the
+        # compile directory, and that only once everything compiled.
+        self.compile(compiled, p.train_input)
+        self._write_params("train")
+        from torch.utils.tensorboard import SummaryWriter
+
+        # purge_step: TensorBoard hides the events of steps after the checkpoint this
+        # run starts from, logged by an earlier run that was killed before its next
+        # checkpoint (this run logs those steps again).
+        writer = trainer.writer = (
+            SummaryWriter(str(self.model_dir / "train"), purge_step=trainer.global_step + 1)
+            if swarm.is_main()
+            else _NoWriter()
+        )
         steps = dataloader.num_steps
         log.info("Training %d steps from global step %d", steps, trainer.global_step)
         try:
             trainer.train(dataloader, steps)
-        finally:
-            writer.close()
-            self.perf.write(self.model_dir)
+        except BaseException:
+            # Never let a failure to write these hide the error that stopped training.
+            with contextlib.suppress(Exception):
+                writer.close()
+            with contextlib.suppress(Exception):
+                self._write_performance()
+            raise
+        writer.close()
+        self._write_performance()
         est = self.perf.est_samples_per_sec
         log.info(
             "Training finished with %d samples in %.3f seconds, %.2f samples/second%s.",
@@ -259,28 +318,68 @@ class Run:
             log.info("Loss for final step: %.5f", trainer.losses[-1])
         self.trainer = trainer
 
+    def _finished(self, path: Path) -> bool:
+        """True when the checkpoint to resume from already reached max_steps.
+
+        The run was complete (perhaps killed after its last checkpoint): running
+        it again has nothing to train, and changes nothing.
+        """
+        if self.rc.max_steps is None:
+            return False
+        try:
+            with ckpt.load(path) as state:  # lazy: reads the one value
+                step = state.get("global_step")
+        except (ckpt.CheckpointError, OSError, AttributeError, TypeError):
+            return False  # resuming reports what is wrong with it
+        if not isinstance(step, int) or step < self.rc.max_steps:
+            return False
+        log.info(
+            "%s is at global step %d and max_steps is %d: training is complete, nothing to do.",
+            path,
+            step,
+            self.rc.max_steps,
+        )
+        return True
+
+    def _resume(self, trainer: Trainer, path: Path, dataloader) -> None:
+        try:
+            trainer.load_checkpoint(path, dataloader)
+        except ckpt.CheckpointError as e:
+            if self.rc.checkpoint_path:
+                raise  # the user named this file
+            earlier = [
+                c
+                for _, c in ckpt.list_checkpoints(self.model_dir)
+                if c != path and ckpt.is_complete_checkpoint(c)
+            ]
+            hint = f"pass --checkpoint_path {earlier[-1]}, or " if earlier else ""
+            raise type(e)(
+                f"{e} (The run resumes from the newest checkpoint in {self.model_dir}: to resume "
+                f"from an earlier one, {hint}move {path.name} out of {self.model_dir}.)"
+            ) from e
+
     def evaluate(self, checkpoint_path: Path) -> dict:
-        self._write_params("eval")
         p, rc = self.params, self.rc
         if p.eval_input is None:
             raise ValueError("evaluation needs an eval_input section in the params file.")
         model, compiled = self._build_model()
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(str(self.model_dir / "eval"))
         trainer = Trainer(
             TrainerSettings(task=self.task, model_dir=self.model_dir),
             model,
             _Autocast(compiled, self._autocast),
-            eval_writer=writer,
         )
-        state = ckpt.load(checkpoint_path, map_location="cpu")
-        model.load_state_dict(state["model"])
-        trainer.global_step = int(state.get("global_step", 0))
+        trainer.load_checkpoint(checkpoint_path, weights_only=True)
         steps = rc.eval_steps
         loader = self._dataloader(p.eval_input, False, num_steps=steps) if steps else None
         if loader is None:
             loader = self._input_fn(p.eval_input, False)()
+        # Checked: the checkpoint and the eval data. Now model_dir may be written.
+        self._write_params("eval")
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = trainer.eval_writer = (
+            SummaryWriter(str(self.model_dir / "eval")) if swarm.is_main() else _NoWriter()
+        )
         try:
             return trainer.evaluate(loader, steps)
         finally:
@@ -305,14 +404,57 @@ class _Autocast:
         self.compiled.train()
 
 
+class _NoWriter:
+    """Stands in for TensorBoard's writer on ranks other than 0."""
+
+    def add_scalar(self, *args, **kwargs) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``weightstream run``; returns the exit code."""
     _setup_logging()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_run_parser().parse_args(argv)
     try:
         params = params_from_args(args)
-        os.makedirs(params.runconfig.model_dir, exist_ok=True)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        message = str(exc)
+        if str(args.params) not in message:
+            message = f"params file {str(args.params)!r}: {message}"
+        log.error("%s", message)
+        return 2
+    if params.runconfig.num_csx > 1 and "WORLD_SIZE" not in os.environ:
+        from weightstream.cli.launch import launch
+
+        return launch(argv, params.runconfig.num_csx)
+    model_dir = Path(params.runconfig.model_dir)
+    created = not model_dir.exists()
+    try:
+        os.makedirs(model_dir, exist_ok=True)
         return Run(params, args.mode, args.target).execute()
-    except (ValueError, TypeError, FileNotFoundError, FloatingPointError) as exc:
-        log.error("%s", exc)
+    except (ValueError, TypeError, OSError, FloatingPointError) as exc:
+        message = str(exc)
+        if (
+            isinstance(exc, OSError)
+            and not isinstance(exc, (FileNotFoundError, ckpt.CheckpointWriteError))
+            and "writable" not in message
+        ):
+            # A write failed (full disk, file size limit, read-only model_dir) or a
+            # file could not be read; the other two errors say what to do themselves.
+            message += (
+                f" (Check that {model_dir} is writable and its disk has free space, and "
+                "that the input files are readable.)"
+            )
+        log.error("%s", message)
+        if created:
+            # Bad input found before anything was written: leave no empty model_dir behind.
+            with contextlib.suppress(OSError):
+                model_dir.rmdir()
         return 2

@@ -95,8 +95,19 @@ def read_features(data_dir: str | os.PathLike) -> tuple[str, str, str]:
 
 
 def _check_file(path: Path) -> H5File:
-    h5py = _h5py()
     where = f"GPT HDF5 file {str(path)!r}"
+    try:
+        return _check_open_file(path, where)
+    except (OSError, RuntimeError, KeyError) as exc:
+        # h5py's errors on a damaged file (a flipped byte in its metadata).
+        raise ValueError(
+            f"{where} cannot be read: it is damaged ({type(exc).__name__}: {exc}); {_WRITE_HINT} "
+            "again, or copy it again from a good source."
+        ) from exc
+
+
+def _check_open_file(path: Path, where: str) -> H5File:
+    h5py = _h5py()
     try:
         f = h5py.File(path, "r", locking=False)
     except OSError as exc:
@@ -318,7 +329,15 @@ class GptHDF5Dataset(torch.utils.data.IterableDataset):
             rows = index[sel, 1]
             # h5py reads a list of rows only in increasing order: read sorted, put back.
             order = np.argsort(rows)
-            block = handles.data(files[file_i].path)[rows[order].tolist()]
+            path = files[file_i].path
+            try:
+                block = handles.data(path)[rows[order].tolist()]
+            except (OSError, RuntimeError, KeyError, ValueError) as exc:
+                raise ValueError(
+                    f"GPT HDF5 file {path!r}: cannot read examples {rows[order].tolist()} "
+                    f"({type(exc).__name__}: {exc}); the file is damaged. {_WRITE_HINT} again, "
+                    "or copy it again from a good source."
+                ) from exc
             examples[sel[order]] = block
             self._check_values(block, files[file_i], rows[order])
         return {name: torch.from_numpy(examples[:, row].copy()) for name, row in self.rows.items()}

@@ -7,13 +7,17 @@ scaling), update the scaler, step the LR schedule, log, checkpoint.
 
 Everything a resumed run needs to continue bit for bit is in the trainer
 checkpoint: model, optimizer, schedulers, grad scaler, data loader position,
-random number generator states and the step counter.
+random number generator states and the step counter. The loss of every step
+goes to ``train/losses.jsonl`` (:class:`LossLog`), which a resumed run cuts back
+to its checkpoint's step, so the file reads as if the run had never stopped.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -25,10 +29,16 @@ import torch.nn.functional as F
 
 from weightstream import checkpoint as ckpt
 from weightstream.amp import GradScaler
+from weightstream.checkpoint.crash import counting_ops
+from weightstream.data.state import aggregate_state_dict
+from weightstream.runtime import swarm
 from weightstream.runtime.performance import PerformanceTracker
 from weightstream.runtime.rng import capture_rng_state, restore_rng_state
 
 log = logging.getLogger("weightstream")
+
+# The per-step loss log, relative to model_dir (see LossLog).
+LOSS_LOG = Path("train") / "losses.jsonl"
 
 
 def task_loss(task: str, model: Callable, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -100,6 +110,8 @@ class Trainer:
         self.global_step = 0
         self.losses: list[float] = []
         self._progress: ProgressBar | None = None
+        self._loss_log: LossLog | None = None
+        self._saved_step: int | None = None
 
     # ---- checkpoints ----------------------------------------------------------------
 
@@ -116,38 +128,73 @@ class Trainer:
             state["schedulers"] = [self.lr_scheduler.state_dict()]
         state["grad_scaler"] = self.grad_scaler.state_dict()
         if dataloader is not None:
-            state["dataloader"] = dataloader.state_dict()
+            # Each rank streams its own shard: the checkpoint keeps every rank's position.
+            states = swarm.all_gather_objects(dataloader.state_dict())
+            state["dataloader"] = states[0] if len(states) == 1 else aggregate_state_dict(states)
         return state
 
     def save_checkpoint(self, dataloader) -> Path:
+        """Every rank calls this (the state gathers from all); rank 0 writes the file."""
         path = ckpt.checkpoint_path(self.s.model_dir, self.global_step)
-        ckpt.save(self.state_dict(dataloader), path)
+        state = self.state_dict(dataloader)
+        self._saved_step = self.global_step
+        if not swarm.is_main():
+            swarm.barrier()
+            return path
+        try:
+            ckpt.save(state, path)
+        except ckpt.CheckpointWriteError as e:
+            latest = ckpt.find_latest_checkpoint(self.s.model_dir)
+            where = (
+                f"The newest complete checkpoint, {latest}, is intact: a new run with this "
+                "model_dir resumes from it."
+                if latest is not None
+                else "There is no earlier checkpoint: a new run starts from step 0."
+            )
+            raise ckpt.CheckpointWriteError(
+                f"{e} Training stopped at global step {self.global_step}. {where}"
+            ) from e
         log.info("Saving checkpoint at global step %d: %s", self.global_step, path)
         if self.s.max_checkpoints:
             ckpt.prune_checkpoints(self.s.model_dir, self.s.max_checkpoints)
+        swarm.barrier()
         return path
 
     def load_checkpoint(self, path, dataloader=None, weights_only: bool = False) -> None:
         state = ckpt.load(path, map_location="cpu")
-        if "model" not in state:
+        if not isinstance(state, dict) or "model" not in state:
+            keys = sorted(map(str, state)) if isinstance(state, dict) else []
             raise ValueError(
                 f"{path} is not a trainer checkpoint: it has no 'model' entry (keys: "
-                f"{', '.join(sorted(state)[:8])}). Pass a checkpoint written by this command."
+                f"{', '.join(keys[:8])}). Pass a checkpoint written by this command."
             )
-        self.model.load_state_dict(state["model"])
-        if weights_only:
-            return
-        if self.optimizer is not None and "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
-        if self.lr_scheduler is not None and state.get("schedulers"):
-            self.lr_scheduler.load_state_dict(state["schedulers"][0])
-        if "grad_scaler" in state:
-            self.grad_scaler.load_state_dict(state["grad_scaler"])
-        if dataloader is not None and "dataloader" in state:
-            dataloader.load_state_dict(state["dataloader"])
-        if "rng" in state:
-            restore_rng_state(state["rng"])
-        self.global_step = int(state.get("global_step", 0))
+        try:
+            self.model.load_state_dict(state["model"])
+            if weights_only:  # evaluation: the weights and the step they reached
+                self.global_step = int(state.get("global_step", 0))
+                return
+            if self.optimizer is not None and "optimizer" in state:
+                self.optimizer.load_state_dict(state["optimizer"])
+            if self.lr_scheduler is not None and state.get("schedulers"):
+                self.lr_scheduler.load_state_dict(state["schedulers"][0])
+            if "grad_scaler" in state:
+                self.grad_scaler.load_state_dict(state["grad_scaler"])
+            if dataloader is not None and "dataloader" in state:
+                dataloader.load_state_dict(state["dataloader"])
+            if "rng" in state:
+                restore_rng_state(state["rng"])
+            self.global_step = int(state.get("global_step", 0))
+        except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as e:
+            # torch's load_state_dict raises RuntimeError on missing keys and shape
+            # mismatches; the others come from a state of another structure.
+            what = "load the weights of" if weights_only else "resume from"
+            raise ValueError(
+                f"cannot {what} {path}: {type(e).__name__}: {e} The checkpoint does not "
+                "fit this run: it was probably written with another params file (model, "
+                "optimizer or data settings). Resume with the params file it was written with "
+                "(a run keeps it in model_dir/train/params_train.yaml), pass --checkpoint_path "
+                "with another checkpoint, or train in a new model_dir."
+            ) from e
         log.info("Resumed from %s at global step %d", path, self.global_step)
 
     # ---- training ---------------------------------------------------------------------
@@ -169,14 +216,17 @@ class Trainer:
             loss, _, _ = task_loss(self.s.task, self.compiled, batch)
             scaled = loss / len(batches)
             scaler.scale(scaled).backward()
-            total = total + scaled.detach().cpu()
+            total = total + swarm.average(scaled.detach()).cpu()
+        # SwarmX reduce: every rank's gradients become the mean over the ranks.
+        swarm.average_gradients(p for g in opt.param_groups for p in g["params"])
         scaler.unscale_(opt)
         params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
         if self.s.max_gradient_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, self.s.max_gradient_norm)
         elif self.s.max_gradient_value is not None:
             torch.nn.utils.clip_grad_value_(params, self.s.max_gradient_value)
-        scaler.step(opt)
+        with counting_ops("update"):  # Note [crash points] in checkpoint/crash.py
+            scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
         if self.lr_scheduler is not None:
@@ -187,6 +237,18 @@ class Trainer:
         """Run ``num_steps`` optimizer steps from ``self.global_step``."""
         if self.s.save_initial_checkpoint and self.global_step == 0:
             self.save_checkpoint(dataloader)
+        # Lines past the step this run starts from belong to a run that was
+        # killed after it logged them: they are cut (Note in LossLog).
+        if swarm.is_main():  # one log for the run, written by rank 0
+            self._loss_log = LossLog(self.s.model_dir / LOSS_LOG, self.global_step)
+        try:
+            self._train(dataloader, num_steps)
+        finally:
+            if self._loss_log is not None:
+                self._loss_log.close()
+                self._loss_log = None
+
+    def _train(self, dataloader, num_steps: int) -> None:
         it = iter(dataloader)
         self.perf.start()
         end = self.global_step + num_steps
@@ -200,7 +262,7 @@ class Trainer:
             loss_value = loss.item()  # host sync point: the step is complete
             seconds = time.perf_counter() - t0
             self.global_step += 1
-            samples = sum(batch_size_of(b) for b in batches)
+            samples = sum(batch_size_of(b) for b in batches) * swarm.world_size()
             self.perf.add_step(seconds, wait, samples)
             self.losses.append(loss_value)
             self._check_loss(loss_value)
@@ -211,8 +273,12 @@ class Trainer:
         if self._progress is not None:
             self._progress.close()
             self._progress = None
-        last = ckpt.checkpoint_path(self.s.model_dir, self.global_step)
-        if not last.exists():
+        # Decided from the run's own history, the same on every rank (a file check
+        # could differ between ranks while rank 0 writes).
+        if self._saved_step != self.global_step and not (
+            ckpt.checkpoint_path(self.s.model_dir, self.global_step).exists()
+            and swarm.world_size() == 1
+        ):
             self.save_checkpoint(dataloader)
 
     def _check_loss(self, value: float) -> None:
@@ -220,15 +286,24 @@ class Trainer:
             return
         if self.grad_scaler.dynamic:
             return  # the scaler skipped the step; the loss scale adapts
+        latest = ckpt.find_latest_checkpoint(self.s.model_dir)
+        newest = (
+            f"the newest checkpoint, {latest}, is the last good state (a new run in this "
+            "model_dir resumes from it)"
+            if latest is not None
+            else "there is no checkpoint yet (a new run starts from step 0)"
+        )
         raise FloatingPointError(
-            f"the loss is {value} at global step {self.global_step}; training stopped and the "
-            "newest checkpoint in the model directory is the last good state. Lower the learning "
-            "rate, enable dynamic loss scaling (loss_scaling_factor: dynamic) or set "
-            "runconfig.check_loss_values: false to continue regardless."
+            f"the loss is {value} at global step {self.global_step}; training stopped and "
+            f"{newest}. Lower the learning rate, enable dynamic loss scaling "
+            "(loss_scaling_factor: dynamic) or set runconfig.check_loss_values: false to "
+            "continue regardless."
         )
 
     def _log(self, loss: float, rate: float) -> None:
         step = self.global_step
+        if self._loss_log is not None:
+            self._loss_log.append(step, loss)
         if self.writer is not None:
             self.writer.add_scalar("loss", loss, step)
             if self.optimizer is not None:
@@ -267,6 +342,12 @@ class Trainer:
             else:
                 accuracy.update(labels, preds)
         self.compiled.train()
+        # Each rank evaluated its shard: sum the metrics' accumulators and average the loss.
+        for metric in (accuracy, perplexity):
+            if metric is not None:
+                for acc in metric.accumulators():
+                    acc.copy_(swarm.average(acc) * swarm.world_size())
+        loss_sum = float(swarm.average(torch.tensor(loss_sum, dtype=torch.float64)))
         if steps == 0:
             raise ValueError("the evaluation data loader produced no batch; check eval_input.")
         results = {"loss": loss_sum / steps, "accuracy": float(accuracy)}
@@ -283,6 +364,69 @@ class Trainer:
             ", ".join(f"{k} = {v:.5f}" for k, v in results.items()),
         )
         return results
+
+
+class LossLog:
+    """``model_dir/train/losses.jsonl``: the loss of every optimizer step, one JSON line each.
+
+    A line is ``{"step": 12, "loss": 3.41903...}``; Python's json writes the
+    float with ``repr``, so it reads back bit for bit (a non-finite loss as
+    ``NaN`` / ``Infinity``, which Python's json reads). Each line is appended
+    and flushed when its step is complete, so it survives a kill of the process
+    (not a crash of the machine: the file is not fsynced, the checkpoints are).
+
+    Opening it for a run that starts at global step ``start`` cuts the file
+    after the line of step ``start``: lines of later steps were written by a
+    run that was killed before its next checkpoint, and a partial last line
+    by a kill in the middle of a write. So the file always holds one line per
+    step of the one history a resumed run continues, as if it had never
+    stopped. Owner: the Trainer, for one call of ``train()``.
+    """
+
+    def __init__(self, path: Path, start: int) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "ab")  # closed by close()
+        try:
+            self._cut(start)
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _cut(self, start: int) -> None:
+        keep = 0
+        with open(self.path, "rb") as f:
+            for line in f:
+                if not line.endswith(b"\n"):
+                    break  # a partial line: the write was interrupted
+                try:
+                    step = json.loads(line)["step"]
+                except (ValueError, KeyError, TypeError):
+                    break
+                if not isinstance(step, int) or step > start:
+                    break
+                keep += len(line)
+        if keep != os.fstat(self._file.fileno()).st_size:
+            self._file.truncate(keep)
+
+    def append(self, step: int, loss: float) -> None:
+        line = json.dumps({"step": step, "loss": loss}) + "\n"
+        self._file.write(line.encode())
+        self._file.flush()  # one write(2) per step: whole lines reach the file
+
+    def close(self) -> None:
+        self._file.close()
+
+    @staticmethod
+    def read(path: str | os.PathLike) -> list[tuple[int, float]]:
+        """(step, loss) of every complete line of a loss log."""
+        out = []
+        with open(path, "rb") as f:
+            for line in f:
+                if line.endswith(b"\n"):
+                    entry = json.loads(line)
+                    out.append((entry["step"], entry["loss"]))
+        return out
 
 
 class ProgressBar:

@@ -1,0 +1,146 @@
+"""Data parallel over torch.distributed (gloo, local processes started by the run command).
+
+Two ranks with half the global batch each must equal one rank with the whole
+batch. The arithmetic differs only in the order of the sums: one rank sums the
+per-token losses of the whole batch in one reduction, two ranks sum each half
+and average the two gradients. That changes the last bits of the gradients
+(relative 1e-7 per step), which AdamW's normalisation can carry into the
+weights at the scale of its update size for near-zero gradients: hence the
+stated tolerances below.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from weightstream import checkpoint as ckpt
+from weightstream.cli.main import main
+
+ROOT = Path(__file__).resolve().parent.parent
+LOSS_RTOL = 1e-5
+WEIGHT_ATOL = 2e-5
+
+
+def _params(tmp_path: Path, model: str, max_steps: int = 6) -> Path:
+    if model == "gpt2":
+        data = {
+            "data_processor": "TextCorpusProcessor",
+            "batch_size": 8,
+            "seq_len": 32,
+            "vocab_size": 256,
+            "shuffle_seed": 3,
+        }
+        model_section = {
+            "name": "gpt2",
+            "n_layer": 2,
+            "d_model": 32,
+            "n_head": 2,
+            "seq_len": 32,
+            "vocab_size": 256,
+        }
+    else:
+        data = {
+            "data_processor": "DigitsProcessor",
+            "batch_size": 32,
+            "image_size": 28,
+            "shuffle_seed": 3,
+        }
+        model_section = {"name": "fc_mnist"}
+    params = {
+        "train_input": data,
+        "model": model_section,
+        "optimizer": {"optimizer_type": "AdamW", "learning_rate": 2e-3, "weight_decay": 0.01},
+        "runconfig": {
+            "max_steps": max_steps,
+            "checkpoint_steps": 3,
+            "log_steps": 1,
+            "seed": 5,
+            "unit_size_target": 20_000,
+        },
+    }
+    path = tmp_path / f"{model}.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
+def _losses(model_dir: Path) -> list[float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(model_dir / "train"))
+    acc.Reload()
+    return [e.value for e in acc.Scalars("loss")]
+
+
+def _final_weights(model_dir: Path, step: int) -> dict:
+    return dict(ckpt.load(model_dir / f"checkpoint_{step}.mdl", map_location="cpu")["model"])
+
+
+@pytest.mark.parametrize("model", ["gpt2", "fc_mnist"])
+@pytest.mark.parametrize("mode", ["weight_streaming", "layer_pipelined"])
+def test_two_ranks_equal_one_rank_with_the_whole_batch(tmp_path, model, mode):
+    params = _params(tmp_path, model)
+    one, two = tmp_path / "one", tmp_path / "two"
+    common = ["run", "CPU", "-p", str(params), "--execution_mode", mode]
+    assert main([*common, "-o", str(one)]) == 0
+    assert main([*common, "-o", str(two), "--num_csx", "2"]) == 0
+    l1, l2 = _losses(one), _losses(two)
+    assert len(l1) == len(l2) == 6
+    torch.testing.assert_close(torch.tensor(l2), torch.tensor(l1), rtol=LOSS_RTOL, atol=0)
+    w1, w2 = _final_weights(one, 6), _final_weights(two, 6)
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=WEIGHT_ATOL, msg=k)
+    # written once, by rank 0, in the same single-file format
+    assert [s for s, _ in ckpt.list_checkpoints(two)] == [3, 6]
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(x) for x in path.read_text().split()] if path.exists() else []
+
+
+def test_killing_one_rank_stops_the_run_naming_it(tmp_path):
+    params = _params(tmp_path, "gpt2", max_steps=100_000)
+    cmd = [
+        sys.executable,
+        "-m",
+        "weightstream",
+        "run",
+        "CPU",
+        "-p",
+        str(params),
+        "-o",
+        str(tmp_path / "m"),
+        "--num_csx",
+        "2",
+    ]
+    env = dict(os.environ, WEIGHTSTREAM_DIST_TIMEOUT="30")
+    launcher = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(_children(launcher.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ranks = _children(launcher.pid)
+        assert len(ranks) == 2
+        time.sleep(8)  # let training start
+        os.kill(ranks[1], signal.SIGKILL)
+        killed_at = time.monotonic()
+        out, _ = launcher.communicate(timeout=90)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode != 0
+    assert elapsed < 60, elapsed
+    assert "rank 1 of 2 was killed by signal 9" in out
