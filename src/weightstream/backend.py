@@ -16,6 +16,7 @@ import enum
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from weightstream.runtime.config import StreamingConfig
 from weightstream.runtime.engine import StreamingEngine
@@ -80,8 +81,6 @@ class CompiledModule(nn.Module):
     def forward(self, *args, **kwargs):
         if self._engine is not None:
             return self._engine(*args, **kwargs)
-        from torch.utils import _pytree as pytree
-
         args, kwargs = pytree.tree_map_only(
             torch.Tensor, lambda t: t.to(self.device, non_blocking=True), (args, kwargs)
         )
