@@ -14,14 +14,22 @@ import json
 import models as zoo
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from weightstream.compiler import machine as machine_mod
-from weightstream.compiler.cost import OUTSIDE_NAME, StepCosts, UnitCost, unit_costs
+from weightstream.compiler.cost import (
+    OP_CLASSES,
+    OUTSIDE_NAME,
+    StepCosts,
+    UnitCost,
+    function_costs,
+    unit_costs,
+)
 from weightstream.compiler.estimate import EstimateSettings, estimate
-from weightstream.compiler.machine import MachineProfile, load_or_measure
+from weightstream.compiler.machine import MachineProfile, UpdateCost, load_or_measure
 from weightstream.compiler.partition import build_plan
 from weightstream.compiler.report import compile_checksum, load_compile_dir, write_compile_dir
 from weightstream.compiler.trace import trace_forward
@@ -240,6 +248,78 @@ def test_activation_saved_twice_counts_once():
     assert costs.outside.activation_bytes == B * 16 * F32 + B * 32 * F32
 
 
+# ---- operators, their bytes and matmul sizes ----------------------------------------------
+
+
+def test_operator_counts_bytes_and_matmul_sizes_of_a_chain():
+    model = Chain(DIMS, act=True)  # ReLU modules are not units: their work is outside
+    x = torch.randn(B, DIMS[0])
+    costs = unit_costs(model, _plan(model, x), (x,), {})
+    for u, (i, o) in zip(costs.units, itertools.pairwise(DIMS)):
+        # forward: t (a view: no bytes) + addmm (a matmul: priced by FLOPs, no bytes)
+        assert (u.fwd_ops, u.fwd_mem) == (2, {})
+        # the product's effective size: the geometric mean of its two smallest dims
+        small, mid, _ = sorted((B, i, o))
+        assert u.fwd_matmul == {round((small * mid) ** 0.5): 2 * B * i * o}
+        assert sum(u.bwd_matmul.values()) == u.bwd_flops
+    first, second, last = costs.units
+    # backward of the first layer: dW = mm, and the bias gradient sums dY [B, 16]
+    # over the batch: reads B*16*4 bytes, writes 16*4 (nothing upstream needs dX)
+    assert first.bwd_mem == {"simple": {B * 16 * F32 + 16 * F32: B * 16 * F32 + 16 * F32}}
+    assert second.bwd_mem == {"simple": {B * 32 * F32 + 32 * F32: B * 32 * F32 + 32 * F32}}
+    # The last layer's dY is the sum's gradient: a [B, 4] expansion of one element,
+    # which reads its storage (4 bytes), not B * 4 elements.
+    assert last.bwd_mem == {"simple": {F32 + 4 * F32: F32 + 4 * F32}}
+    out = costs.outside
+    # forward outside: 2 x relu (in + out) and the loss sum ([B, 4] in, 1 out)
+    relu1, relu2, loss = 2 * B * 16 * F32, 2 * B * 32 * F32, B * 4 * F32 + F32
+    assert out.fwd_mem == {"simple": {loss: loss, relu1: relu1, relu2: relu2}}
+    assert out.fwd_ops == 3
+    # backward outside: ones_like (1 in, 1 out) and 2 x threshold_backward (dY, Y in; dX out)
+    assert out.bwd_mem == {
+        "simple": {2 * F32: 2 * F32, 3 * relu1 // 2: 3 * relu1 // 2, 3 * relu2 // 2: 3 * relu2 // 2}
+    }
+    assert costs.ops == sum(e.fwd_ops + e.bwd_ops for e in costs.entries)
+    assert costs.mem_bytes == sum(e.fwd_mem_bytes + e.bwd_mem_bytes for e in costs.entries)
+
+
+def test_operator_classes_follow_the_aten_names():
+    x = torch.randn(4, 128, requires_grad=True)
+    gelu = function_costs(lambda t: F.gelu(t, approximate="tanh"), (x,))
+    # gelu: in + out; gelu_backward: dY (the sum's gradient: one expanded element),
+    # X in, dX out
+    assert gelu.fwd_mem["gelu"] == {2 * 4 * 128 * F32: 2 * 4 * 128 * F32}
+    assert gelu.bwd_mem["gelu"] == {F32 + 2 * 4 * 128 * F32: F32 + 2 * 4 * 128 * F32}
+    assert set(gelu.fwd_mem) == {"gelu", "simple"}  # the loss's sum is simple
+    soft = function_costs(lambda t: torch.log_softmax(t, -1), (x,))
+    assert "softmax" in soft.fwd_mem and "softmax" in soft.bwd_mem
+
+
+def test_attention_counts_as_one_fused_operator_with_its_flops_by_size():
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, d_model=32, n_head=4)
+    model = GPT(cfg)
+    idx = torch.randint(0, 64, (2, 16))
+    costs = unit_costs(model, _plan(model, idx), (idx,), {})
+    block = costs.units[[u.name for u in costs.units].index("blocks.0")]
+    # B=2, H=4, T=S=16, D=8: the math path's 2 products forward, 4 backward;
+    # effective size: the cube root of T * S * D
+    fwd_attention = 2 * (2 * 2 * 4 * 16 * 16 * 8)
+    n = round((16 * 16 * 8) ** (1 / 3))
+    assert block.fwd_attention == {n: fwd_attention}
+    assert block.bwd_attention == {n: 2 * fwd_attention}
+    for u in costs.units:  # the decomposition's bmm are attention, not matmul FLOPs
+        assert sum(u.fwd_matmul.values()) + sum(u.fwd_attention.values()) == u.fwd_flops
+        assert sum(u.bwd_matmul.values()) + sum(u.bwd_attention.values()) == u.bwd_flops
+    # One operator moving q, k, v and the output forward ([2, 4, 16, 8] each),
+    # twice that backward: the same bytes on the "simple" list as a fused kernel.
+    qkvo = 4 * 2 * 4 * 16 * 8 * F32
+    assert block.fwd_mem["simple"][qkvo] >= qkvo
+    assert block.bwd_mem["simple"][2 * qkvo] >= 2 * qkvo
+    # FLOP totals are unchanged by the fused view
+    assert block.fwd_flops == 2 * 32 * 32 * (3 * 32 + 32 + 4 * 32 + 4 * 32) + fwd_attention
+
+
 # ---- estimate ------------------------------------------------------------------------------
 
 
@@ -274,24 +354,24 @@ def test_estimate_arithmetic_with_prefetch():
     assert small.bwd_compute_s == pytest.approx(4e-3)
     assert small.fwd_transfer_s == pytest.approx(4e-5)
     assert small.bwd_transfer_s == pytest.approx(8e-5)
-    assert (small.fwd_s, small.bwd_s, small.bound) == (
-        pytest.approx(2e-3),
-        pytest.approx(4e-3),
-        "compute",
-    )
     # big: compute 1 ms / 2 ms; transfer 2e6/1e8 = 20 ms, 4e6/1e8 = 40 ms -> transfer-bound
-    assert (big.fwd_s, big.bwd_s, big.bound) == (
-        pytest.approx(0.02),
-        pytest.approx(0.04),
-        "transfer",
-    )
+    assert (big.fwd_transfer_s, big.bwd_transfer_s) == (pytest.approx(0.02), pytest.approx(0.04))
+    assert (small.bound, big.bound) == ("compute", "transfer")
+    # Shares of the passes: a unit's work hides the fetch of the next unit of the
+    # pass, and the first unit of each pass also waits for its own fetch.
+    # forward (small, big): small = 40 us own fetch + max(2 ms work, 20 ms big's fetch);
+    # big = max(1 ms, nothing after it)
+    assert (small.fwd_s, big.fwd_s) == (pytest.approx(4e-5 + 0.02), pytest.approx(1e-3))
+    # backward (big, small): big = 40 ms own fetch + max(2 ms, 80 us small's fetch);
+    # small = max(4 ms, nothing)
+    assert (big.bwd_s, small.bwd_s) == (pytest.approx(0.04 + 2e-3), pytest.approx(4e-3))
     # update: 28 bytes per trainable parameter over 4e8 B/s
     assert small.update_s == pytest.approx(1000 * 28 / 4e8)
     assert big.update_s == pytest.approx(500_000 * 28 / 4e8)
     assert est.update_s == pytest.approx(0.03507)
     # outside the units: 1e5 and 2e5 FLOPs at 1e9 FLOP/s
     assert (est.outside_fwd_s, est.outside_bwd_s) == (pytest.approx(1e-4), pytest.approx(2e-4))
-    step = (2e-3 + 4e-3) + (0.02 + 0.04) + (1e-4 + 2e-4) + 0.03507
+    step = (4e-5 + 0.02 + 1e-3) + (0.04 + 2e-3 + 4e-3) + (1e-4 + 2e-4) + 0.03507
     assert est.step_s == pytest.approx(step)
     assert est.est_samples_per_sec == pytest.approx(8 / step)
     assert est.compute_s == pytest.approx(2e-3 + 4e-3 + 1e-3 + 2e-3 + 3e-4)
@@ -330,6 +410,121 @@ def test_estimate_dtypes_and_cpu_limit():
         estimate(_costs(), _profile(), EstimateSettings(batch_size=8, compute_dtype="float16"))
     with pytest.raises(ValueError, match="batch_size"):
         EstimateSettings(batch_size=0)
+
+
+def _overhead_profile() -> MachineProfile:
+    """A CPU profile with every curve and fixed cost: round numbers to check by hand."""
+    return MachineProfile(
+        device="cpu",
+        device_name="hand-made",
+        torch_version=torch.__version__,
+        num_threads=1,
+        matmul_flops={"float32": 1e9},
+        copy_bandwidth=1e8,
+        host_memory_bandwidth=4e8,
+        disk_write_bandwidth=None,
+        disk_read_bandwidth=None,
+        disk_dir=None,
+        matmul_curve={"10": 2.5e8, "40": 5e8},
+        attention_curve={"8": 1e8},
+        op_bandwidth={"simple": {"1000": 1e9, "100000": 4e9}, "gelu": {"1000": 2.5e8}},
+        op_overhead_fwd_s=1e-5,
+        op_overhead_bwd_s=5e-6,
+        unit_overhead_s=1e-4,
+        step_overhead_s=3e-4,
+    )
+
+
+def test_profile_curves_interpolate_log_log():
+    m = _overhead_profile()
+    # between two points: geometric; n=20 is halfway from 10 to 40 in log n
+    assert m.matmul_throughput(20, "float32") == pytest.approx(2.5e8 * 2**0.5)
+    assert m.matmul_throughput(5, "float32") == pytest.approx(2.5e8)  # clamped below
+    # above the curve: rises (log-linearly) to the peak at 4 x the last size
+    assert m.matmul_throughput(80, "float32") == pytest.approx(5e8 * 2**0.5)
+    assert m.matmul_throughput(160, "float32") == pytest.approx(1e9)
+    assert m.matmul_throughput(0, "float32") == 1e9  # unknown shape: the peak
+    assert m.op_throughput("simple", 10_000) == pytest.approx(2e9)
+    assert m.op_throughput("gelu", 10**6) == 2.5e8  # one point: the class's figure
+    assert m.op_throughput("silu", 1000) == 1e9  # no figure: priced as simple
+
+
+def test_estimate_terms_of_work_overheads_update_and_input():
+    unit = UnitCost(
+        0,
+        "block",
+        numel=1000,
+        trainable_numel=1000,
+        weight_bytes=4000,
+        trainable_bytes=4000,
+        fwd_flops=4_000_000,
+        bwd_flops=8_000_000,
+        trainable_tensors=2,
+        fwd_ops=10,
+        bwd_ops=20,
+        fwd_mem={"simple": {10_000: 200_000}, "gelu": {1000: 100_000}},
+        bwd_mem={"simple": {10_000: 400_000}},
+        fwd_matmul={20: 3_000_000},
+        bwd_matmul={20: 6_000_000},
+        fwd_attention={8: 500_000},
+        bwd_attention={8: 1_000_000},
+    )
+    outside = UnitCost(-1, OUTSIDE_NAME, fwd_ops=3, bwd_ops=4, fwd_mem={"simple": {1000: 1000}})
+    update = UpdateCost(spec={}, fixed_s=1e-3, per_tensor_s=1e-4, per_element_s=1e-8)
+    settings = EstimateSettings(
+        batch_size=4, update=update, input_s=2e-3, step_overhead_s=3e-4, prefetch_depth=1
+    )
+    est = estimate(StepCosts([unit], outside), _overhead_profile(), settings)
+    (u,) = est.units
+    mm20 = 2.5e8 * 2**0.5  # matmul throughput at n=20 (see the interpolation test)
+    # compute: 3e6 matmul FLOPs at n=20, 5e5 attention FLOPs at 1e8, the other 5e5 at peak
+    assert u.fwd_compute_s == pytest.approx(3e6 / mm20 + 5e5 / 1e8 + 5e5 / 1e9)
+    assert u.bwd_compute_s == pytest.approx(6e6 / mm20 + 1e6 / 1e8 + 1e6 / 1e9)
+    # memory: simple operators of 10 kB at 2e9 B/s, gelu at 2.5e8 B/s
+    assert u.fwd_memory_s == pytest.approx(2e5 / 2e9 + 1e5 / 2.5e8)
+    assert u.bwd_memory_s == pytest.approx(4e5 / 2e9)
+    # overhead: operators x the pass's fixed cost
+    assert (u.fwd_overhead_s, u.bwd_overhead_s) == (pytest.approx(1e-4), pytest.approx(1e-4))
+    # streaming: the unit's fetches (it is the first unit of both passes) and bookkeeping
+    assert (u.fwd_transfer_s, u.bwd_transfer_s) == (pytest.approx(4e-5), pytest.approx(8e-5))
+    assert u.fwd_s == pytest.approx(u.fwd_work_s + 4e-5)
+    assert u.bwd_s == pytest.approx(u.bwd_work_s + 8e-5)
+    assert u.stream_s == 1e-4
+    # update: 2 tensors x 1e-4 + 1000 elements x 1e-8, and the step's fixed 1 ms
+    assert u.update_s == pytest.approx(2e-4 + 1e-5)
+    assert est.update_s == pytest.approx(1e-3 + 2e-4 + 1e-5)
+    # outside: operators only (3 x 10 us, 4 x 5 us) and 1 kB of simple bytes at 1e9 B/s
+    assert est.outside_fwd_s == pytest.approx(3e-5 + 1000 / 1e9)
+    assert est.outside_bwd_s == pytest.approx(2e-5)
+    step = (
+        u.fwd_s + u.bwd_s + 1e-4 + est.outside_fwd_s + est.outside_bwd_s + est.update_s + 3e-4
+    ) + 2e-3
+    assert est.step_s == pytest.approx(step)
+    assert est.est_samples_per_sec == pytest.approx(4 / step)
+    assert est.model_samples_per_sec == pytest.approx(4 / (step - 2e-3))
+    assert est.overhead_s == pytest.approx(1e-4 + 1e-4 + 1e-4 + 3e-5 + 2e-5 + 3e-4)
+    assert est.memory_s == pytest.approx(u.fwd_memory_s + u.bwd_memory_s + 1e-6)
+    assert est.bound == "compute"
+    # On the CPU the operators' bytes load host memory too.
+    op_bytes = 200_000 + 100_000 + 400_000 + 1000
+    assert est.op_bytes == op_bytes
+    assert est.limit_s == pytest.approx(
+        max(12e6 / 1e9, (2 * (2 * 4000 + 4000) + 1000 * 28 + op_bytes) / 4e8)
+    )
+
+
+def test_layer_pipelined_estimate_has_no_transfer_and_no_streaming():
+    costs = _costs()
+    ws = estimate(costs, _overhead_profile(), EstimateSettings(batch_size=8))
+    lp = estimate(
+        costs, _overhead_profile(), EstimateSettings(batch_size=8, weight_streaming=False)
+    )
+    for w, p in zip(ws.units, lp.units):
+        assert (p.fwd_transfer_s, p.bwd_transfer_s, p.stream_s) == (0.0, 0.0, 0.0)
+        assert (p.fwd_s, p.bwd_s) == (p.fwd_work_s, p.bwd_work_s)
+        assert w.stream_s == 1e-4
+    assert lp.link_bytes == 0 and lp.transfer_s == 0.0
+    assert lp.step_s < ws.step_s
 
 
 # ---- checksum and compile directory -------------------------------------------------------
@@ -447,6 +642,13 @@ def test_machine_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert first.disk_read_bandwidth > 0 and first.disk_write_bandwidth > 0
     assert all(len(s) == 3 for s in first.samples.values())  # 3 repetitions each
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # probe file removed
+    # The fixed costs and curves of the estimate (Note [fixed costs] in machine.py).
+    assert first.op_overhead_fwd_s > 0 and first.op_overhead_bwd_s > 0
+    assert first.unit_overhead_s >= 0 and first.step_overhead_s >= 0
+    assert first.matmul_curve and first.attention_curve
+    assert set(first.op_bandwidth) == {"simple", *OP_CLASSES}
+    assert first.runtime_digest == machine_mod.runtime_digest()
+    assert first.other_load is None or 0 <= first.other_load <= 1
 
     calls = []
 
@@ -465,3 +667,73 @@ def test_machine_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert len(calls) == 2
     assert load_or_measure("cpu", path=tmp_path / "other.json", quick=True) == first
     assert len(calls) == 3 and (tmp_path / "other.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def quick_profile(tmp_path_factory) -> MachineProfile:
+    """One quick profile for the cache tests below (measured once per module)."""
+    path = tmp_path_factory.mktemp("profile") / "machine.json"
+    return load_or_measure("cpu", path=path, quick=True)
+
+
+def _cached(profile: MachineProfile, tmp_path, monkeypatch) -> MachineProfile:
+    """``profile`` as the cached profile of a cache directory at ``tmp_path``."""
+    monkeypatch.setenv("WEIGHTSTREAM_CACHE_DIR", str(tmp_path))
+    data = {**profile.to_dict(), "disk_dir": str(tmp_path)}
+    machine_mod._write_json_atomic(machine_mod.default_path("cpu", quick=True), data)
+    return load_or_measure("cpu", quick=True)
+
+
+def test_a_runtime_change_measures_only_the_software_figures_again(
+    tmp_path, monkeypatch, quick_profile
+):
+    first = _cached(quick_profile, tmp_path, monkeypatch)
+    monkeypatch.setattr(machine_mod, "runtime_digest", lambda: "another runtime")
+    monkeypatch.setattr(machine_mod, "measure", lambda *a, **k: pytest.fail("hardware measured"))
+    software = []
+
+    def fake_software(device, sizes, copy_bandwidth):
+        software.append(device)
+        return {
+            "op_overhead_fwd_s": 1.0,
+            "op_overhead_bwd_s": 2.0,
+            "unit_overhead_s": 3.0,
+            "step_overhead_s": 4.0,
+            "samples": {"op_overhead_fwd": [1.0] * 3},
+        }
+
+    monkeypatch.setattr(machine_mod, "_software_figures", fake_software)
+    second = load_or_measure("cpu", quick=True)
+    assert len(software) == 1
+    assert (second.op_overhead_fwd_s, second.unit_overhead_s, second.step_overhead_s) == (
+        1.0,
+        3.0,
+        4.0,
+    )
+    # the hardware figures are kept, the update costs (software) dropped
+    assert second.matmul_flops == first.matmul_flops
+    assert second.matmul_curve == first.matmul_curve and second.update_costs == {}
+    assert second.runtime_digest == "another runtime"
+    assert load_or_measure("cpu", quick=True) == second  # written back: a hit now
+    assert len(software) == 1
+
+
+def test_update_cost_is_measured_once_per_setting_and_cached(tmp_path, monkeypatch, quick_profile):
+    profile = _cached(quick_profile, tmp_path, monkeypatch)
+    spec = machine_mod.update_spec(
+        "SGD", {"learning_rate": [{"scheduler": "Linear"}], "momentum": 0.9}
+    )
+    assert spec["kwargs"] == {"momentum": 0.9}  # the learning rate does not change the cost
+    cost = machine_mod.update_cost(profile, spec)
+    assert cost.per_tensor_s >= 0 and cost.per_element_s >= 0 and cost.fixed_s >= 0
+    assert cost.seconds(2, 1000) == pytest.approx(
+        cost.fixed_s + 2 * cost.per_tensor_s + 1000 * cost.per_element_s
+    )
+    monkeypatch.setattr(machine_mod, "_measure_update", lambda *a: pytest.fail("measured twice"))
+    reloaded = load_or_measure("cpu", quick=True)  # the cache file holds it now
+    assert machine_mod.update_cost(reloaded, spec) == cost
+    with pytest.warns(UserWarning, match="could not time the optimizer update"):
+        monkeypatch.setattr(
+            machine_mod, "_measure_update", lambda *a: (_ for _ in ()).throw(ValueError("x"))
+        )
+        assert machine_mod.update_cost(reloaded, {**spec, "optimizer_type": "Nope"}) is None

@@ -8,22 +8,59 @@ instead of costing the model again.
 Set ``WEIGHTSTREAM_QUICK_MACHINE_PROFILE=1`` to measure the machine with tiny
 sizes (tests); the profile is measured once per machine and cached (see
 :mod:`weightstream.compiler.machine`).
+
+What the estimate needs besides the model and the machine (see
+:mod:`weightstream.compiler.estimate`): the step's loss (the task's
+cross-entropy on meta labels, as the trainer computes it), the cost of the
+run's optimizer update (``machine.update_cost``, measured once per optimizer
+setting and cached with the profile) and, when the training input has no
+worker processes, the seconds the input pipeline takes per batch (timed here
+on a few batches: it runs serially with every step).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
-from weightstream.compiler.cost import unit_costs
-from weightstream.compiler.estimate import EstimateSettings, estimate
-from weightstream.compiler.machine import load_or_measure
-from weightstream.compiler.partition import build_plan
+import torch
+
+from weightstream.compiler.cost import StepCosts, unit_costs
+from weightstream.compiler.estimate import Estimate, EstimateSettings, estimate
+from weightstream.compiler.machine import (
+    MachineProfile,
+    load_or_measure,
+    update_cost,
+    update_spec,
+)
+from weightstream.compiler.partition import Plan, build_plan
 from weightstream.compiler.report import compile_checksum, load_compile_dir, write_compile_dir
 from weightstream.runtime.config import StreamingConfig
 
 log = logging.getLogger("weightstream")
+
+ENV_QUICK = "WEIGHTSTREAM_QUICK_MACHINE_PROFILE"
+INPUT_TIMING_BATCHES = 20  # batches timed for the input term (at most INPUT_TIMING_SECONDS)
+INPUT_TIMING_SECONDS = 0.5
+
+
+def quick_profile() -> bool:
+    return os.environ.get(ENV_QUICK) == "1"
+
+
+def _update_spec_of(params, device: torch.device, weight_streaming: bool) -> dict:
+    opt = params.optimizer
+    return update_spec(
+        opt.optimizer_type,
+        opt.optimizer_kwargs(),
+        max_gradient_norm=opt.max_gradient_norm,
+        max_gradient_value=opt.max_gradient_value,
+        grad_scaler=opt.grad_scaler_kwargs(),
+        # Weight streaming updates the host masters; layer pipelined, the device copies.
+        device="cpu" if weight_streaming else device,
+    )
 
 
 def settings_of(run) -> dict:
@@ -36,7 +73,139 @@ def settings_of(run) -> dict:
         "unit_size_target": rc.unit_size_target,
         "compute_dtype": compute or "float32",
         "num_csx": rc.num_csx,
+        # The estimate depends on these too (a cached estimate must match them).
+        "update": _update_spec_of(run.params, run.device, run.ws),
+        "input_num_workers": run.params.train_input.num_workers,
     }
+
+
+def task_loss_fn(task: str, args: tuple) -> Callable:
+    """The trainer's loss of one batch (``runtime.trainer.task_loss``), on meta labels."""
+    from weightstream.runtime.trainer import task_loss
+
+    inputs = args[0]
+    shape = inputs.shape if task == "lm" else inputs.shape[:1]
+    labels = torch.empty(shape, dtype=torch.long, device="meta")
+    key = "input_ids" if task == "lm" else "inputs"
+
+    def loss_fn(out):
+        return task_loss(task, lambda _x: out, {key: inputs, "labels": labels})[0]
+
+    return loss_fn
+
+
+def input_seconds_per_batch(section: dict, device, quick: bool = False) -> float:
+    """Seconds one batch of ``section`` costs the training process (0 with worker processes).
+
+    Each timed batch follows a tiny training step and its logging
+    (``machine.tiny_training_steps``), as a batch does in a run.
+    """
+    if int(section.get("num_workers") or 0) > 0:
+        return 0.0
+    from weightstream.compiler.machine import tiny_training_steps
+    from weightstream.data.throughput import measure_input
+
+    steps = 2 if quick else INPUT_TIMING_BATCHES
+    with tiny_training_steps(device) as between:
+        m = measure_input(
+            section, True, 0, steps, max_seconds=INPUT_TIMING_SECONDS, between=between
+        )
+    return m.seconds_per_batch
+
+
+def estimate_for(
+    model: torch.nn.Module,
+    plan: Plan,
+    args: tuple,
+    batch_size: int,
+    *,
+    task: str | None,
+    machine: MachineProfile,
+    settings: EstimateSettings,
+) -> tuple[StepCosts, Estimate]:
+    """Cost ``model`` on ``plan`` for ``args`` and estimate it: what a run reports.
+
+    Reusable without a run (the input analyzer): ``task`` picks the loss
+    (None: the sum of the outputs).
+    """
+    loss_fn = task_loss_fn(task, args) if task is not None else None
+    costs = unit_costs(model, plan, args, loss_fn=loss_fn)
+    return costs, estimate(costs, machine, settings)
+
+
+def model_inputs(task: str, batch: dict) -> tuple:
+    """The model's positional inputs in a batch of ``task``'s format (models/registry.py)."""
+    return (batch["input_ids"],) if task == "lm" else (batch["inputs"],)
+
+
+def estimate_from_params(
+    params, device: torch.device | str = "cpu", batch: dict | None = None, input_s: float = 0.0
+) -> tuple[Estimate, MachineProfile]:
+    """The compile phase's estimate for a params file's model and training batch,
+    without a run (what the input analyzer compares the input pipeline with).
+
+    ``params``: parsed params (``cli.params.parse_params``). ``batch``: one
+    training batch (default: the first of the train_input pipeline). The model
+    is built on the meta device when it can be (no weights are allocated) and
+    planned as the run plans it: traced units for weight streaming, one unit per
+    module for layer pipelined.
+    """
+    from weightstream.compiler.trace import trace_forward
+    from weightstream.data.dataloader import _batch_size_of
+    from weightstream.data.throughput import section_with_workers
+
+    device = torch.device(device)
+    task = params.model.spec.task
+    if batch is None:
+        from weightstream.data.processors import get_data_processor
+
+        section = section_with_workers(params.train_input.to_dict(), 0)
+        loader = get_data_processor(section["data_processor"])(section, True)
+        batch = next(iter(loader))
+    args = model_inputs(task, batch)
+    try:
+        with torch.device("meta"):
+            model = params.model.build()
+    except Exception:  # an operator without a meta kernel in __init__: build it for real
+        model = params.model.build()
+    rc = params.runconfig
+    if rc.execution_mode == "weight_streaming":
+        config = StreamingConfig(
+            prefetch_depth=rc.prefetch_depth, unit_size_target=rc.unit_size_target
+        )
+        try:
+            plan = build_plan(model, config, trace_forward(model, args, {}))
+        except Exception:  # as the engine: a structural plan when the trace fails
+            plan = build_plan(model, config)
+    else:
+        plan = build_plan(model, StreamingConfig(granularity="module"))
+    machine = load_or_measure(device, quick=quick_profile())
+    batch_size = _batch_size_of(batch)
+    settings = estimate_settings(params, device, batch_size, machine, input_s)
+    _, est = estimate_for(
+        model, plan, args, batch_size, task=task, machine=machine, settings=settings
+    )
+    return est, machine
+
+
+def estimate_settings(
+    params, device: torch.device, batch_size: int, machine: MachineProfile, input_s: float
+) -> EstimateSettings:
+    """The estimate settings of a params file's run (the update cost measured if new)."""
+    rc = params.runconfig
+    ws = rc.execution_mode == "weight_streaming"
+    m = params.model
+    compute = (m.fp16_type if m.mixed_precision else None) or "float32"
+    return EstimateSettings(
+        batch_size=batch_size,
+        prefetch_depth=rc.prefetch_depth if ws else 0,
+        compute_dtype=compute if compute != "cbfloat16" else "float32",
+        transfer_dtype=None if compute in ("float32", "cbfloat16") or not ws else compute,
+        weight_streaming=ws,
+        update=update_cost(machine, _update_spec_of(params, device, ws)),
+        input_s=input_s,
+        step_overhead_s=machine.step_overhead_s,
+    )
 
 
 def run(run, compiled, args: tuple, batch_size: int) -> dict:
@@ -57,19 +226,12 @@ def run(run, compiled, args: tuple, batch_size: int) -> dict:
     plan = compiled.plan
     if plan is None:  # layer pipelined: cost the model layer by layer all the same
         plan = build_plan(model, StreamingConfig(granularity="module"))
-    costs = unit_costs(model, plan, args)
-    quick = os.environ.get("WEIGHTSTREAM_QUICK_MACHINE_PROFILE") == "1"
+    quick = quick_profile()
     machine = load_or_measure(run.device, quick=quick)
-    compute = settings["compute_dtype"]
-    est = estimate(
-        costs,
-        machine,
-        EstimateSettings(
-            batch_size=batch_size,
-            prefetch_depth=rc.prefetch_depth if run.ws else 0,
-            compute_dtype=compute if compute != "cbfloat16" else "float32",
-            transfer_dtype=None if compute in ("float32", "cbfloat16") else compute,
-        ),
+    input_s = input_seconds_per_batch(run.params.train_input.to_dict(), run.device, quick)
+    settings_e = estimate_settings(run.params, run.device, batch_size, machine, input_s)
+    costs, est = estimate_for(
+        model, plan, args, batch_size, task=run.task, machine=machine, settings=settings_e
     )
     path = write_compile_dir(root, checksum, plan, costs, est, machine, settings=settings)
     log.info(

@@ -16,6 +16,13 @@ Three instruments watch that run:
   buffers stay resident anyway. Each storage counts once (a tensor saved by
   two operators, or a view of an already saved tensor, is memory held once).
 * module hooks on the unit modules, which open and close the unit windows.
+* a TorchDispatchMode (``_OpCounter``) sees every aten operator that runs: it
+  counts them (each costs a fixed dispatch and autograd overhead on a real
+  run, whatever its size), adds the bytes that non-matmul operators read and
+  write (elementwise, norms, reductions, casts: their time is memory traffic,
+  see Note [operator bytes]) and files each matmul-like operator's FLOPs
+  under its effective size (small products run far below the matmul peak).
+  The same attribution as the FLOPs decides which entry gets them.
 
 Note [attributing FLOPs]
 ------------------------
@@ -37,6 +44,21 @@ If the backward cannot run on the meta device, backward FLOPs fall back to
 2 x forward per entry (exact for matmul-like operators whose inputs all need
 gradients: one product for the input gradient, one for the weight gradient)
 and ``StepCosts.backward_measured`` is False.
+
+Note [operator bytes]
+---------------------
+An operator that is not matmul-like moves ``inputs + outputs`` bytes (tensor
+arguments read, results written; an expanded input counts its storage, not
+its broadcast size; an in-place result counts as written). View operators
+(``is_view``: transpose, view, split...) and allocations move nothing; they
+still count as operators. ``embedding`` reads the gathered rows, not the whole
+table: indices + 2 x output. Matmul-like operators move bytes too, but their
+time is priced by FLOPs. Scaled dot-product attention runs as one fused kernel
+on the CPU and on CUDA but as its math decomposition on meta: while it runs
+(forward, and the backward nodes it created) the counter is suspended and the
+call counts as one operator moving q, k, v and the output (forward), and as
+one operator moving twice that (backward: reads q, k, v, out, grad out and
+writes three gradients). Its FLOPs still come from the decomposition.
 """
 
 from __future__ import annotations
@@ -46,8 +68,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from weightstream.compiler.partition import Plan
@@ -70,10 +94,38 @@ class UnitCost:
     bwd_flops: int = 0
     activation_bytes: int = 0  # saved for backward while its window was open
     pinned: bool = False
+    trainable_tensors: int = 0  # parameter tensors the optimizer updates
+    fwd_ops: int = 0  # aten operators run in forward (views included)
+    bwd_ops: int = 0
+    # bytes read + written by non-matmul operators: operator class (OP_CLASSES,
+    # or "simple") -> bytes one operator moves -> bytes moved by all such operators
+    fwd_mem: dict[str, dict[int, int]] = field(default_factory=dict)
+    bwd_mem: dict[str, dict[int, int]] = field(default_factory=dict)
+    # matmul-like FLOPs by effective size n (``matmul_size`` of one product;
+    # 0: a shape without that formula, priced at the peak). With the attention
+    # FLOPs they sum to fwd_flops / bwd_flops.
+    fwd_matmul: dict[int, int] = field(default_factory=dict)
+    bwd_matmul: dict[int, int] = field(default_factory=dict)
+    # scaled dot-product attention FLOPs (counted on its math decomposition)
+    # by effective size n (the cube root of T * S * head_dim); part of *_flops.
+    fwd_attention: dict[int, int] = field(default_factory=dict)
+    bwd_attention: dict[int, int] = field(default_factory=dict)
 
     @property
     def flops(self) -> int:
         return self.fwd_flops + self.bwd_flops
+
+    @property
+    def fwd_mem_bytes(self) -> int:
+        return sum(sum(by_size.values()) for by_size in self.fwd_mem.values())
+
+    @property
+    def bwd_mem_bytes(self) -> int:
+        return sum(sum(by_size.values()) for by_size in self.bwd_mem.values())
+
+    @property
+    def ops(self) -> int:
+        return self.fwd_ops + self.bwd_ops
 
 
 @dataclass
@@ -110,6 +162,14 @@ class StepCosts:
     def activation_bytes(self) -> int:
         return sum(e.activation_bytes for e in self.entries)
 
+    @property
+    def ops(self) -> int:
+        return sum(e.ops for e in self.entries)
+
+    @property
+    def mem_bytes(self) -> int:
+        return sum(e.fwd_mem_bytes + e.bwd_mem_bytes for e in self.entries)
+
 
 def _flash_cpu_flop(query, key, value, *args, out_shape=None, **kwargs) -> int:
     return sdpa_flop_count(query, key, value)
@@ -143,6 +203,28 @@ def default_loss(output) -> torch.Tensor | None:
     return loss
 
 
+@dataclass
+class _PassStats:
+    """What ``_OpCounter`` saw of one entry in one pass."""
+
+    ops: int = 0
+    mem: dict[str, dict[int, int]] = field(default_factory=dict)  # class -> op bytes -> bytes
+    matmul: dict[int, int] = field(default_factory=dict)  # effective size -> FLOPs
+    attention: dict[int, int] = field(default_factory=dict)  # effective size -> FLOPs
+
+    def add_mem(self, cls: str, nbytes: int) -> None:
+        by_size = self.mem.setdefault(cls, {})
+        by_size[nbytes] = by_size.get(nbytes, 0) + nbytes
+
+    def scaled(self, k: int) -> _PassStats:
+        return _PassStats(
+            k * self.ops,
+            {c: {n: k * b for n, b in d.items()} for c, d in self.mem.items()},
+            {n: k * f for n, f in self.matmul.items()},
+            {n: k * f for n, f in self.attention.items()},
+        )
+
+
 class _Attribution:
     """Reads the FLOP counter at every switch of the entry that owns the work."""
 
@@ -150,6 +232,8 @@ class _Attribution:
         self.counter = counter
         self.fwd = [0] * (n_units + 1)  # index n_units: outside
         self.bwd = [0] * (n_units + 1)
+        self.fwd_stats = [_PassStats() for _ in range(n_units + 1)]
+        self.bwd_stats = [_PassStats() for _ in range(n_units + 1)]
         self.outside = n_units
         self.phase = self.fwd
         self.current = n_units
@@ -161,23 +245,180 @@ class _Attribution:
         self._seen = total
         self.phase, self.current = phase, entry
 
+    def stats(self) -> _PassStats:
+        """The operator statistics of the entry and pass open now."""
+        return (self.fwd_stats if self.phase is self.fwd else self.bwd_stats)[self.current]
+
+
+_aten = torch.ops.aten
+# Queries of tensor metadata: not operators a real run dispatches as kernels.
+_QUERIES = {
+    _aten.sym_size.default,
+    _aten.sym_stride.default,
+    _aten.sym_numel.default,
+    _aten.sym_storage_offset.default,
+    _aten.size.default,
+    _aten.stride.default,
+    _aten.numel.default,
+    _aten.dim.default,
+    _aten.is_contiguous.default,
+    _aten.is_contiguous.memory_format,
+    _aten.storage_offset.default,
+    torch.ops.prim.device.default,
+    torch.ops.prim.layout.default,
+}
+# Operators that allocate or alias without touching data (Note [operator bytes]).
+_NO_TRAFFIC = {
+    _aten.empty.memory_format,
+    _aten.empty_like.default,
+    _aten.empty_strided.default,
+    _aten.new_empty.default,
+    _aten.new_empty_strided.default,
+    _aten._unsafe_view.default,
+    _aten.lift_fresh.default,
+}
+# Matmul-like operators whose effective size has a formula: (position of A, of B).
+_MATMUL_OPERANDS = {
+    _aten.mm.default: (0, 1),
+    _aten.addmm.default: (1, 2),
+    _aten.bmm.default: (0, 1),
+    _aten.baddbmm.default: (1, 2),
+}
+# Python functions that run as one fused kernel on a real device (Note [operator bytes]).
+_FUSED_ON_DEVICE = {F.scaled_dot_product_attention}
+
+# Non-matmul operators whose time per byte is far from a copy's (transcendental
+# functions, normalizations): each class has its own measured throughput
+# (machine.py); every other operator is "simple" (elementwise arithmetic,
+# copies, casts, reductions, gathers), priced by the measured throughput of a
+# simple operator of its size. Names are aten overload packets.
+OP_CLASSES: dict[str, frozenset[str]] = {
+    "gelu": frozenset({"gelu", "gelu_backward"}),
+    "silu": frozenset({"silu", "silu_backward"}),
+    "layer_norm": frozenset({"native_layer_norm", "native_layer_norm_backward"}),
+    "softmax": frozenset(
+        {"_softmax", "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data"}
+    ),
+    "transcendental": frozenset(
+        {"tanh", "tanh_backward", "sigmoid", "sigmoid_backward", "exp", "log", "erf", "sin", "cos"}
+    ),
+}
+SIMPLE = "simple"
+_CLASS_OF = {name: cls for cls, names in OP_CLASSES.items() for name in names}
+
+
+def op_class(func) -> str:
+    """The throughput class of an aten operator (a key of OP_CLASSES, or "simple")."""
+    return _CLASS_OF.get(func._overloadpacket.__name__, SIMPLE)
+
+
+def _tensor_bytes(tree) -> int:
+    total = 0
+    for t in pytree.tree_leaves(tree):
+        if isinstance(t, torch.Tensor):
+            n = t.numel() * t.element_size()
+            try:
+                n = min(n, t.untyped_storage().nbytes())  # an expanded tensor: its storage
+            except (RuntimeError, NotImplementedError):
+                pass
+            total += n
+    return total
+
+
+def attention_size(args, kwargs) -> int:
+    """The effective size n of one attention: round((T * S * head_dim) ** (1/3))."""
+    q = args[0] if args else kwargs["query"]
+    k = args[1] if len(args) > 1 else kwargs["key"]
+    return max(1, round((q.shape[-2] * k.shape[-2] * q.shape[-1]) ** (1 / 3)))
+
+
+def matmul_size(func, args) -> int:
+    """The effective size n of one [M, K] x [K, N] product; 0 if unknown.
+
+    The geometric mean of the two smallest of M, K and N: the square product
+    that runs as efficiently. A thin dimension limits a product's efficiency
+    whatever the others (measured on a CPU, 2048 x 128 x 64 runs like 90^3,
+    not like its cube root 254^3); for a square product it is n itself.
+    """
+    pos = _MATMUL_OPERANDS.get(func)
+    if pos is None:
+        return 0
+    a, b = args[pos[0]], args[pos[1]]
+    small, mid, _ = sorted((a.shape[-2], a.shape[-1], b.shape[-1]))
+    return max(1, round((small * mid) ** 0.5))
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts operators, non-matmul bytes and matmul FLOPs by size into the open entry."""
+
+    def __init__(self, att: _Attribution, flop_registry: dict):
+        super().__init__()
+        self.att = att
+        self.flop_registry = flop_registry
+        self.suspended = 0  # > 0: inside a fused call (its cost was credited as a whole)
+
+    def credit(self, mem_bytes: int, attention_size: int, attention_flops: int) -> None:
+        """One fused operator (Note [operator bytes])."""
+        stats = self.att.stats()
+        stats.ops += 1
+        stats.add_mem(SIMPLE, mem_bytes)
+        stats.attention[attention_size] = stats.attention.get(attention_size, 0) + attention_flops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.suspended or func in _QUERIES:
+            return out
+        stats = self.att.stats()
+        stats.ops += 1
+        formula = self.flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            flops = formula(*args, **kwargs, out_val=out)
+            size = matmul_size(func, args)
+            stats.matmul[size] = stats.matmul.get(size, 0) + flops
+        elif func is _aten.embedding.default:
+            stats.add_mem(SIMPLE, _tensor_bytes(args[1]) + 2 * _tensor_bytes(out))
+        elif not (func.is_view or func in _NO_TRAFFIC):
+            stats.add_mem(op_class(func), _tensor_bytes((args, kwargs)) + _tensor_bytes(out))
+        return out
+
 
 class _NodeTagger(TorchFunctionMode):
-    """Tags the autograd nodes each torch call creates with the open unit (see the Note)."""
+    """Tags the autograd nodes each torch call creates with the open unit (see the Note).
 
-    def __init__(self, current_unit: Callable[[], int], on_new_node: Callable):
+    A call in ``_FUSED_ON_DEVICE`` is counted by ``ops`` as one operator (see
+    Note [operator bytes]); its new nodes are tagged ``fused`` ("top" for the
+    node of its output, which carries the backward's credit, "inner" else).
+    """
+
+    def __init__(self, current_unit: Callable[[], int], on_new_node: Callable, ops: _OpCounter):
         super().__init__()
         self._current_unit = current_unit
         self._on_new_node = on_new_node
+        self._ops = ops
         self.tagged: set = set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        todo = [
-            t.grad_fn
-            for t in pytree.tree_leaves(out)
-            if isinstance(t, torch.Tensor) and t.grad_fn is not None
-        ]
+        fused = func in _FUSED_ON_DEVICE and not self._ops.suspended
+        if fused:
+            flops_before = self._ops.att.counter.get_total_flops()
+            self._ops.suspended += 1
+        try:
+            out = func(*args, **(kwargs or {}))
+        finally:
+            if fused:
+                self._ops.suspended -= 1
+        bwd_credit = None  # (bytes, size, FLOPs) of the fused call's backward
+        if fused:
+            fwd_bytes = _tensor_bytes((args, kwargs)) + _tensor_bytes(out)
+            size = attention_size(args, kwargs)
+            fwd_flops = self._ops.att.counter.get_total_flops() - flops_before
+            self._ops.credit(fwd_bytes, size, fwd_flops)
+            # Backward of the math path: 4 products for forward's 2 (dQ, dK, dV, dP).
+            bwd_credit = (2 * fwd_bytes, size, 2 * fwd_flops)
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        tops = {t.grad_fn for t in outs if t.grad_fn is not None}
+        todo = list(tops)
         entry = self._current_unit()
         while todo:
             node = todo.pop()
@@ -185,7 +426,11 @@ class _NodeTagger(TorchFunctionMode):
                 continue
             self.tagged.add(node)
             if type(node).__name__ != "AccumulateGrad":  # a leaf: no compute of its own
-                self._on_new_node(node, entry)
+                if bwd_credit is None:
+                    self._on_new_node(node, entry)
+                else:
+                    role = "top" if node in tops else "inner"
+                    self._on_new_node(node, entry, role, bwd_credit)
             todo.extend(n for n, _ in node.next_functions)
         return out
 
@@ -238,6 +483,7 @@ def unit_costs(
 
     counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
     att = _Attribution(counter, n)
+    ops = _OpCounter(att, counter.flop_registry)
     stack: list[int] = []  # open unit windows (unit indices), innermost last
     activation = [0] * (n + 1)
     saved_storages: dict[int, torch.Tensor] = {}  # keeps the storages alive: ids stay unique
@@ -262,11 +508,17 @@ def unit_costs(
         handles.append(mod.register_forward_pre_hook(make_pre(u.index)))
         handles.append(mod.register_forward_hook(post, always_call=True))
 
-    def on_new_node(node, entry: int) -> None:
+    def on_new_node(node, entry: int, fused: str | None = None, credit=None) -> None:
         def node_pre(_grad_outputs):
             att.switch(att.bwd, entry)
+            if fused == "top":
+                ops.credit(*credit)
+            if fused is not None:
+                ops.suspended += 1
 
         def node_post(_grad_inputs, _grad_outputs):
+            if fused is not None:
+                ops.suspended -= 1
             att.switch(att.bwd, att.outside)
 
         node.register_prehook(node_pre)
@@ -289,8 +541,8 @@ def unit_costs(
     devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
     backward_error = None
     try:
-        with torch.random.fork_rng(devices=devices), counter:
-            tagger = _NodeTagger(open_unit, on_new_node)
+        with torch.random.fork_rng(devices=devices), counter, ops:
+            tagger = _NodeTagger(open_unit, on_new_node, ops)
             with torch.enable_grad(), tagger, torch.autograd.graph.saved_tensors_hooks(pack, _id):
                 out = shadow(*meta_args, **meta_kwargs)
                 loss = loss_fn(out)
@@ -306,35 +558,67 @@ def unit_costs(
             h.remove()
 
     fwd, bwd = att.fwd, att.bwd
+    fwd_stats, bwd_stats = att.fwd_stats, att.bwd_stats
     if backward_error is not None:
+        # Twice the forward, also for the operators: a backward operator per
+        # input of each forward one, roughly.
         bwd = [2 * f for f in fwd]
+        bwd_stats = [s.scaled(2) for s in fwd_stats]
+
+    def op_fields(i: int) -> dict:
+        f, b = fwd_stats[i], bwd_stats[i]
+        return dict(
+            fwd_flops=fwd[i],
+            bwd_flops=bwd[i],
+            activation_bytes=activation[i],
+            fwd_ops=f.ops,
+            bwd_ops=b.ops,
+            fwd_mem={c: dict(sorted(d.items())) for c, d in sorted(f.mem.items())},
+            bwd_mem={c: dict(sorted(d.items())) for c, d in sorted(b.mem.items())},
+            fwd_matmul=dict(sorted(f.matmul.items())),
+            bwd_matmul=dict(sorted(b.matmul.items())),
+            fwd_attention=dict(sorted(f.attention.items())),
+            bwd_attention=dict(sorted(b.attention.items())),
+        )
+
     units = []
     for u in plan.units:
+        trainable = [p for p in u.params if p.requires_grad]
         units.append(
             UnitCost(
                 index=u.index,
                 name=u.display_name,
                 numel=u.numel,
-                trainable_numel=sum(p.numel() for p in u.params if p.requires_grad),
+                trainable_numel=sum(p.numel() for p in trainable),
                 weight_bytes=u.weight_bytes,
-                trainable_bytes=sum(
-                    p.numel() * p.element_size() for p in u.params if p.requires_grad
-                ),
-                fwd_flops=fwd[u.index],
-                bwd_flops=bwd[u.index],
-                activation_bytes=activation[u.index],
+                trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
                 pinned=u.pinned,
+                trainable_tensors=len(trainable),
+                **op_fields(u.index),
             )
         )
-    outside = UnitCost(
-        index=-1,
-        name=OUTSIDE_NAME,
-        fwd_flops=fwd[n],
-        bwd_flops=bwd[n],
-        activation_bytes=activation[n],
-    )
+    outside = UnitCost(index=-1, name=OUTSIDE_NAME, **op_fields(n))
     return StepCosts(units, outside, backward_error is None, backward_error, batch)
 
 
 def _id(x):
     return x
+
+
+class _Function(torch.nn.Module):
+    def __init__(self, fn: Callable):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def function_costs(fn: Callable, example_args: tuple, loss_fn: Callable | None = None) -> UnitCost:
+    """The costs of one forward and backward of ``fn(*example_args)``, as one entry.
+
+    The same instruments as :func:`unit_costs` (the machine profile counts
+    the operators it times with this, so that counting and timing agree).
+    """
+    costs = unit_costs(_Function(fn), Plan([], traced=True), example_args, loss_fn=loss_fn)
+    return costs.outside

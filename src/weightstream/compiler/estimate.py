@@ -1,30 +1,68 @@
-"""Estimated step time and samples/sec of a weight-streaming run, before any step.
+"""Estimated step time and samples/sec of a training run, before any step.
 
 Inputs: the measured per-unit costs (``cost.py``), the machine profile
-(``machine.py``) and the run settings. Per unit:
+(``machine.py``) and the run settings. Every term is written out here.
 
-* compute: forward (backward) FLOPs / matmul peak of the compute dtype. The
-  FLOPs are matmul-like operators only, so layers dominated by elementwise
-  work (norms, embeddings) estimate near 0 s: the estimate is optimistic there.
-* transfer: forward = weight bytes / copy bandwidth (the forward fetch);
-  backward = (weight bytes + gradient bytes) / copy bandwidth (the backward
-  fetch, and the gradients of trainable parameters going back to the host).
-* the unit's share of the step: with prefetch_depth >= 1 the next unit's
-  copy overlaps this unit's compute, so max(compute, transfer); with 0,
-  compute + transfer.
-* update: trainable parameters x optimizer bytes per parameter / host memory
-  bandwidth. AdamW in fp32 streams 7 tensors of 4 bytes per parameter: it
-  reads param, grad, exp_avg, exp_avg_sq and writes param, exp_avg,
-  exp_avg_sq (28 bytes). The update runs after the backward (no overlap).
+Per entry (a streaming unit, or everything outside the units) and pass
+(forward, backward), the work on the compute device is:
 
-step = sum over units (forward share + backward share) + compute outside the
-units (loss, root-level operators) + update; est. samples/sec = batch / step.
+* compute: matmul-like FLOPs by effective size n / the matmul throughput at n
+  (``MachineProfile.matmul_throughput``: the measured curve, the dtype's peak
+  for large or unknown shapes), plus attention FLOPs by effective size / the
+  attention throughput at n, plus any other counted FLOPs / the peak;
+* memory: for each non-matmul operator, the bytes it reads and writes / the
+  measured throughput of its class at its size
+  (``MachineProfile.op_throughput``; Note [operator bytes] in ``cost.py``);
+* overhead: operators run x the fixed cost of one operator in that pass
+  (``op_overhead_fwd_s`` / ``op_overhead_bwd_s``; Note [fixed costs] in
+  ``machine.py``).
+
+work = compute + memory + overhead.
+
+Weight streaming adds, per unit:
+
+* transfer: forward = weight bytes / streaming bandwidth (the forward
+  fetch); backward = (weight bytes + gradient bytes) / streaming bandwidth
+  (the backward fetch, and the gradients of trainable parameters going back
+  to the host). The streaming bandwidth is the one the runtime was measured
+  to achieve (``MachineProfile.stream_bandwidth``), or the copy bandwidth;
+* the unit's share of a pass: with prefetch_depth >= 1 the fetch of the next
+  unit of the pass (forward: the next unit; backward: the previous one) runs
+  behind this unit's work, so max(work, next unit's transfer), and the first
+  unit of each pass (forward: the first; backward: the last) also waits for
+  its own fetch, which nothing hides; with 0, work + its own transfer;
+* stream: ``unit_overhead_s`` per unit per step (hooks, the two fetches'
+  bookkeeping, the background hand-off, the stream-in autograd node).
+
+Layer pipelined runs (``weight_streaming=False``) have no transfer and no
+stream term: a unit's share is its work.
+
+update: the optimizer step after the backward (no overlap). With a measured
+``UpdateCost`` (``machine.update_cost``: the trainer's whole update sequence,
+clipping and loss scaler included): fixed + trainable tensors x per tensor +
+trainable elements x per element, split per unit by its tensors and elements
+(the fixed part is the step's). Without one: trainable parameters x optimizer
+bytes per parameter / host memory bandwidth (AdamW in fp32 streams 7 tensors of
+4 bytes per parameter: it reads param, grad, exp_avg, exp_avg_sq and writes
+param, exp_avg, exp_avg_sq: 28 bytes).
+
+input: seconds the training process spends producing one batch (measured by
+the compile phase when the data loader has no worker processes; 0 with
+workers, whose throughput the input analyzer compares with the model's).
+
+step overhead: the run loop's bookkeeping per step (``step_overhead_s``:
+reading the loss back, logging TensorBoard scalars; ``machine.py``).
+
+step = sum over units (forward share + backward share + stream) + outside work
+(forward + backward) + update + step overhead + input; est. samples/sec =
+batch / step, and the model's own consumption rate is batch / (step - input).
 
 The physical limit (design.md, "Performance") is the larger of the compute
 time (all FLOPs / peak) and the busiest link's time (bytes it moves / its
 bandwidth): the device link carries 2 x weights + gradients, host RAM the
 optimizer traffic. When the compute device is the CPU the link *is* host
-RAM, so both traffics are added on that one link (a copy of n bytes moves 2n).
+RAM, so both traffics and the non-matmul operators' bytes are added on that
+one link (a copy of n bytes moves 2n).
 """
 
 from __future__ import annotations
@@ -34,7 +72,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from weightstream.compiler.cost import StepCosts, UnitCost
-from weightstream.compiler.machine import MachineProfile
+from weightstream.compiler.machine import MachineProfile, UpdateCost
 
 ADAMW_FP32_BYTES_PER_PARAM = 7 * 4  # see the module docstring
 
@@ -46,11 +84,15 @@ class EstimateSettings:
     Attributes:
         batch_size: samples per step (per rank).
         prefetch_depth: as ``StreamingConfig.prefetch_depth``; >= 1 overlaps copies.
-        compute_dtype: dtype whose matmul peak prices the FLOPs.
+        compute_dtype: dtype whose matmul throughput prices the FLOPs.
         transfer_dtype: dtype the weights (and their gradients) cross the link
             in; None: the masters' own dtype (what the engine streams today).
         optimizer_bytes_per_param: host bytes read + written per trainable
-            parameter by one optimizer update.
+            parameter by one optimizer update (used without ``update``).
+        weight_streaming: False for a layer pipelined run (nothing streams).
+        update: the measured cost of the run's optimizer update, or None.
+        input_s: seconds per batch the input pipeline costs the training process.
+        step_overhead_s: seconds per step of the training loop's own bookkeeping.
     """
 
     batch_size: int
@@ -58,6 +100,10 @@ class EstimateSettings:
     compute_dtype: str = "float32"
     transfer_dtype: str | None = None
     optimizer_bytes_per_param: int = ADAMW_FP32_BYTES_PER_PARAM
+    weight_streaming: bool = True
+    update: UpdateCost | None = None
+    input_s: float = 0.0
+    step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.compute_dtype = str(self.compute_dtype).removeprefix("torch.")
@@ -77,6 +123,22 @@ class EstimateSettings:
             raise ValueError(
                 f"optimizer_bytes_per_param must be >= 0, got {self.optimizer_bytes_per_param!r}."
             )
+        for name in ("input_s", "step_overhead_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 seconds, got {getattr(self, name)!r}.")
+
+
+@dataclass
+class PassWork:
+    """The work of one entry in one pass (seconds), term by term."""
+
+    compute_s: float = 0.0  # FLOPs at the throughput of their size
+    memory_s: float = 0.0  # non-matmul operators' bytes at their class's throughput
+    overhead_s: float = 0.0  # operators x fixed cost per operator
+
+    @property
+    def work_s(self) -> float:
+        return self.compute_s + self.memory_s + self.overhead_s
 
 
 @dataclass
@@ -90,7 +152,25 @@ class UnitEstimate:
     update_s: float
     fwd_s: float  # the unit's share of the step in forward
     bwd_s: float
-    bound: str  # "compute" or "transfer": the larger side, summed over both passes
+    bound: str  # "compute", "memory", "overhead" or "transfer": the largest, both passes
+    fwd_memory_s: float = 0.0
+    bwd_memory_s: float = 0.0
+    fwd_overhead_s: float = 0.0
+    bwd_overhead_s: float = 0.0
+    stream_s: float = 0.0  # streaming bookkeeping per step (weight streaming only)
+
+    @property
+    def fwd_work_s(self) -> float:
+        return self.fwd_compute_s + self.fwd_memory_s + self.fwd_overhead_s
+
+    @property
+    def bwd_work_s(self) -> float:
+        return self.bwd_compute_s + self.bwd_memory_s + self.bwd_overhead_s
+
+    @property
+    def share_s(self) -> float:
+        """The unit's part of the step: both passes and the streaming bookkeeping."""
+        return self.fwd_s + self.bwd_s + self.stream_s
 
 
 @dataclass
@@ -102,9 +182,9 @@ class Estimate:
     update_s: float
     step_s: float
     est_samples_per_sec: float
-    compute_s: float  # every FLOP at peak, units and outside
+    compute_s: float  # every FLOP at its throughput, units and outside
     transfer_s: float  # every weight and gradient byte over the link
-    bound: str  # "compute", "transfer" or "update": the largest of the three
+    bound: str  # the largest of compute, memory, overhead, transfer, update, input
     total_flops: int
     link_bytes: int  # 2 x weights fetched + gradients back
     host_bytes: int  # optimizer traffic in host RAM
@@ -112,6 +192,16 @@ class Estimate:
     limit_bound: str  # "compute" or the busiest link: "device link", "host memory"
     limit_samples_per_sec: float
     notes: list[str] = field(default_factory=list)
+    memory_s: float = 0.0  # non-matmul operators, units and outside
+    overhead_s: float = 0.0  # operators' fixed costs, streaming and loop bookkeeping
+    input_s: float = 0.0
+    ops: int = 0  # aten operators per step
+    op_bytes: int = 0  # bytes the non-matmul operators move per step
+
+    @property
+    def model_samples_per_sec(self) -> float:
+        """What the model consumes when the input costs the training process nothing."""
+        return self.settings.batch_size / (self.step_s - self.input_s)
 
     def fraction_of_limit(self, samples_per_sec: float) -> float:
         """A measured throughput as a fraction of the physical limit."""
@@ -133,57 +223,171 @@ def _transfer_bytes(u: UnitCost, transfer_dtype: str | None) -> tuple[int, int]:
     return u.numel * size, u.trainable_numel * size
 
 
+def pass_work(
+    flops: int,
+    matmul: dict[int, int],
+    attention: dict[int, int],
+    mem: dict[str, dict[int, int]],
+    ops: int,
+    op_overhead_s: float,
+    machine: MachineProfile,
+    dtype: str,
+) -> PassWork:
+    """The work of one pass of one entry (see the module docstring)."""
+    compute = 0.0
+    rest = flops
+    for n, f in matmul.items():
+        compute += f / machine.matmul_throughput(int(n), dtype)
+        rest -= f
+    for n, f in attention.items():
+        compute += f / machine.attention_throughput(int(n), dtype)
+        rest -= f
+    compute += max(rest, 0) / machine.peak_flops(dtype)
+    memory = 0.0
+    for cls, by_size in mem.items():
+        for nbytes, total in by_size.items():
+            memory += total / machine.op_throughput(cls, int(nbytes))
+    return PassWork(compute, memory, ops * op_overhead_s)
+
+
+def _entry_work(e: UnitCost, machine: MachineProfile, dtype: str) -> tuple[PassWork, PassWork]:
+    fwd = pass_work(
+        e.fwd_flops,
+        e.fwd_matmul,
+        e.fwd_attention,
+        e.fwd_mem,
+        e.fwd_ops,
+        machine.op_overhead_fwd_s,
+        machine,
+        dtype,
+    )
+    bwd = pass_work(
+        e.bwd_flops,
+        e.bwd_matmul,
+        e.bwd_attention,
+        e.bwd_mem,
+        e.bwd_ops,
+        machine.op_overhead_bwd_s,
+        machine,
+        dtype,
+    )
+    return fwd, bwd
+
+
 def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettings) -> Estimate:
     """Estimate one step of ``costs`` on ``machine`` (see the module docstring)."""
-    peak = machine.peak_flops(settings.compute_dtype)
+    dtype = settings.compute_dtype
+    peak = machine.peak_flops(dtype)
     link_bw = machine.copy_bandwidth
+    stream_bw = machine.stream_bandwidth or link_bw
     ram_bw = machine.host_memory_bandwidth
+    ws = settings.weight_streaming
     overlap = settings.prefetch_depth >= 1
+    upd = settings.update
     units = []
     link_bytes = host_bytes = 0
+    n = len(costs.units)
+    transfers = []  # (forward fetch, backward fetch + gradients back) per unit, seconds
     for u in costs.units:
         weights, grads = _transfer_bytes(u, settings.transfer_dtype)
-        link_bytes += 2 * weights + grads
+        if ws:
+            link_bytes += 2 * weights + grads
+        transfers.append((weights / stream_bw, (weights + grads) / stream_bw) if ws else (0.0, 0.0))
+    for i, u in enumerate(costs.units):
         upd_bytes = u.trainable_numel * settings.optimizer_bytes_per_param
         host_bytes += upd_bytes
-        fc, bc = u.fwd_flops / peak, u.bwd_flops / peak
-        ft, bt = weights / link_bw, (weights + grads) / link_bw
+        fwd, bwd = _entry_work(u, machine, dtype)
+        ft, bt = transfers[i]
         if overlap:
-            fs, bs = max(fc, ft), max(bc, bt)
+            next_ft = transfers[i + 1][0] if i + 1 < n else 0.0
+            next_bt = transfers[i - 1][1] if i > 0 else 0.0
+            fs = max(fwd.work_s, next_ft) + (ft if i == 0 else 0.0)
+            bs = max(bwd.work_s, next_bt) + (bt if i == n - 1 else 0.0)
         else:
-            fs, bs = fc + ft, bc + bt
+            fs, bs = fwd.work_s + ft, bwd.work_s + bt
+        if upd is not None:
+            update = u.trainable_tensors * upd.per_tensor_s + u.trainable_numel * upd.per_element_s
+        else:
+            update = upd_bytes / ram_bw
+        sides = {
+            "compute": fwd.compute_s + bwd.compute_s,
+            "memory": fwd.memory_s + bwd.memory_s,
+            "overhead": fwd.overhead_s + bwd.overhead_s,
+            "transfer": ft + bt,
+        }
         units.append(
             UnitEstimate(
                 index=u.index,
                 name=u.name,
-                fwd_compute_s=fc,
-                bwd_compute_s=bc,
+                fwd_compute_s=fwd.compute_s,
+                bwd_compute_s=bwd.compute_s,
                 fwd_transfer_s=ft,
                 bwd_transfer_s=bt,
-                update_s=upd_bytes / ram_bw,
+                update_s=update,
                 fwd_s=fs,
                 bwd_s=bs,
-                bound="transfer" if ft + bt > fc + bc else "compute",
+                bound=max(sides.items(), key=lambda x: x[1])[0],
+                fwd_memory_s=fwd.memory_s,
+                bwd_memory_s=bwd.memory_s,
+                fwd_overhead_s=fwd.overhead_s,
+                bwd_overhead_s=bwd.overhead_s,
+                stream_s=machine.unit_overhead_s if ws else 0.0,
             )
         )
-    outside_fwd = costs.outside.fwd_flops / peak
-    outside_bwd = costs.outside.bwd_flops / peak
-    update = sum(e.update_s for e in units)
-    step = sum(e.fwd_s + e.bwd_s for e in units) + outside_fwd + outside_bwd + update
-    compute = sum(e.fwd_compute_s + e.bwd_compute_s for e in units) + outside_fwd + outside_bwd
+    out_fwd, out_bwd = _entry_work(costs.outside, machine, dtype)
+    update = sum(e.update_s for e in units) + (upd.fixed_s if upd is not None else 0.0)
+    step = (
+        sum(e.share_s for e in units)
+        + out_fwd.work_s
+        + out_bwd.work_s
+        + update
+        + settings.step_overhead_s
+        + settings.input_s
+    )
+    compute = (
+        sum(e.fwd_compute_s + e.bwd_compute_s for e in units)
+        + out_fwd.compute_s
+        + out_bwd.compute_s
+    )
+    memory = sum(e.fwd_memory_s + e.bwd_memory_s for e in units) + (
+        out_fwd.memory_s + out_bwd.memory_s
+    )
+    overhead = (
+        sum(e.fwd_overhead_s + e.bwd_overhead_s + e.stream_s for e in units)
+        + out_fwd.overhead_s
+        + out_bwd.overhead_s
+        + settings.step_overhead_s
+    )
     transfer = sum(e.fwd_transfer_s + e.bwd_transfer_s for e in units)
-    bound = max(
-        ("compute", compute), ("transfer", transfer), ("update", update), key=lambda x: x[1]
-    )[0]
+    sides = {
+        "compute": compute,
+        "memory": memory,
+        "overhead": overhead,
+        "transfer": transfer,
+        "update": update,
+        "input": settings.input_s,
+    }
+    bound = max(sides.items(), key=lambda x: x[1])[0]
 
     notes = []
     if not costs.backward_measured:
-        notes.append(f"backward FLOPs are 2 x forward ({costs.backward_error})")
+        notes.append(f"backward FLOPs and operators are 2 x forward ({costs.backward_error})")
     if machine.quick:
         notes.append("the machine profile was measured with tiny sizes (quick=True)")
+    if machine.other_load is not None and machine.other_load > 0.1:
+        notes.append(
+            f"other processes used {machine.other_load:.0%} of the CPUs while the machine "
+            "profile was measured: its figures may be low (remeasure on a quiet machine)"
+        )
+    if upd is None:
+        notes.append(
+            f"the optimizer update is priced as {settings.optimizer_bytes_per_param} bytes per "
+            "parameter over the host memory bandwidth (no measured update cost)"
+        )
+    op_bytes = costs.mem_bytes
     if machine.device_type == "cpu":
-        # One memory for both: a copy of n bytes reads n and writes n.
-        links = {"host memory": (2 * link_bytes + host_bytes) / ram_bw}
+        # One memory for everything: a copy of n bytes reads n and writes n.
+        links = {"host memory": (2 * link_bytes + host_bytes + op_bytes) / ram_bw}
     else:
         links = {"device link": link_bytes / link_bw, "host memory": host_bytes / ram_bw}
     limit_bound, limit = max([("compute", costs.flops / peak), *links.items()], key=lambda x: x[1])
@@ -195,8 +399,8 @@ def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettin
     return Estimate(
         settings=settings,
         units=units,
-        outside_fwd_s=outside_fwd,
-        outside_bwd_s=outside_bwd,
+        outside_fwd_s=out_fwd.work_s,
+        outside_bwd_s=out_bwd.work_s,
         update_s=update,
         step_s=step,
         est_samples_per_sec=settings.batch_size / step,
@@ -210,4 +414,9 @@ def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettin
         limit_bound=limit_bound,
         limit_samples_per_sec=settings.batch_size / limit,
         notes=notes,
+        memory_s=memory,
+        overhead_s=overhead,
+        input_s=settings.input_s,
+        ops=costs.ops,
+        op_bytes=op_bytes,
     )

@@ -1,7 +1,30 @@
 """What this machine can do, measured once and cached: the denominators of the estimate.
 
-* matmul throughput (FLOP/s) per dtype: ``torch.mm`` of square matrices on the
+Hardware figures (throughputs of the compute device and its host):
+
+* matmul peak (FLOP/s) per dtype: ``torch.mm`` of square matrices on the
   compute device, sized (and repeated) to take about 0.2 s;
+* matmul throughput by size (float32): ``n x n x n`` products for n from 16
+  to 1024, timed as in a training pass (each of its own operands, outputs
+  kept alive: 10-20% slower than a loop over the same hot matrices); a
+  product of effective size n (``cost.matmul_size``: the geometric mean of
+  its two smallest dimensions) runs at the throughput interpolated at n
+  (log-log), rising to the peak beyond the largest size;
+* attention throughput by size: a causal scaled dot-product attention,
+  forward + backward, FLOPs counted on its math decomposition as ``cost.py``
+  counts them (12 x heads x T^2 x head_dim), for (T, head_dim) from (64, 16) to
+  (1024, 64), keyed by the effective size cube root of T * T * head_dim;
+* operator throughput (bytes read + written per second) of non-matmul
+  operators: the "simple" class (elementwise arithmetic: ``x * y``, forward
+  and backward) at three operator sizes, and each class of
+  ``cost.OP_CLASSES`` (gelu, silu, layer_norm, softmax, transcendental) at one
+  size, forward + backward, timed as in a training pass (the forwards of
+  several independent inputs, outputs kept alive, then one backward: cold
+  inputs and fresh outputs, not a tight loop over hot memory). Bytes are
+  counted by ``cost.function_costs`` on the very function that is timed, and
+  the time is the marginal one: the operators' fixed overhead (below) and,
+  for a class, the simple operators of the same call (its loss) are
+  subtracted first;
 * host -> device copy bandwidth (bytes delivered per second): a large
   ``copy_`` from (pinned) host memory; on the CPU a host-to-host copy;
 * host memory bandwidth (bytes read + written per second): a host-to-host
@@ -10,33 +33,87 @@
   ``fsync``-ed, then evicted from the page cache where the OS allows
   (``posix_fadvise(DONTNEED)``) and read back; deleted afterwards.
 
-Each figure is the median of 3 repetitions (``samples`` keeps all three, so a
-report can show min/median/max). The profile is cached as JSON under
+Software figures (fixed costs of this library and of eager PyTorch, which
+dominate small models; see Note [fixed costs]):
+
+* ``op_overhead_fwd_s`` / ``op_overhead_bwd_s``: seconds per aten operator in
+  an eager forward (autograd recording) and in the backward, on tensors so
+  small that their data work is nil: a chain of 8 tiny blocks (LayerNorm,
+  Linear, GELU, Linear, residual add; 4 x 16 activations), operators counted
+  by ``cost.function_costs`` on the same chain;
+* ``unit_overhead_s``: seconds per streaming unit per training step (forward
+  + backward): the same chain streamed with each block a unit
+  (``prefetch_depth=1``), minus the eager chain, minus the units' copies at
+  the copy bandwidth, divided by the 8 units;
+* ``stream_bandwidth``: bytes per second the streaming runtime moves (two
+  fetches and the gradients back per unit and step): a chain of 8 blocks of
+  512 features (2 MiB of weights each) streamed, minus its eager twin, minus
+  8 x ``unit_overhead_s``, over the bytes moved; fresh buffers, page faults
+  and the background hand-off included, which a plain copy does not see;
+* ``step_overhead_s``: seconds per step of the run loop's bookkeeping (the
+  loss read back, 4 TensorBoard scalars and their writer thread's
+  interference): a step of the eager chain with it minus one without it;
+* optimizer update costs (``UpdateCost``), measured the first time a run asks
+  for an optimizer setting and kept in ``update_costs``: the update sequence
+  of the trainer (unscale, clip, step, scaler update, zero_grad) timed on 1
+  tensor of 16 elements, on 64 such tensors, and on 1 tensor of 2^20
+  elements, which gives a fixed cost, a cost per parameter tensor and a cost
+  per element; 4 such models are updated in turn, so that each update finds
+  its tensors cold, as after a forward and a backward.
+
+Every timing is the median of several short bursts (a run on a shared machine
+sees the typical burst, not the fastest one; the median ignores the rare
+burst that another process disturbed), and each headline figure is the
+median of 3 such timings (``samples`` keeps all three, so a report can show
+min/median/max), each point of a curve the median of 3 measurements of the
+curve (1 with ``quick``). The profile is cached as JSON under
 ``$WEIGHTSTREAM_CACHE_DIR`` (default ``~/.cache/weightstream``), in a file
 named by a hash of the device name, the torch version and the thread count,
-so a different machine, torch or thread setting measures again.
+so a different machine, torch or thread setting measures again. The software
+figures also carry a digest of this library's runtime sources
+(``runtime_digest``): when the runtime changes they alone are measured again.
+
+Note [fixed costs]
+------------------
+A training step of a small model is mostly overhead: each aten operator
+costs microseconds of Python, dispatch and autograd bookkeeping whatever its
+size, each streamed unit costs hooks, a fetch in forward and another in
+backward, a background-thread hand-off and its autograd node, and the
+optimizer loops over parameter tensors. FLOPs at the matmul peak see none of
+it (a 3-layer MLP on 64 samples estimates 8x too fast without these terms).
+The constants are measured on purpose-built tiny workloads, so that the data
+work is negligible and the time is the overhead alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
+import itertools
 import json
+import math
 import os
 import platform
 import statistics
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-SCHEMA = 1
+SCHEMA = 2
 REPEATS = 3
+BURSTS = 7  # a timing is the median of this many bursts
 ENV_CACHE_DIR = "WEIGHTSTREAM_CACHE_DIR"
 _DTYPES = ("float32", "bfloat16", "float16")
+# The package files whose code the software figures time (Note [fixed costs]).
+_RUNTIME_SOURCES = ("runtime", "optim", "amp", "backend.py")
 
 
 @dataclass(frozen=True)
@@ -45,17 +122,71 @@ class _Sizes:
     matmul_max_n: int  # largest square matrix (memory: 3 n^2 elements)
     copy_bytes: int
     disk_bytes: int
+    curve_seconds: float  # one point of a throughput curve
+    curve_repeats: int  # measurements of each curve (each point: their median)
+    matmul_curve: tuple[int, ...]  # n of the n x n x n products
+    attention: tuple[tuple[int, int], ...]  # (T, head_dim) of the causal attentions
+    simple_numel: tuple[int, ...]  # elements of x (and y) in x * y
+    class_numel: int  # elements of the input of each operator class
+    overhead_seconds: float  # one timing of the tiny chain
+    tiny_units: int  # blocks of the tiny chain (units when streamed)
+    wide_features: int  # features of the wide chain's blocks (2 x d^2 weights each)
+    live_sets: int  # most argument sets of one timed training-like pass
+    update_numel: int  # elements of the large tensor of the update measurement
 
 
 _FULL = _Sizes(
-    matmul_seconds=0.2, matmul_max_n=4096, copy_bytes=128 * 2**20, disk_bytes=256 * 2**20
+    matmul_seconds=0.2,
+    matmul_max_n=4096,
+    copy_bytes=128 * 2**20,
+    disk_bytes=256 * 2**20,
+    curve_seconds=0.04,
+    curve_repeats=3,
+    matmul_curve=(16, 32, 64, 128, 256, 512, 1024),
+    attention=((64, 16), (128, 32), (256, 64), (1024, 64)),
+    simple_numel=(2**14, 2**18, 2**22),
+    class_numel=2**18,
+    overhead_seconds=0.1,
+    tiny_units=8,
+    wide_features=512,
+    live_sets=8,
+    update_numel=2**20,
 )
-_QUICK = _Sizes(matmul_seconds=0.01, matmul_max_n=128, copy_bytes=2**20, disk_bytes=2**20)
+_QUICK = _Sizes(
+    matmul_seconds=0.01,
+    matmul_max_n=128,
+    copy_bytes=2**20,
+    disk_bytes=2**20,
+    curve_seconds=0.002,
+    curve_repeats=1,
+    matmul_curve=(16, 64),
+    attention=((16, 8),),
+    simple_numel=(2**8, 2**12),
+    class_numel=2**10,
+    overhead_seconds=0.005,
+    tiny_units=2,
+    wide_features=32,
+    live_sets=2,
+    update_numel=2**12,
+)
+
+
+@dataclass
+class UpdateCost:
+    """Seconds of one optimizer update: fixed + per parameter tensor + per element."""
+
+    spec: dict  # what was measured (optimizer, its arguments, clipping, scaler, device)
+    fixed_s: float
+    per_tensor_s: float
+    per_element_s: float
+
+    def seconds(self, tensors: int, elements: int) -> float:
+        return self.fixed_s + tensors * self.per_tensor_s + elements * self.per_element_s
 
 
 @dataclass
 class MachineProfile:
-    """Measured throughputs of one compute device and its host."""
+    """Measured throughputs of one compute device and its host, and fixed costs."""
 
     device: str  # "cpu", "cuda:0"
     device_name: str
@@ -67,6 +198,22 @@ class MachineProfile:
     disk_write_bandwidth: float | None  # bytes per second (write + fsync)
     disk_read_bandwidth: float | None
     disk_dir: str | None
+    # float32 FLOP/s of an n x n x n product, by str(n)
+    matmul_curve: dict[str, float] = field(default_factory=dict)
+    # FLOP/s of causal attention forward + backward, by str(effective size)
+    attention_curve: dict[str, float] = field(default_factory=dict)
+    # operator class -> str(bytes one operator moves) -> bytes per second
+    op_bandwidth: dict[str, dict[str, float]] = field(default_factory=dict)
+    op_overhead_fwd_s: float = 0.0  # per aten operator in forward (autograd recording)
+    op_overhead_bwd_s: float = 0.0  # per aten operator in backward
+    unit_overhead_s: float = 0.0  # per streamed unit per step (forward + backward)
+    # bytes (2 fetches + gradients back) per second the streaming runtime moves
+    stream_bandwidth: float = 0.0
+    step_overhead_s: float = 0.0  # the run loop's bookkeeping per step (logging, loss read)
+    update_costs: dict[str, dict] = field(default_factory=dict)  # update_key -> UpdateCost
+    runtime_digest: str = ""  # of the sources the software figures timed
+    # share of the CPUs other processes used while this was measured (OtherLoad)
+    other_load: float | None = None
     quick: bool = False  # measured with tiny sizes (tests): not representative
     measured_at: str = ""
     samples: dict[str, list[float]] = field(default_factory=dict)  # every repetition
@@ -86,6 +233,37 @@ class MachineProfile:
             )
         return self.matmul_flops[name]
 
+    def matmul_throughput(self, n: int, dtype: torch.dtype | str) -> float:
+        """FLOP/s of a product of effective size ``n`` (0: unknown shape -> the peak).
+
+        The float32 curve interpolated at n (log-log), scaled by the dtype's
+        peak over float32's peak, and never above the dtype's peak.
+        """
+        peak = self.peak_flops(dtype)
+        if n <= 0 or not self.matmul_curve:
+            return peak
+        f32 = self.matmul_flops.get("float32", peak)
+        return min(peak, _interp(self.matmul_curve, n, end=f32) * peak / f32)
+
+    def attention_throughput(self, n: int, dtype: torch.dtype | str) -> float:
+        """FLOP/s of attention of effective size ``n`` (float32 curve, dtype-scaled)."""
+        peak = self.peak_flops(dtype)
+        if not self.attention_curve:
+            return peak
+        f32 = self.matmul_flops.get("float32", peak)
+        return min(peak, _interp(self.attention_curve, n) * peak / f32)
+
+    def op_throughput(self, cls: str, nbytes: int) -> float:
+        """Bytes per second of a non-matmul operator of class ``cls`` moving ``nbytes``.
+
+        A class without a figure (or an unknown one) is priced as "simple";
+        without any figure, the host memory bandwidth.
+        """
+        curve = self.op_bandwidth.get(cls) or self.op_bandwidth.get("simple")
+        if not curve:
+            return self.host_memory_bandwidth
+        return _interp(curve, nbytes)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -97,6 +275,26 @@ class MachineProfile:
         if not profile.matmul_flops or profile.copy_bandwidth <= 0:
             raise ValueError("machine profile is incomplete")
         return profile
+
+
+def _interp(curve: dict[str, float], x: float, end: float | None = None) -> float:
+    """``curve`` (str(x) -> y) at ``x``: log-log interpolation, clamped at the first
+    point, and beyond the last one either clamped or (``end``) rising linearly in
+    log x to ``end`` at 4 x the last x."""
+    points = sorted((float(k), v) for k, v in curve.items())
+    if x <= points[0][0]:
+        return points[0][1]
+    if x >= points[-1][0]:
+        last_x, last_y = points[-1]
+        if end is None or end <= last_y:
+            return last_y
+        frac = min(1.0, math.log(x / last_x) / math.log(4))
+        return last_y * (end / last_y) ** frac
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if x0 <= x <= x1:
+            frac = math.log(x / x0) / math.log(x1 / x0)
+            return math.exp(math.log(y0) + frac * (math.log(y1) - math.log(y0)))
+    raise AssertionError("unreachable")
 
 
 def _dtype_name(dtype: torch.dtype | str) -> str:
@@ -118,6 +316,19 @@ def device_name(device: torch.device) -> str:
     return device.type
 
 
+def runtime_digest() -> str:
+    """A digest of the library sources whose speed the software figures measure."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for name in _RUNTIME_SOURCES:
+        path = root / name
+        files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
+        for f in files:
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def default_cache_dir() -> Path:
     env = os.environ.get(ENV_CACHE_DIR)
     if env:
@@ -136,7 +347,7 @@ def default_path(device: torch.device | str, quick: bool = False) -> Path:
     return default_cache_dir() / f"machine-{profile_key(device, quick)}.json"
 
 
-# ---- measurements -----------------------------------------------------------------
+# ---- timing -----------------------------------------------------------------------
 
 
 def _sync(device: torch.device) -> None:
@@ -145,9 +356,76 @@ def _sync(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
+def _seconds(fn: Callable[[], object], device: torch.device, budget: float) -> float:
+    """Seconds per call of ``fn``: the median of BURSTS bursts that together fill ``budget``."""
+    fn()  # warm-up (allocations, kernel selection)
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    one = max(time.perf_counter() - t0, 1e-7)
+    iters = max(1, int(budget / BURSTS / one))
+    bursts = []
+    for _ in range(BURSTS):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        _sync(device)
+        bursts.append((time.perf_counter() - t0) / iters)
+    return statistics.median(bursts)
+
+
+class OtherLoad:
+    """How busy the other processes kept the CPUs while a ``with`` block ran.
+
+    ``fraction``: the CPU time used by every other process over the block's
+    wall time x the number of CPUs (0: this process had the machine to itself;
+    0.5 on 2 CPUs: another process kept one CPU busy). None where
+    ``/proc/stat`` is missing. A measurement taken with other processes busy
+    is pessimistic: on a CPU, PyTorch's thread pool waits for a descheduled
+    worker at every parallel operator.
+    """
+
+    fraction: float | None = None
+
+    @staticmethod
+    def _busy_seconds() -> float | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = f.readline().split()[1:]
+        except OSError:
+            return None
+        jiffies = [int(v) for v in fields]
+        idle = jiffies[3] + (jiffies[4] if len(jiffies) > 4 else 0)  # idle + iowait
+        return (sum(jiffies[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+    def __enter__(self) -> OtherLoad:
+        self._busy = self._busy_seconds()
+        self._own = sum(os.times()[:2])
+        self._wall = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        busy = self._busy_seconds()
+        wall = time.perf_counter() - self._wall
+        if busy is not None and self._busy is not None and wall > 0:
+            other = (busy - self._busy) - (sum(os.times()[:2]) - self._own)
+            self.fraction = min(1.0, max(0.0, other / (wall * (os.cpu_count() or 1))))
+        return False
+
+
+def _median_curve(measure_curve: Callable[[], dict[str, float]], sizes) -> dict[str, float]:
+    """Each point of a curve: the median of ``sizes.curve_repeats`` measurements of it."""
+    curves = [measure_curve() for _ in range(sizes.curve_repeats)]
+    return {k: statistics.median(c[k] for c in curves) for k in curves[0]}
+
+
 def _median3(fn) -> tuple[float, list[float]]:
     samples = [fn() for _ in range(REPEATS)]
     return statistics.median(samples), samples
+
+
+# ---- hardware measurements -----------------------------------------------------------
 
 
 def _matmul_flops(device: torch.device, dtype: torch.dtype, sizes: _Sizes) -> tuple[float, list]:
@@ -155,33 +433,14 @@ def _matmul_flops(device: torch.device, dtype: torch.dtype, sizes: _Sizes) -> tu
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
         out = torch.empty(n, n, device=device, dtype=dtype)
-        torch.mm(a, b, out=out)  # warm-up (kernel selection, first touch of out)
-        _sync(device)
         return a, b, out
 
     def seconds_per_product(n: int, budget: float) -> float:
-        # As many products as fit in the budget: one product of a small matrix
-        # is too short to time against the thread pool's wake-up.
         a, b, out = operands(n)
-        iters, t0 = 0, time.perf_counter()
-        while True:
-            torch.mm(a, b, out=out)
-            iters += 1
-            _sync(device)
-            elapsed = time.perf_counter() - t0
-            if elapsed >= budget:
-                return elapsed / iters
-
-    def timed(n: int, iters: int) -> float:
-        a, b, out = operands(n)
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            torch.mm(a, b, out=out)
-        _sync(device)
-        return time.perf_counter() - t0
+        return _seconds(lambda: torch.mm(a, b, out=out), device, budget)
 
     # Grow n until one product takes a twentieth of the target (n is capped to
-    # bound memory), then repeat the product to fill the target time.
+    # bound memory), then time bursts of products that fill the target time.
     n = 64
     while True:
         t = seconds_per_product(n, sizes.matmul_seconds / 8)
@@ -189,24 +448,177 @@ def _matmul_flops(device: torch.device, dtype: torch.dtype, sizes: _Sizes) -> tu
             break
         grow = min(4.0, (sizes.matmul_seconds / 20 / t) ** (1 / 3))
         n = min(sizes.matmul_max_n, max(n + 64, int(n * grow) // 64 * 64))
-    iters = max(1, round(sizes.matmul_seconds / t))
 
     def one() -> float:
-        return 2 * n**3 * iters / timed(n, iters)
+        return 2 * n**3 / seconds_per_product(n, sizes.matmul_seconds)
 
     return _median3(one)
+
+
+def _dispatch_seconds(device: torch.device, budget: float) -> float:
+    """One operator on a one-element tensor without autograd: the floor of any call."""
+    a = torch.ones(1, device=device)
+    out = torch.empty(1, device=device)
+    return _seconds(lambda: torch.add(a, a, out=out), device, budget)
+
+
+_LIVE_BYTES = 64 * 2**20  # what a timed pass keeps alive, at most
+
+
+def _matmul_curve(device: torch.device, sizes: _Sizes, floor: float) -> dict[str, float]:
+    """FLOP/s of n x n x n products as in a training pass: each product of its own
+    operands, its output kept (see :func:`_fwd_bwd_seconds`)."""
+    curve = {}
+    for n in sizes.matmul_curve:
+
+        def make(n=n):
+            return torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+
+        pairs = _instances(make, sizes.live_sets)
+
+        def products(pairs=pairs):
+            return [torch.mm(a, b) for a, b in pairs]
+
+        t = _seconds(products, device, sizes.curve_seconds) / len(pairs)
+        curve[str(n)] = 2 * n**3 / max(t - floor, t / 10)
+    return curve
+
+
+def _instances(make_args: Callable[[], tuple], most: int) -> list[tuple]:
+    """Argument sets for one timed pass: 2 to ``most``, about _LIVE_BYTES in all."""
+    first = make_args()
+    nbytes = sum(a.numel() * a.element_size() for a in first)
+    more = max(1, min(most - 1, _LIVE_BYTES // nbytes - 1))
+    return [first] + [make_args() for _ in range(more)]
+
+
+def _fwd_bwd_seconds(fn: Callable, arg_sets: list[tuple], device: torch.device, budget: float):
+    """Seconds of one forward + backward (of the sum) of ``fn`` on one argument set.
+
+    Timed as in a training pass: the forwards of every set first (each reads
+    inputs no other operator just touched and keeps its outputs alive, as
+    activations are), then one backward through all of them; the pass's time
+    over the number of sets. Operators that reuse hot, just-freed memory in a
+    tight loop run several times faster than inside a model.
+    """
+
+    def step():
+        loss = sum(fn(*args).sum() for args in arg_sets)
+        loss.backward()
+        for args in arg_sets:
+            for a in args:
+                a.grad = None
+
+    with torch.enable_grad():
+        return _seconds(step, device, budget) / len(arg_sets)
+
+
+def _overhead_of(costs, profile_partial: dict) -> float:
+    """Seconds the fixed per-operator costs of ``costs`` (one entry) account for."""
+    return (
+        costs.fwd_ops * profile_partial["op_overhead_fwd_s"]
+        + costs.bwd_ops * profile_partial["op_overhead_bwd_s"]
+    )
+
+
+def _attention_curve(device: torch.device, sizes: _Sizes, partial: dict) -> dict[str, float]:
+    from weightstream.compiler.cost import attention_size, function_costs
+
+    def attention(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    curve = {}
+    for t_len, head_dim in sizes.attention:
+        shape = (1, 4, t_len, head_dim)  # [B, heads, T, head_dim]
+
+        def make(shape=shape):
+            return tuple(torch.randn(shape, device=device, requires_grad=True) for _ in range(3))
+
+        arg_sets = _instances(make, sizes.live_sets)
+        args = arg_sets[0]
+        costs = function_costs(attention, args)
+        flops = costs.flops  # 12 x heads x T^2 x head_dim, as cost.py counts attention
+        t = _fwd_bwd_seconds(attention, arg_sets, device, sizes.curve_seconds)
+        simple = _simple_seconds(costs, partial)
+        curve[str(attention_size(args, {}))] = flops / max(t - simple, t / 10)
+    return curve
+
+
+def _simple_seconds(costs, partial: dict) -> float:
+    """Fixed costs plus the simple operators' time of ``costs`` (what is not the class)."""
+    seconds = _overhead_of(costs, partial)
+    curve = partial.get("op_bandwidth", {}).get("simple")
+    if curve:
+        for mem in (costs.fwd_mem, costs.bwd_mem):
+            for nbytes, total in mem.get("simple", {}).items():
+                seconds += total / _interp(curve, nbytes)
+    return seconds
+
+
+def _class_functions() -> dict[str, tuple[Callable, Callable[[int, torch.device], tuple]]]:
+    """Operator class -> (function, its arguments for n elements): what is timed."""
+
+    def rows(n: int, device: torch.device) -> tuple:
+        return (torch.randn(n // 128, 128, device=device, requires_grad=True),)
+
+    def norm_args(n: int, device: torch.device) -> tuple:
+        return (
+            *rows(n, device),
+            torch.ones(128, device=device, requires_grad=True),
+            torch.zeros(128, device=device, requires_grad=True),
+        )
+
+    return {
+        "gelu": (lambda x: F.gelu(x, approximate="tanh"), rows),
+        "silu": (F.silu, rows),
+        "layer_norm": (lambda x, w, b: F.layer_norm(x, (128,), w, b), norm_args),
+        "softmax": (lambda x: torch.softmax(x, -1), rows),
+        "transcendental": (torch.tanh, rows),
+    }
+
+
+def _op_bandwidth(device: torch.device, sizes: _Sizes, partial: dict) -> dict:
+    from weightstream.compiler.cost import OP_CLASSES, SIMPLE, function_costs
+
+    out: dict[str, dict[str, float]] = {SIMPLE: {}}
+    partial["op_bandwidth"] = out
+
+    def mul(x, y):
+        return x * y
+
+    for n in sizes.simple_numel:
+
+        def make(n=n):
+            return tuple(torch.randn(n, device=device, requires_grad=True) for _ in range(2))
+
+        arg_sets = _instances(make, sizes.live_sets)
+        costs = function_costs(mul, arg_sets[0])
+        t = _fwd_bwd_seconds(mul, arg_sets, device, sizes.curve_seconds)
+        moved = costs.fwd_mem_bytes + costs.bwd_mem_bytes
+        out[SIMPLE][str(3 * 4 * n)] = moved / max(t - _overhead_of(costs, partial), t / 10)
+    functions = _class_functions()
+    assert set(functions) == set(OP_CLASSES), "every operator class has a measurement"
+    for cls, (fn, make_args) in functions.items():
+        arg_sets = _instances(
+            lambda make_args=make_args: make_args(sizes.class_numel, device), sizes.live_sets
+        )
+        costs = function_costs(fn, arg_sets[0])
+        t = _fwd_bwd_seconds(fn, arg_sets, device, sizes.curve_seconds)
+        moved = sum(costs.fwd_mem.get(cls, {}).values()) + sum(costs.bwd_mem.get(cls, {}).values())
+        key = str(max([*costs.fwd_mem.get(cls, {}), *costs.bwd_mem.get(cls, {})]))
+        out[cls] = {key: moved / max(t - _simple_seconds(costs, partial), t / 10)}
+    return out
 
 
 def _copy_bandwidths(device: torch.device, sizes: _Sizes) -> tuple[float, list, float, list]:
     numel = sizes.copy_bytes // 4
     host_src = torch.ones(numel)
     host_dst = torch.empty(numel)
-    host_dst.copy_(host_src)  # first touch
+    budget = 0.02 if sizes is _QUICK else 0.3
 
     def host_copy() -> float:
-        t0 = time.perf_counter()
-        host_dst.copy_(host_src)
-        return 2 * sizes.copy_bytes / (time.perf_counter() - t0)  # read + write
+        t = _seconds(lambda: host_dst.copy_(host_src), torch.device("cpu"), budget)
+        return 2 * sizes.copy_bytes / t  # read + write
 
     host_bw, host_samples = _median3(host_copy)
     if device.type == "cpu":
@@ -215,14 +627,10 @@ def _copy_bandwidths(device: torch.device, sizes: _Sizes) -> tuple[float, list, 
         return host_bw / 2, [s / 2 for s in host_samples], host_bw, host_samples
     pinned = host_src.pin_memory()
     dev_dst = torch.empty(numel, device=device)
-    dev_dst.copy_(pinned)
-    _sync(device)
 
     def h2d() -> float:
-        t0 = time.perf_counter()
-        dev_dst.copy_(pinned, non_blocking=True)
-        _sync(device)
-        return sizes.copy_bytes / (time.perf_counter() - t0)
+        t = _seconds(lambda: dev_dst.copy_(pinned, non_blocking=True), device, budget)
+        return sizes.copy_bytes / t
 
     link_bw, link_samples = _median3(h2d)
     return link_bw, link_samples, host_bw, host_samples
@@ -260,6 +668,248 @@ def _disk_bandwidths(directory: Path, nbytes: int) -> tuple[float, list, float, 
     return statistics.median(writes), writes, statistics.median(reads), reads
 
 
+# ---- software measurements (Note [fixed costs]) ----------------------------------------
+
+
+class _TinyBlock(nn.Module):
+    """A transformer-like block (16 features unless told): the operator mix of real models."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, d)
+        self.fc2 = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+def _tiny_chain(units: int = _FULL.tiny_units, d: int = 16) -> nn.Sequential:
+    return nn.Sequential(*[_TinyBlock(d) for _ in range(units)])
+
+
+def _fwd_bwd_split(model, x, device: torch.device, budget: float) -> tuple[float, float]:
+    """(forward, backward) seconds of ``model(x).sum()``: the medians of the steps
+    that fit in ``budget`` seconds (at least 3). The gradients are dropped after
+    each step (not timed), as the trainer's ``zero_grad(set_to_none=True)`` does."""
+    model(x).sum().backward()  # warm-up
+    model.zero_grad(set_to_none=True)
+    fwd, bwd = [], []
+    deadline = time.perf_counter() + budget
+    while len(fwd) < 3 or time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        loss = model(x).sum()
+        _sync(device)
+        t1 = time.perf_counter()
+        loss.backward()
+        _sync(device)
+        fwd.append(t1 - t0)
+        bwd.append(time.perf_counter() - t1)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+SCALARS_PER_STEP = 4  # Trainer._log: loss, lr, loss_scale, samples_per_sec
+
+
+@contextlib.contextmanager
+def tiny_training_steps(device: torch.device | str = "cpu"):
+    """A callable doing what surrounds a batch fetch in a run, for timing input in context.
+
+    Timing an input pipeline's batches back to back flatters it (about 2x for a
+    small in-memory dataset on a CPU): inside a run each fetch follows a
+    training step, which leaves the caches and the thread pool in another
+    state, and TensorBoard's writer thread competes with it. Each call is a
+    forward + backward of the tiny chain and the SCALARS_PER_STEP scalars of a
+    step, logged to a temporary directory removed on exit.
+    """
+    from torch.utils.tensorboard import SummaryWriter
+
+    device = torch.device(device)
+    model = _tiny_chain().to(device)
+    x = torch.randn(4, 16, device=device)
+    step = 0
+    with tempfile.TemporaryDirectory(prefix="weightstream-logprobe-") as tmp:
+        writer = SummaryWriter(tmp)
+
+        def training_step() -> None:
+            nonlocal step
+            loss = model(x).sum()
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            step += 1
+            for i in range(SCALARS_PER_STEP):
+                writer.add_scalar(f"s{i}", loss.item(), step)
+
+        try:
+            yield training_step
+        finally:
+            writer.close()
+
+
+def _step_overhead(model, x, device: torch.device, budget: float) -> float:
+    """Seconds of the run loop's bookkeeping per step: a step of ``model`` with it
+    minus one without it (interleaved bursts, medians). The bookkeeping is what
+    ``runtime.trainer.Trainer`` does around the model each step: the loss divided
+    by the micro-batch count, summed on the host, read with ``.item()``, and
+    SCALARS_PER_STEP TensorBoard scalars (whose writer thread competes with the
+    next step: that interference is part of the cost)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    def plain() -> None:
+        model(x).sum().backward()
+
+    step = 0
+    with tempfile.TemporaryDirectory(prefix="weightstream-logprobe-") as tmp:
+        writer = SummaryWriter(tmp)
+
+        def logged() -> None:
+            nonlocal step
+            scaled = model(x).sum() / 1
+            scaled.backward()
+            value = (torch.zeros(()) + scaled.detach().cpu()).item()
+            step += 1
+            for i in range(SCALARS_PER_STEP):
+                writer.add_scalar(f"s{i}", value, step)
+
+        try:
+            for fn in (plain, logged):
+                fn()
+            times: dict = {plain: [], logged: []}
+            deadline = time.perf_counter() + budget
+            while len(times[plain]) < 3 or time.perf_counter() < deadline:
+                for fn in (plain, logged):
+                    t0 = time.perf_counter()
+                    fn()
+                    _sync(device)
+                    times[fn].append(time.perf_counter() - t0)
+        finally:
+            writer.close()
+    return max(0.0, statistics.median(times[logged]) - statistics.median(times[plain]))
+
+
+def _software_figures(device: torch.device, sizes: _Sizes, copy_bandwidth: float) -> dict:
+    """op_overhead_fwd_s, op_overhead_bwd_s, unit_overhead_s, step_overhead_s, samples."""
+    from weightstream.backend import compile as ws_compile
+    from weightstream.compiler.cost import function_costs
+
+    eager = _tiny_chain(sizes.tiny_units).to(device)
+    x = torch.randn(4, 16, device=device)
+    costs = function_costs(eager, (x,))
+    streamed_model = _tiny_chain(sizes.tiny_units)
+    streamed = ws_compile(
+        streamed_model, "wse_ws", device=device, unit_classes=[_TinyBlock], prefetch_depth=1
+    )
+    # Wide units: their weights dominate, so their streaming time over the
+    # tiny units' is the price of the bytes (Note [fixed costs]).
+    d = sizes.wide_features
+    wide_eager = _tiny_chain(sizes.tiny_units, d).to(device)
+    wide_x = torch.randn(4, d, device=device)
+    wide_model = _tiny_chain(sizes.tiny_units, d)
+    wide = ws_compile(
+        wide_model, "wse_ws", device=device, unit_classes=[_TinyBlock], prefetch_depth=1
+    )
+    wide_bytes = 3 * sum(p.numel() * p.element_size() for p in wide_model.parameters())
+    tiny_bytes = 3 * sum(p.numel() * p.element_size() for p in streamed_model.parameters())
+    try:
+        fwd, bwd, units, steps, streams = [], [], [], [], []
+        for _ in range(REPEATS):
+            # Interleaved: eager and streamed see the same machine conditions.
+            f, b = _fwd_bwd_split(eager, x, device, sizes.overhead_seconds)
+            fs, bs = _fwd_bwd_split(streamed, x, device, sizes.overhead_seconds)
+            fwd.append(f / costs.fwd_ops)
+            bwd.append(b / costs.bwd_ops)
+            # 2 fetches + gradients back of the tiny weights, at the copy bandwidth
+            copies = tiny_bytes / copy_bandwidth
+            unit = max(0.0, (fs + bs - f - b - copies) / sizes.tiny_units)
+            units.append(unit)
+            fw, bw = _fwd_bwd_split(wide_eager, wide_x, device, sizes.overhead_seconds)
+            fws, bws = _fwd_bwd_split(wide, wide_x, device, sizes.overhead_seconds)
+            per_bytes = (fws + bws - fw - bw) - sizes.tiny_units * unit
+            streams.append(wide_bytes / per_bytes if per_bytes > 0 else copy_bandwidth)
+            steps.append(_step_overhead(eager, x, device, sizes.overhead_seconds))
+    finally:
+        streamed.engine.close()
+        wide.engine.close()
+    return {
+        "op_overhead_fwd_s": statistics.median(fwd),
+        "op_overhead_bwd_s": statistics.median(bwd),
+        "unit_overhead_s": statistics.median(units),
+        "stream_bandwidth": statistics.median(streams),
+        "step_overhead_s": statistics.median(steps),
+        "samples": {
+            "op_overhead_fwd": fwd,
+            "op_overhead_bwd": bwd,
+            "unit_overhead": units,
+            "stream_bandwidth": streams,
+            "step_overhead": steps,
+        },
+    }
+
+
+def update_key(spec: dict) -> str:
+    """The ``update_costs`` key of an update setting (see :func:`update_cost`)."""
+    text = json.dumps(spec, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _measure_update(spec: dict, quick: bool) -> UpdateCost:
+    """Time the trainer's update sequence for ``spec`` (see :func:`update_cost`)."""
+    from weightstream.amp import GradScaler
+    from weightstream.optim import configure_optimizer
+
+    device = torch.device(spec["device"])
+    budget = 0.005 if quick else 0.05
+    big = _QUICK.update_numel if quick else _FULL.update_numel
+    sets = 2 if quick else 4
+
+    def seconds(tensors: int, numel: int) -> float:
+        # Several independent models updated in turn: each update finds its
+        # parameters, gradients and state cold, as a run's update does after a
+        # forward and a backward have gone through the caches.
+        updates = []
+        for _ in range(sets):
+            params = [torch.zeros(numel, device=device, requires_grad=True) for _ in range(tensors)]
+            grads = [torch.full((numel,), 1e-3, device=device) for _ in range(tensors)]
+            opt = configure_optimizer(
+                spec["optimizer_type"], params=params, learning_rate=1e-3, **spec["kwargs"]
+            )
+            updates.append((params, grads, opt, GradScaler(**spec["grad_scaler"])))
+
+        def update(params, grads, opt, scaler):
+            # The update part of Trainer._optimizer_step, in its order.
+            for p, g in zip(params, grads):
+                p.grad = g
+            scaler.unscale_(opt)
+            if spec["max_gradient_norm"] is not None:
+                torch.nn.utils.clip_grad_norm_(params, spec["max_gradient_norm"])
+            elif spec["max_gradient_value"] is not None:
+                torch.nn.utils.clip_grad_value_(params, spec["max_gradient_value"])
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+
+        def all_sets():
+            for u in updates:
+                update(*u)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _seconds(all_sets, device, budget) / sets
+
+    small = 16
+    t1 = seconds(1, small)
+    t64 = seconds(64, small)
+    t_big = seconds(1, big)
+    per_tensor = max(0.0, (t64 - t1) / 63)
+    per_element = max(0.0, (t_big - t1) / (big - small))
+    fixed = max(0.0, t1 - per_tensor - small * per_element)
+    return UpdateCost(spec, fixed, per_tensor, per_element)
+
+
+# ---- the profile ---------------------------------------------------------------------
+
+
 def measure(
     device: torch.device | str = "cpu", quick: bool = False, disk_dir: str | Path | None = None
 ) -> MachineProfile:
@@ -272,24 +922,37 @@ def measure(
     flops: dict[str, float] = {}
     # Measuring must not move the user's random stream.
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
+    with torch.random.fork_rng(devices=devices), OtherLoad() as load:
         torch.manual_seed(0)
-        for name in _DTYPES:
-            dtype = getattr(torch, name)
-            try:
-                torch.mm(
-                    torch.ones(2, 2, device=device, dtype=dtype),
-                    torch.ones(2, 2, device=device, dtype=dtype),
+        with torch.no_grad():
+            for name in _DTYPES:
+                dtype = getattr(torch, name)
+                try:
+                    torch.mm(
+                        torch.ones(2, 2, device=device, dtype=dtype),
+                        torch.ones(2, 2, device=device, dtype=dtype),
+                    )
+                except (RuntimeError, TypeError):
+                    continue  # not supported on this device
+                flops[name], samples[f"matmul_{name}"] = _matmul_flops(device, dtype, sizes)
+            link, samples["copy"], host, samples["host_memory"] = _copy_bandwidths(device, sizes)
+            write = read = None
+            if disk_dir is not None:
+                write, samples["disk_write"], read, samples["disk_read"] = _disk_bandwidths(
+                    Path(disk_dir), sizes.disk_bytes
                 )
-            except (RuntimeError, TypeError):
-                continue  # not supported on this device
-            flops[name], samples[f"matmul_{name}"] = _matmul_flops(device, dtype, sizes)
-        link, samples["copy"], host, samples["host_memory"] = _copy_bandwidths(device, sizes)
-        write = read = None
-        if disk_dir is not None:
-            write, samples["disk_write"], read, samples["disk_read"] = _disk_bandwidths(
-                Path(disk_dir), sizes.disk_bytes
-            )
+            floor = _dispatch_seconds(device, sizes.curve_seconds)
+            matmul_curve = _median_curve(lambda: _matmul_curve(device, sizes, floor), sizes)
+        software = _software_figures(device, sizes, link)
+        samples.update(software.pop("samples"))
+        tables = [_op_bandwidth(device, sizes, software) for _ in range(sizes.curve_repeats)]
+        op_bandwidth = {
+            cls: {k: statistics.median(t[cls][k] for t in tables) for k in tables[0][cls]}
+            for cls in tables[0]
+        }
+        software["op_bandwidth"] = op_bandwidth  # the medians price the attention's loss
+        attention_curve = _median_curve(lambda: _attention_curve(device, sizes, software), sizes)
+    del software["op_bandwidth"]
     return MachineProfile(
         device=str(device),
         device_name=device_name(device),
@@ -301,10 +964,29 @@ def measure(
         disk_write_bandwidth=write,
         disk_read_bandwidth=read,
         disk_dir=None if disk_dir is None else str(disk_dir),
+        matmul_curve=matmul_curve,
+        attention_curve=attention_curve,
+        op_bandwidth=op_bandwidth,
+        runtime_digest=runtime_digest(),
+        other_load=load.fraction,
         quick=quick,
         measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         samples=samples,
+        **software,
     )
+
+
+def remeasure_software(profile: MachineProfile) -> MachineProfile:
+    """``profile`` with its software figures measured again (the runtime changed)."""
+    device = torch.device(profile.device)
+    sizes = _QUICK if profile.quick else _FULL
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(0)
+        software = _software_figures(device, sizes, profile.copy_bandwidth)
+    samples = {**profile.samples, **software.pop("samples")}
+    data = {**profile.to_dict(), **software, "samples": samples, "update_costs": {}}
+    data["runtime_digest"] = runtime_digest()
+    return MachineProfile.from_dict(data)
 
 
 def _write_json_atomic(path: Path, data: dict) -> None:
@@ -348,7 +1030,9 @@ def load_or_measure(
     ``path``: the JSON file (default :func:`default_path`). ``disk_dir``: the
     directory whose disk bandwidth is measured (default: the cache file's
     directory); a cached profile of another directory is a miss. ``quick``:
-    tiny sizes (a few milliseconds; for tests), cached under its own key.
+    tiny sizes (a few milliseconds; for tests), cached under its own key. A
+    cached profile measured with other runtime sources keeps its hardware
+    figures and measures the software ones again.
     """
     device = torch.device(device)
     path = Path(path) if path is not None else default_path(device, quick)
@@ -363,7 +1047,67 @@ def load_or_measure(
             and cached.quick == quick
             and cached.disk_dir == str(disk_dir)
         ):
-            return cached
+            if cached.runtime_digest == runtime_digest():
+                return cached
+            profile = remeasure_software(cached)
+            _write_json_atomic(path, profile.to_dict())
+            return profile
     profile = measure(device, quick=quick, disk_dir=disk_dir)
     _write_json_atomic(path, profile.to_dict())
     return profile
+
+
+def update_spec(
+    optimizer_type: str,
+    kwargs: dict | None = None,
+    max_gradient_norm: float | None = None,
+    max_gradient_value: float | None = None,
+    grad_scaler: dict | None = None,
+    device: torch.device | str = "cpu",
+) -> dict:
+    """What an update's cost depends on: the optimizer and its numeric arguments
+    (the learning rate and its schedule do not change the cost and are left out),
+    gradient clipping, the loss scaler's settings and the device holding the
+    parameters (the host in weight streaming)."""
+    kwargs = {
+        k: v
+        for k, v in (kwargs or {}).items()
+        if k not in ("learning_rate", "lr") and isinstance(v, (bool, int, float, str, list, tuple))
+    }
+    return {
+        "optimizer_type": optimizer_type,
+        "kwargs": kwargs,
+        "max_gradient_norm": max_gradient_norm,
+        "max_gradient_value": max_gradient_value,
+        "grad_scaler": {k: v for k, v in (grad_scaler or {}).items() if v is not None},
+        "device": str(torch.device(device)),
+    }
+
+
+def update_cost(
+    profile: MachineProfile, spec: dict, path: str | Path | None = None
+) -> UpdateCost | None:
+    """The cost of one optimizer update of ``spec`` (:func:`update_spec`) on this machine.
+
+    Measured the first time (about 0.5 s) and kept in ``profile.update_costs``;
+    ``path`` (default: the profile's default cache file) is rewritten with it.
+    None when the optimizer cannot be built from ``spec`` (the estimate then
+    prices the update by bytes over the host memory bandwidth, and says so).
+    """
+    key = update_key(spec)
+    cached = profile.update_costs.get(key)
+    if cached is not None:
+        return UpdateCost(**cached)
+    try:
+        cost = _measure_update(spec, profile.quick)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        warnings.warn(
+            f"weightstream: could not time the optimizer update ({type(exc).__name__}: {exc}); "
+            "the estimate prices it by bytes over the host memory bandwidth.",
+            stacklevel=2,
+        )
+        return None
+    profile.update_costs[key] = asdict(cost)
+    path = Path(path) if path is not None else default_path(profile.device, profile.quick)
+    _write_json_atomic(path, profile.to_dict())
+    return cost

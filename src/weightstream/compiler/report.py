@@ -29,7 +29,7 @@ from weightstream.compiler.estimate import Estimate
 from weightstream.compiler.machine import MachineProfile
 from weightstream.compiler.partition import Plan
 
-SCHEMA = 1
+SCHEMA = 2
 PLAN_FILE = "plan.json"
 REPORT_FILE = "compile_report.txt"
 _REQUIRED = ("schema", "checksum", "settings", "units", "totals", "estimate", "est_samples_per_sec")
@@ -141,9 +141,19 @@ def _plan_dict(
                 "fwd_flops": cost.fwd_flops,
                 "bwd_flops": cost.bwd_flops,
                 "activation_bytes": cost.activation_bytes,
+                "fwd_ops": cost.fwd_ops,
+                "bwd_ops": cost.bwd_ops,
+                "fwd_op_bytes": cost.fwd_mem_bytes,
+                "bwd_op_bytes": cost.bwd_mem_bytes,
+                "trainable_tensors": cost.trainable_tensors,
                 "pinned": spec.pinned,
                 "est_fwd_compute_s": e.fwd_compute_s,
                 "est_bwd_compute_s": e.bwd_compute_s,
+                "est_fwd_memory_s": e.fwd_memory_s,
+                "est_bwd_memory_s": e.bwd_memory_s,
+                "est_fwd_overhead_s": e.fwd_overhead_s,
+                "est_bwd_overhead_s": e.bwd_overhead_s,
+                "est_stream_s": e.stream_s,
                 "est_fwd_transfer_s": e.fwd_transfer_s,
                 "est_bwd_transfer_s": e.bwd_transfer_s,
                 "est_update_s": e.update_s,
@@ -167,6 +177,10 @@ def _plan_dict(
             "fwd_flops": out.fwd_flops,
             "bwd_flops": out.bwd_flops,
             "activation_bytes": out.activation_bytes,
+            "fwd_ops": out.fwd_ops,
+            "bwd_ops": out.bwd_ops,
+            "fwd_op_bytes": out.fwd_mem_bytes,
+            "bwd_op_bytes": out.bwd_mem_bytes,
             "est_fwd_s": est.outside_fwd_s,
             "est_bwd_s": est.outside_bwd_s,
         },
@@ -177,6 +191,8 @@ def _plan_dict(
             "bwd_flops": costs.bwd_flops,
             "flops": costs.flops,
             "activation_bytes": costs.activation_bytes,
+            "ops": costs.ops,
+            "op_bytes": costs.mem_bytes,
             "largest_unit_bytes": plan.largest_unit_bytes,
             "pinned_bytes": plan.pinned_bytes,
             "weight_bound_bytes": plan.weight_bound(est.settings.prefetch_depth),
@@ -184,8 +200,13 @@ def _plan_dict(
         "estimate": {
             "step_s": est.step_s,
             "compute_s": est.compute_s,
+            "memory_s": est.memory_s,
+            "overhead_s": est.overhead_s,
             "transfer_s": est.transfer_s,
             "update_s": est.update_s,
+            "input_s": est.input_s,
+            "model_samples_per_sec": est.model_samples_per_sec,
+            "update_measured": est.settings.update is not None,
             "bound": est.bound,
             "link_bytes": est.link_bytes,
             "host_bytes": est.host_bytes,
@@ -225,7 +246,8 @@ def _report_text(data: dict) -> str:
     name_w = max([len("unit"), len("<outside units>")] + [len(u["name"]) for u in data["units"]])
     head = (
         f"{'#':>3}  {'unit':<{name_w}} {'params':>12} {'weights':>11} {'fwd FLOP':>11} "
-        f"{'bwd FLOP':>11} {'activations':>11} {'fwd ms':>9} {'bwd ms':>9} {'xfer ms':>9} "
+        f"{'bwd FLOP':>11} {'activations':>11} {'ops':>6} {'op bytes':>11} {'fwd ms':>9} "
+        f"{'bwd ms':>9} {'flop ms':>9} {'mem ms':>9} {'ovh ms':>9} {'xfer ms':>9} "
         f"{'upd ms':>9}  bound     pinned"
     )
     lines = [
@@ -244,15 +266,21 @@ def _report_text(data: dict) -> str:
         lines.append(
             f"{u['index']:>3}  {u['name']:<{name_w}} {u['params']:>12,} "
             f"{_bytes(u['weight_bytes']):>11} {_si(u['fwd_flops']):>11} {_si(u['bwd_flops']):>11} "
-            f"{_bytes(u['activation_bytes']):>11} {_ms(u['est_fwd_s']):>9} {_ms(u['est_bwd_s']):>9} "
+            f"{_bytes(u['activation_bytes']):>11} {u['fwd_ops'] + u['bwd_ops']:>6} "
+            f"{_bytes(u['fwd_op_bytes'] + u['bwd_op_bytes']):>11} "
+            f"{_ms(u['est_fwd_s']):>9} {_ms(u['est_bwd_s']):>9} "
+            f"{_ms(u['est_fwd_compute_s'] + u['est_bwd_compute_s']):>9} "
+            f"{_ms(u['est_fwd_memory_s'] + u['est_bwd_memory_s']):>9} "
+            f"{_ms(u['est_fwd_overhead_s'] + u['est_bwd_overhead_s'] + u['est_stream_s']):>9} "
             f"{_ms(u['est_fwd_transfer_s'] + u['est_bwd_transfer_s']):>9} "
             f"{_ms(u['est_update_s']):>9}  {u['bound']:<9} {'yes' if u['pinned'] else ''}"
         )
     o = data["outside_units"]
     lines.append(
         f"{'':>3}  {'<outside units>':<{name_w}} {'':>12} {'':>11} {_si(o['fwd_flops']):>11} "
-        f"{_si(o['bwd_flops']):>11} {_bytes(o['activation_bytes']):>11} {_ms(o['est_fwd_s']):>9} "
-        f"{_ms(o['est_bwd_s']):>9}"
+        f"{_si(o['bwd_flops']):>11} {_bytes(o['activation_bytes']):>11} "
+        f"{o['fwd_ops'] + o['bwd_ops']:>6} {_bytes(o['fwd_op_bytes'] + o['bwd_op_bytes']):>11} "
+        f"{_ms(o['est_fwd_s']):>9} {_ms(o['est_bwd_s']):>9}"
     )
     t = data["totals"]
     lines += [
@@ -261,13 +289,19 @@ def _report_text(data: dict) -> str:
         f"  parameters            {t['params']:,} ({_bytes(t['weight_bytes'])})",
         f"  FLOPs per step        {_si(t['flops'])} (forward {_si(t['fwd_flops'])}, backward "
         f"{_si(t['bwd_flops'])}{'' if data['backward_measured'] else ', 2 x forward'}; "
-        "matmul-like operators only)",
+        "matmul-like operators and attention only)",
         f"  activations kept      {_bytes(t['activation_bytes'])}",
         f"  device weight bound   {_bytes(t['weight_bound_bytes'])} ((prefetch_depth + 1) x "
         f"largest unit {_bytes(t['largest_unit_bytes'])} + pinned {_bytes(t['pinned_bytes'])})",
+        f"  operators per step    {t['ops']:,} (non-matmul ones move {_bytes(t['op_bytes'])})",
         f"  step time             {_ms(est['step_s'])} ms (compute {_ms(est['compute_s'])} ms, "
-        f"transfer {_ms(est['transfer_s'])} ms, update {_ms(est['update_s'])} ms)",
+        f"memory {_ms(est['memory_s'])} ms, overhead {_ms(est['overhead_s'])} ms, "
+        f"transfer {_ms(est['transfer_s'])} ms, update {_ms(est['update_s'])} ms, "
+        f"input {_ms(est['input_s'])} ms)",
+        "                        (units overlap transfer with work: the terms can sum to more)",
         f"  est. samples/sec      {data['est_samples_per_sec']:.2f}  (bound by {est['bound']})",
+        f"  model consumes        {est['model_samples_per_sec']:.2f} samples/sec "
+        "(the step without its input)",
         f"  physical limit        {est['limit_samples_per_sec']:.2f} samples/sec "
         f"(bound by {est['limit_bound']})",
         "",
@@ -277,6 +311,11 @@ def _report_text(data: dict) -> str:
         + ", ".join(f"{k} {_si(v, 'FLOP/s')}" for k, v in sorted(m["matmul_flops"].items())),
         f"  copy (host->device) {_si(m['copy_bandwidth'], 'B/s')}, host memory "
         f"{_si(m['host_memory_bandwidth'], 'B/s')}",
+        f"  per operator {m['op_overhead_fwd_s'] * 1e6:.1f} us forward, "
+        f"{m['op_overhead_bwd_s'] * 1e6:.1f} us backward; per streamed unit "
+        f"{m['unit_overhead_s'] * 1e6:.0f} us per step, streaming "
+        f"{_si(m['stream_bandwidth'], 'B/s')}; loop bookkeeping "
+        f"{m['step_overhead_s'] * 1e6:.0f} us per step",
     ]
     if m["disk_read_bandwidth"] is not None:
         lines.append(

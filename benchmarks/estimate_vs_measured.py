@@ -1,0 +1,152 @@
+"""The compile phase's estimated samples/sec against the run's measured samples/sec.
+
+Runs the real run command in-process (``weightstream.cli.main.main``) for three
+zoo models at CPU sizes, in weight-streaming mode, each in a fresh temporary
+model directory: fc_mnist (configs/fc_mnist.yaml), the tiny GPT-2
+(configs/gpt2_tiny_ws.yaml) and the tiny Llama preset (configs/llama_tiny_ws.yaml).
+Each run compiles (estimate from the cached machine profile, see
+``weightstream.compiler.machine``) and trains ``--steps`` steps with no
+checkpoint inside the timed loop; ``performance/performance.json`` gives both
+figures. The models take turns (fc, gpt2, llama, fc, ...), ``--repeats``
+rounds, and the table shows every run and the min/median/max of
+measured / estimate per model, and of measured / physical limit.
+
+The machines are shared: next to each run is the share of the CPUs other
+processes used while it ran (``OtherLoad``). A run with more than
+``--max_other_load`` is run again (up to ``--retries`` times) and marked
+``*`` if it never ran undisturbed: on a CPU, another busy process stalls
+PyTorch's thread pool and the run measures the neighbour, not the model.
+
+    .venv/bin/python benchmarks/estimate_vs_measured.py [--steps 40] [--repeats 3]
+        [--remeasure once|each]   # measure the machine profile again first, or before
+                                  # every round (the machine's speed drifts over minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from weightstream.cli.main import main as ws_main
+from weightstream.compiler.machine import OtherLoad, load_or_measure
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = {
+    "fc_mnist": ROOT / "configs" / "fc_mnist.yaml",
+    "gpt2_tiny": ROOT / "configs" / "gpt2_tiny_ws.yaml",
+    "llama_tiny": ROOT / "configs" / "llama_tiny_ws.yaml",
+}
+
+
+def run_once(name: str, steps: int, work: Path) -> dict:
+    """One run of the run command; the figures of its performance.json and plan.json."""
+    raw = yaml.safe_load(MODELS[name].read_text())
+    rc = raw.setdefault("runconfig", {})
+    rc.update(max_steps=steps, checkpoint_steps=0, log_steps=10**6)
+    rc["execution_mode"] = "weight_streaming"
+    rc.pop("eval_steps", None)
+    params = work / f"{name}.yaml"
+    params.write_text(yaml.safe_dump(raw))
+    model_dir = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=work))
+    out = io.StringIO()
+    with OtherLoad() as load, contextlib.redirect_stdout(out):
+        code = ws_main(["run", "CPU", "-p", str(params), "-m", "train", "-o", str(model_dir)])
+    if code != 0:
+        raise SystemExit(f"{name}: the run command failed ({code}):\n{out.getvalue()[-2000:]}")
+    perf = json.loads((model_dir / "performance" / "performance.json").read_text())
+    (compile_dir,) = model_dir.glob("ws_*")
+    plan = json.loads((compile_dir / "plan.json").read_text())
+    return {
+        "est": perf["est_samples_per_sec"],
+        "measured": perf["samples_per_sec"],
+        "limit": plan["estimate"]["limit_samples_per_sec"],
+        "bound": plan["estimate"]["bound"],
+        "other_load": load.fraction,
+    }
+
+
+def _stats(values: list[float]) -> str:
+    return f"{min(values):6.2f} {statistics.median(values):6.2f} {max(values):6.2f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset")
+    ap.add_argument("--max_other_load", type=float, default=0.1)
+    ap.add_argument("--retries", type=int, default=2)
+    ap.add_argument(
+        "--remeasure",
+        choices=("never", "once", "each"),
+        default="never",
+        help="measure the machine profile again: never (use the cached one), once, or "
+        "before each round",
+    )
+    args = ap.parse_args(argv)
+    names = [n for n in args.models.split(",") if n]
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown:
+        ap.error(f"unknown model(s) {unknown}; choose from {sorted(MODELS)}")
+
+    def profile_line(remeasure: bool) -> str:
+        profile = load_or_measure("cpu", remeasure=remeasure)
+        load = "n/a" if profile.other_load is None else f"{profile.other_load:.0%}"
+        return (
+            f"machine profile of {profile.measured_at} (other processes: {load}): "
+            f"fp32 peak {profile.matmul_flops['float32'] / 1e9:.0f} GFLOP/s, "
+            f"{profile.op_overhead_fwd_s * 1e6:.1f}/{profile.op_overhead_bwd_s * 1e6:.1f} us "
+            f"per operator (fwd/bwd), {profile.unit_overhead_s * 1e6:.0f} us per streamed unit"
+        )
+
+    print(profile_line(args.remeasure != "never"))
+    print(f"{args.steps} steps per run, weight streaming, CPU\n")
+    head = (
+        f"{'model':<11} {'run':>3} {'est_samples_per_sec':>20} {'samples_per_sec':>16} "
+        f"{'measured/est':>13} {'measured/limit':>15} {'other load':>11}  bound"
+    )
+    print(head)
+    print("-" * len(head))
+    results: dict[str, list[dict]] = {n: [] for n in names}
+    with tempfile.TemporaryDirectory(prefix="ws-estimate-bench-") as tmp:
+        for r in range(args.repeats):
+            if args.remeasure == "each" and r > 0:
+                print(profile_line(True))
+            for name in names:
+                for attempt in range(args.retries + 1):
+                    res = run_once(name, args.steps, Path(tmp))
+                    quiet = res["other_load"] is None or res["other_load"] <= args.max_other_load
+                    if quiet or attempt == args.retries:
+                        break
+                res["disturbed"] = not quiet
+                results[name].append(res)
+                other = "n/a" if res["other_load"] is None else f"{res['other_load']:.0%}"
+                print(
+                    f"{name:<11} {r + 1:>3} {res['est']:>20.2f} {res['measured']:>16.2f} "
+                    f"{res['measured'] / res['est']:>13.3f} "
+                    f"{res['measured'] / res['limit']:>15.3f} "
+                    f"{other + ('*' if res['disturbed'] else ''):>11}  {res['bound']}",
+                    flush=True,
+                )
+    print("\nmeasured / estimate (min median max), measured / physical limit (min median max)")
+    for name, runs in results.items():
+        ratios = [x["measured"] / x["est"] for x in runs]
+        limits = [x["measured"] / x["limit"] for x in runs]
+        flag = (
+            "  (* some runs disturbed by other processes)"
+            if any(x["disturbed"] for x in runs)
+            else ""
+        )
+        print(f"  {name:<11} {_stats(ratios)}    {_stats(limits)}{flag}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
