@@ -14,6 +14,7 @@ commands:
   run {CPU,GPU} -p PARAMS -m MODE -o MODEL_DIR   train or evaluate a model from a params file
   checkpoint {info,convert,diff} ...             inspect, convert and compare checkpoints
   data write-gpt-hdf5 ...                        write a text corpus in the GPT HDF5 format
+  input-analyzer -p PARAMS [--max_workers N]     measure input workers against the model's need
 
 `weightstream <command> -h` describes each command."""
 
@@ -34,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
         from weightstream.checkpoint.cli import main as checkpoint_main
 
         return checkpoint_main(rest)
+    if command == "input-analyzer":
+        from weightstream.cli.input_analyzer import main as input_analyzer_main
+
+        return input_analyzer_main(rest)
     if command == "data":
         if not rest or rest[0] != "write-gpt-hdf5":
             print("usage: weightstream data write-gpt-hdf5 [args] (-h for help)", file=sys.stderr)
