@@ -15,7 +15,26 @@ import torch
 from weightstream.metrics.confusion import ConfusionMatrixMetric, masked_mean, safe_divide
 
 
-class MeanIOUMetric(ConfusionMatrixMetric):
+class _ClassOverlapMetric(ConfusionMatrixMetric):
+    """A per-class overlap score averaged over the classes not in ``ignore_classes``."""
+
+    def __init__(
+        self,
+        num_classes: int,
+        ignore_classes: Iterable[int] | int | None = None,
+        name: str | None = None,
+        compute_on_system: bool = True,
+    ) -> None:
+        super().__init__(
+            num_classes,
+            ignore_classes,
+            ignore_arg="ignore_classes",
+            name=name,
+            compute_on_system=compute_on_system,
+        )
+
+
+class MeanIOUMetric(_ClassOverlapMetric):
     """Mean over classes of ``IoU_c = TP_c / (TP_c + FP_c + FN_c)``, weighted counts.
 
     Per class this is ``sklearn.metrics.jaccard_score(average=None, sample_weight=w)``.
@@ -29,21 +48,6 @@ class MeanIOUMetric(ConfusionMatrixMetric):
         name, compute_on_system: see :class:`~weightstream.metrics.base.Metric`.
     """
 
-    def __init__(
-        self,
-        num_classes: int,
-        ignore_classes: Iterable[int] | int | None = None,
-        name: str | None = None,
-        compute_on_system: bool = True,
-    ) -> None:
-        super().__init__(
-            num_classes,
-            ignore_classes,
-            ignore_arg="ignore_classes",
-            name=name,
-            compute_on_system=compute_on_system,
-        )
-
     def compute(self) -> torch.Tensor:
         tp, labelled, predicted = self._class_totals()
         union = labelled + predicted - tp  # TP + FN + FP
@@ -51,7 +55,7 @@ class MeanIOUMetric(ConfusionMatrixMetric):
         return self._nan_if_empty(masked_mean(iou, self.class_mask & (union > 0)))
 
 
-class DiceCoefficientMetric(ConfusionMatrixMetric):
+class DiceCoefficientMetric(_ClassOverlapMetric):
     """Mean over classes of ``Dice_c = 2 TP_c / (2 TP_c + FP_c + FN_c)``, weighted counts.
 
     Per class this is the F1 score, ``sklearn.metrics.f1_score(average=None)``.
@@ -64,21 +68,6 @@ class DiceCoefficientMetric(ConfusionMatrixMetric):
         ignore_classes: class ids left out of the mean (e.g. a background class).
         name, compute_on_system: see :class:`~weightstream.metrics.base.Metric`.
     """
-
-    def __init__(
-        self,
-        num_classes: int,
-        ignore_classes: Iterable[int] | int | None = None,
-        name: str | None = None,
-        compute_on_system: bool = True,
-    ) -> None:
-        super().__init__(
-            num_classes,
-            ignore_classes,
-            ignore_arg="ignore_classes",
-            name=name,
-            compute_on_system=compute_on_system,
-        )
 
     def compute(self) -> torch.Tensor:
         tp, labelled, predicted = self._class_totals()
