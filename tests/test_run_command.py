@@ -136,6 +136,41 @@ def test_resume_continues_exactly(tmp_path):
     assert la == lb
 
 
+def _assert_same_tree(a, b, path="") -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _assert_same_tree(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same_tree(x, y, f"{path}.{i}")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), path
+    else:
+        assert a == b, path
+
+
+def test_disk_store_run_and_resume_equal_the_ram_store_run(tmp_path):
+    """runconfig store: disk (Note [disk tier]): 4 steps, stop, resume for 4 more
+    from the checkpoint written out of the disk store; bitwise the RAM run."""
+    ram, disk = tmp_path / "ram", tmp_path / "disk"
+    params = _params(tmp_path)
+    (tmp_path / "d").mkdir()
+    disk_params = _params(tmp_path / "d", store="disk", overlap_updates=True)
+    assert main(["run", "CPU", "-p", str(params), "-o", str(ram)]) == 0
+    assert main(["run", "CPU", "-p", str(disk_params), "-o", str(disk), "--max_steps", "4"]) == 0
+    assert main(["run", "CPU", "-p", str(disk_params), "-o", str(disk)]) == 0
+    a = ckpt.load(ram / "checkpoint_8.mdl", map_location="cpu")
+    b = ckpt.load(disk / "checkpoint_8.mdl", map_location="cpu")
+    _assert_same_tree(a["model"], b["model"])
+    _assert_same_tree(a["optimizer"], b["optimizer"])
+    la = [v for _, v in _scalars(ram / "train", "loss")]
+    lb = [v for _, v in _scalars(disk / "train", "loss")]
+    assert la == lb
+    assert (disk / "store").is_dir() and not any((disk / "store").iterdir())
+
+
 def test_bad_params_file_is_reported_without_training(tmp_path, capsys):
     path = _params(tmp_path)
     raw = yaml.safe_load(path.read_text())

@@ -85,6 +85,7 @@ from weightstream.checkpoint.format import (
     tensor_encoding,
     tree_to_json,
 )
+from weightstream.runtime.store import release_pages
 
 # Tensors are written in pieces of about this many bytes (Note [save memory]):
 # small enough to stay in the CPU cache between checksum and write, and the
@@ -468,6 +469,9 @@ class LeafWriter:
         digest = Sum64()
         if t.numel() > 0:
             self._write_pieces(dset, t, digest)
+            # A tensor of the disk store: its pages go back once written, so a
+            # save never holds more than one tensor of it (Note [disk tier]).
+            release_pages([t])
         attrs = dset.attrs
         set_text(attrs, ATTR_TYPE, TYPE_TENSOR)
         set_text(attrs, ATTR_DTYPE, dtype_name(value.dtype))

@@ -744,6 +744,10 @@ class RunConfigParams:
     check_loss_values: bool = True
     prefetch_depth: int = 1
     unit_size_target: int = 64 * 2**20
+    overlap_updates: bool = False
+    store: Literal["ram", "disk"] = "ram"
+    store_dir: str | None = None
+    host_memory_budget: int | None = None
 
     def __post_init__(self) -> None:
         s = "runconfig"
@@ -763,6 +767,7 @@ class RunConfigParams:
                 "num_csx",
                 "num_wgt_servers",
                 "unit_size_target",
+                "host_memory_budget",
             ),
             1,
             "use a positive integer",
@@ -782,6 +787,11 @@ class RunConfigParams:
             raise ValueError(
                 f"{s}: num_epochs and num_steps are both set; they are mutually exclusive. "
                 f"Fix: remove one of them (max_steps can still bound either)."
+            )
+        if self.store != "disk" and (self.store_dir is not None or self.host_memory_budget):
+            raise ValueError(
+                f"{s}.store_dir and {s}.host_memory_budget configure the disk store, but "
+                f"{s}.store is {self.store!r}. Fix: set store: disk, or remove them."
             )
         if self.compile_only and self.validate_only:
             raise ValueError(

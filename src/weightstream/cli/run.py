@@ -108,7 +108,16 @@ class Run:
                 prefetch_depth=self.rc.prefetch_depth,
                 unit_size_target=self.rc.unit_size_target,
                 compute_dtype=self._compute_dtype(),
+                overlap_updates=self.rc.overlap_updates,
             )
+            if self.rc.store == "disk":
+                kwargs.update(
+                    store="disk",
+                    # Beside the run's other outputs by default: on the disk the
+                    # user chose, not in /tmp. The files are unlinked once mapped.
+                    store_dir=self.rc.store_dir or str(self.model_dir / "store"),
+                    host_memory_budget=self.rc.host_memory_budget,
+                )
         swarm.broadcast_module(model)  # every rank starts from rank 0's weights
         compiled = cstorch.compile(model, backend="wse_ws" if self.ws else "wse_lp", **kwargs)
         return model, compiled

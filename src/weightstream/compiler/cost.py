@@ -442,6 +442,12 @@ def _shadow(model: torch.nn.Module):
         memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
+    for m in model.modules():
+        # Hooks are not copied: they may hold the runtime (a streaming engine's
+        # state-dict hooks, with its threads and locks), and none may run here.
+        for name, value in vars(m).items():
+            if name.endswith("_hooks") and isinstance(value, dict):
+                memo[id(value)] = type(value)()
     shadow = copy.deepcopy(model, memo)
     resident = {t.untyped_storage()._cdata for t in (*shadow.parameters(), *shadow.buffers())}
     return shadow, resident

@@ -31,7 +31,18 @@ def hyper(group: dict[str, Any], name: str) -> float:
 
 
 def zeros_like(p: Tensor) -> Tensor:
+    """A state tensor for ``p``: in the disk store when ``p`` lives there (Note [disk tier])."""
+    from weightstream.runtime.store import store_of
+
+    store = store_of(p)
+    if store is not None:
+        return store.zeros_like(p, "state")
     return torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+# The key of a group's gradients in the copies of param_groups that an overlapped
+# step hands to ``Optimizer._update`` (Note [overlapped updates]).
+GRADS_KEY = "_weightstream_grads"
 
 
 def collect_grads(
@@ -42,19 +53,25 @@ def collect_grads(
     Parameters without a gradient are skipped (as in torch.optim): their state,
     including the step count, is left alone. With ``maximize`` the returned
     gradients are negated copies; ``p.grad`` itself is never modified.
+
+    A group handed over by an overlapped step carries its gradients itself
+    (``GRADS_KEY``: id(param) -> gradient), taken out of ``p.grad`` when the step
+    was scheduled; ``p.grad`` belongs to the caller's thread again by then.
     """
     params: list[Tensor] = []
     grads: list[Tensor] = []
+    given = group.get(GRADS_KEY)
     for p in group["params"]:
-        if p.grad is None:
+        grad = p.grad if given is None else given.get(id(p))
+        if grad is None:
             continue
-        if p.grad.is_sparse:
+        if grad.is_sparse:
             raise ValueError(
                 f"{optimizer_name} does not support sparse gradients (parameter of shape "
                 f"{tuple(p.shape)}). Fix: use dense gradients, e.g. nn.Embedding(sparse=False)."
             )
         params.append(p)
-        grads.append(p.grad)
+        grads.append(grad)
     if maximize and grads:
         grads = torch._foreach_neg(grads)
     return params, grads

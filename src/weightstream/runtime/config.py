@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 GRANULARITIES = ("auto", "module")
+STORES = ("ram", "disk")
 
 
 @dataclass
@@ -39,6 +41,17 @@ class StreamingConfig:
             the background, behind the next forward, which waits per unit
             (Note [overlapped updates] in runtime/updater.py). ``p.grad`` is None
             right after ``step()`` in this mode.
+        store: where the store keeps masters, gradients and optimizer state:
+            ``"ram"`` (ordinary host memory) or ``"disk"`` (memory-mapped files
+            under ``store_dir``, for models larger than RAM; Note [disk tier] in
+            runtime/store.py). With ``"disk"`` the optimizer step runs unit by
+            unit and ``p.grad`` is None right after ``step()``.
+        store_dir: the directory of the disk store's files (default: a new
+            temporary directory). The files are unlinked once mapped.
+        host_memory_budget: bytes of host memory the disk store's resident pages
+            may use. Compile fails, before any step, if the plan needs more:
+            (prefetch_depth + 1) units in flight plus one unit's update (master,
+            gradient and two optimizer moments) of the largest unit.
     """
 
     prefetch_depth: int = 1
@@ -49,8 +62,31 @@ class StreamingConfig:
     device_memory_budget: int | None = None
     compute_dtype: str | torch.dtype | None = None
     overlap_updates: bool = False
+    store: str = "ram"
+    store_dir: str | None = None
+    host_memory_budget: int | None = None
 
     def __post_init__(self) -> None:
+        if self.store not in STORES:
+            raise ValueError(
+                f"store must be one of {', '.join(map(repr, STORES))}, got {self.store!r}."
+            )
+        if self.store != "disk" and (self.store_dir is not None or self.host_memory_budget):
+            raise ValueError(
+                "store_dir and host_memory_budget configure the disk store; set store='disk' "
+                "to use them, or remove them."
+            )
+        if self.store_dir is not None and not isinstance(self.store_dir, (str, os.PathLike)):
+            raise TypeError(f"store_dir must be a directory path, got {self.store_dir!r}.")
+        if self.host_memory_budget is not None and (
+            isinstance(self.host_memory_budget, bool)
+            or not isinstance(self.host_memory_budget, int)
+            or self.host_memory_budget <= 0
+        ):
+            raise ValueError(
+                "host_memory_budget must be a positive number of bytes or None, "
+                f"got {self.host_memory_budget!r}."
+            )
         self.compute_dtype = _resolve_compute_dtype(self.compute_dtype)
         if not isinstance(self.overlap_updates, bool):
             raise TypeError(f"overlap_updates must be a bool, got {self.overlap_updates!r}.")

@@ -12,6 +12,7 @@ from weightstream.compiler.partition import Plan, build_plan
 from weightstream.compiler.trace import trace_forward
 from weightstream.runtime.config import StreamingConfig
 from weightstream.runtime.device import DeviceOps
+from weightstream.runtime.store import DiskStore
 from weightstream.runtime.streamer import Streamer
 from weightstream.runtime.updater import UnitUpdater
 
@@ -26,6 +27,7 @@ def _fmt_bytes(n: int) -> str:
 
 def check_budget(plan: Plan, config: StreamingConfig) -> None:
     """Fail before any step when the plan cannot fit the device memory budget."""
+    _check_host_budget(plan, config)
     budget = config.device_memory_budget
     if budget is None:
         return
@@ -49,6 +51,30 @@ def check_budget(plan: Plan, config: StreamingConfig) -> None:
         )
 
 
+# Store bytes touched by one unit's update, per byte of its weights: the master,
+# its gradient and two optimizer moments (Adam), the most of any built-in optimizer
+# but AMSGrad and Adafactor's factored statistics, which are smaller.
+UPDATE_BYTES_PER_WEIGHT_BYTE = 4
+
+
+def _check_host_budget(plan: Plan, config: StreamingConfig) -> None:
+    """The disk store's resident pages must fit ``host_memory_budget`` (Note [disk tier])."""
+    budget = config.host_memory_budget
+    if budget is None or config.store != "disk":
+        return
+    largest = plan.largest_unit_bytes
+    need = (config.prefetch_depth + 1 + UPDATE_BYTES_PER_WEIGHT_BYTE) * largest
+    if need > budget:
+        raise ValueError(
+            f"the disk store needs up to {need:,} bytes of host memory "
+            f"((prefetch_depth {config.prefetch_depth} + 1) units in flight + one unit's "
+            f"update at {UPDATE_BYTES_PER_WEIGHT_BYTE}x its weights, largest unit "
+            f"{largest:,} bytes), more than host_memory_budget {budget:,} bytes "
+            f"({_fmt_bytes(budget)}). Use smaller units (unit_size_target), lower "
+            "prefetch_depth, or raise host_memory_budget."
+        )
+
+
 class StreamingEngine:
     """Runs a module in weight-streaming mode on ``device``.
 
@@ -65,7 +91,11 @@ class StreamingEngine:
         check_budget(self.plan, config)
         self.streamer: Streamer | None = None
         self.updater: UnitUpdater | None = None
+        self.store: DiskStore | None = None
         _place(module, self.device)
+        if config.store == "disk":
+            self.store = DiskStore(config.store_dir)
+            self.store.take_module(module)
 
     def _compile(self, args: tuple, kwargs: dict) -> None:
         """Trace the real batch shape on the meta device and fix the plan."""
@@ -85,8 +115,12 @@ class StreamingEngine:
         check_budget(plan, self.config)
         self.plan = plan
         self.updater = None
-        if self.config.overlap_updates:
-            self.updater = UnitUpdater([u.params for u in plan.units])
+        if self.config.overlap_updates or self.store is not None:
+            self.updater = UnitUpdater(
+                [u.params for u in plan.units],
+                background=self.config.overlap_updates,
+                store=self.store,
+            )
             # Reading or loading the whole model must see the step fully applied.
             self._state_hooks = [
                 self.module.register_state_dict_pre_hook(self._synchronize_hook),
@@ -99,6 +133,7 @@ class StreamingEngine:
             self.stream_dtype,
             self._postprocess(),
             before_fetch=None if self.updater is None else self.updater.wait_unit,
+            store=self.store,
         )
         self.streamer.install()
 
@@ -161,6 +196,8 @@ class StreamingEngine:
         if self.streamer is not None:
             self.streamer.remove()
             self.streamer = None
+        if self.store is not None:
+            self.store.close()
 
 
 def _place(module: nn.Module, device: torch.device) -> None:
@@ -172,10 +209,10 @@ def _place(module: nn.Module, device: torch.device) -> None:
     """
     host = torch.device("cpu")
     for p in module.parameters():
-        if p.device != host:
+        if p.device != host and not p.is_meta:
             with torch.no_grad():
                 p.data = p.data.to(host)
     for m in module.modules():
         for name, b in m._buffers.items():
-            if b is not None and b.device != device:
+            if b is not None and b.device != device and not b.is_meta:
                 m._buffers[name] = b.to(device)

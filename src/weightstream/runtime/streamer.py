@@ -118,8 +118,12 @@ class Streamer:
         compute_dtype_of,
         postprocess=None,
         before_fetch=None,
+        store=None,
     ):
         self.plan = plan
+        # A disk store (Note [disk tier]): masters are read ahead when a fetch is
+        # issued and their pages given back once the device copy is made.
+        self._store = store
         # Called with a unit index before its masters are read: waits for that
         # unit's share of an overlapped optimizer step.
         self._before_fetch = before_fetch
@@ -178,6 +182,7 @@ class Streamer:
         copy = UnitCopy(unit)
         groups = [(dt, [unit.params[i] for i in idx]) for dt, idx in unit.groups.items()]
         ops, meter, post, before = self.ops, self.meter, self._postprocess, self._before_fetch
+        store = self._store
         index = unit.index
 
         def run():
@@ -190,8 +195,12 @@ class Streamer:
                     post(buf)
                 meter.track(buf)
                 buffers.append(buf)
+                if store is not None:
+                    store.release(masters)
             return buffers
 
+        if store is not None and background:
+            store.prefetch(unit.params)
         copy.fetch(ops.submit(run, background=background and self.depth > 0))
         return copy
 

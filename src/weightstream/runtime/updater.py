@@ -22,6 +22,12 @@ optimizer state as a whole (``state_dict()`` of the model or the optimizer,
 A parameter shared by several units (a tied embedding) is updated with the
 first unit that holds it; one worker runs the shares in order, so waiting for a
 unit's share also waits for every earlier share.
+
+With a disk store (Note [disk tier] in runtime/store.py) the step is split by
+unit the same way even without overlap (it then runs in the caller's thread),
+and each unit's masters, gradients and optimizer state are given back to the
+file right after its share, so an update never holds more than one unit's
+state in memory.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ import weakref
 from collections.abc import Sequence
 
 import torch
+
+from weightstream.optim._common import GRADS_KEY
 
 # id(master parameter) -> the updater of the engine that streams it. Keyed by id
 # (tensors compare elementwise); the updater keeps its parameters alive, so an
@@ -52,8 +60,24 @@ def updater_for(optimizer) -> UnitUpdater | None:
 
 
 class UnitUpdater:
-    def __init__(self, unit_params: Sequence[Sequence[torch.nn.Parameter]]):
+    """Applies an optimizer step unit by unit: behind the next forward, or in place.
+
+    Args:
+        unit_params: each unit's master parameters, in forward order.
+        background: run the shares on a worker thread (overlapped updates);
+            otherwise ``step()`` applies them before it returns.
+        store: a disk store whose pages each share gives back when it is done.
+    """
+
+    def __init__(
+        self,
+        unit_params: Sequence[Sequence[torch.nn.Parameter]],
+        background: bool = True,
+        store=None,
+    ):
         self._unit_params = [list(ps) for ps in unit_params]  # forward order
+        self._background = background
+        self._store = store
         # Owner: this updater. Why: the host update of unit k must run while the
         # next forward computes units before k; one worker keeps the units in order.
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -83,6 +107,11 @@ class UnitUpdater:
             claimed.update(id(p) for p in mine)
             shares.append(mine)
         rest = [p for g in snapshot for p in g["params"] if id(p) in grads and id(p) not in claimed]
+        if not self._background:
+            for share in [*shares, rest]:
+                if share:
+                    _apply(optimizer, snapshot, share, grads, self._store)
+            return
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="weightstream-update"
@@ -92,7 +121,7 @@ class UnitUpdater:
             self._all = []
             for share in [*shares, rest]:
                 future = (
-                    self._executor.submit(_apply, optimizer, snapshot, share, grads)
+                    self._executor.submit(_apply, optimizer, snapshot, share, grads, self._store)
                     if share
                     else None
                 )
@@ -130,15 +159,34 @@ class UnitUpdater:
             self._executor = None
 
 
-def _apply(optimizer, snapshot, share, grads) -> None:
-    """Run the optimizer's update on ``share`` with the step's hyperparameters."""
+def _apply(optimizer, snapshot, share, grads, store=None) -> None:
+    """Run the optimizer's update on ``share`` with the step's hyperparameters.
+
+    The gradients travel in the groups (``GRADS_KEY``), never through ``p.grad``:
+    the caller's thread owns ``p.grad`` again as soon as ``step()`` returns, and
+    its ``zero_grad()`` must not race with this update.
+    """
     ids = {id(p) for p in share}
-    groups = [{**g, "params": [p for p in g["params"] if id(p) in ids]} for g in snapshot]
-    for p in share:
-        p.grad = grads[id(p)]
+    mine = {id(p): grads[id(p)] for p in share}
+    groups = [
+        {**g, "params": [p for p in g["params"] if id(p) in ids], GRADS_KEY: mine} for g in snapshot
+    ]
+    if store is not None:
+        store.adopt_optimizer_state(optimizer, share)
     try:
         with torch.no_grad():
             optimizer._update([g for g in groups if g["params"]])
     finally:
-        for p in share:
-            p.grad = None
+        if store is not None:
+            store.release(
+                [
+                    *share,
+                    *mine.values(),
+                    *(
+                        v
+                        for p in share
+                        for v in optimizer.state.get(p, {}).values()
+                        if isinstance(v, torch.Tensor)
+                    ),
+                ]
+            )

@@ -1,0 +1,288 @@
+"""The disk tier of the store: masters, gradients and optimizer state in mapped files.
+
+Note [disk tier]
+----------------
+With ``StreamingConfig(store="disk")`` every host tensor of the training state
+(the master weights, their gradients and the optimizer's state) lives in a
+file of its own under ``store_dir``, mapped into memory shared with the file
+(``mmap``, MAP_SHARED). A tensor over such a mapping is an ordinary CPU tensor,
+so the forward copy, autograd's gradient accumulation and the optimizer's
+kernels run on it unchanged and give the same bits as the RAM store.
+
+What bounds memory is when pages are given back: a page of a mapped file is
+resident (and counts in the process's RSS) from its first touch until the
+process drops the mapping's pages with ``madvise(MADV_DONTNEED)``. Dirty pages
+are not lost by that: for a shared file mapping the data stays in the page
+cache and the kernel writes it back to the file behind us. The runtime drops
+a unit's pages as soon as it is done with them:
+
+* masters: right after a unit's device copy is made (forward and backward);
+* gradients: right after each accumulation into the store's gradient file
+  (a post-accumulate-grad hook moves autograd's first gradient there; later
+  contributions are added in place by autograd itself, exactly as in eager);
+* masters, gradients and optimizer state: right after the unit's share of the
+  optimizer step (the step always runs unit by unit with a disk store).
+
+Read-ahead: when a unit's fetch is issued the runtime advises the kernel that
+its master pages are needed (``MADV_WILLNEED``), so disk reads start before
+the copy runs. Resident store memory is then at most the units in flight plus
+one unit's update, set against ``host_memory_budget`` at compile time.
+
+Freed host memory must also go back at once: glibc's allocator raises its
+mmap threshold after large frees and then keeps freed device copies and
+gradients in its heaps (measured: 100 MiB more peak RSS on a 96 MiB model), so
+the disk store fixes the threshold at 128 KiB (``mallopt``, once per process),
+and large tensors are unmapped when they die.
+
+The files are unlinked as soon as they are mapped: the space is returned when
+the process ends, however it ends, and nothing is left behind in ``store_dir``.
+The durable copy of the training state is the checkpoint, which is written
+tensor by tensor from the mappings (``release_pages`` after each tensor).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import itertools
+import mmap
+import os
+import sys
+import tempfile
+import threading
+import weakref
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+# Every open disk store, so that code that only holds a tensor (the checkpoint
+# writer) can give its pages back without knowing which engine owns it.
+_live_stores: weakref.WeakSet = weakref.WeakSet()
+
+_HAVE_MADVISE = hasattr(mmap.mmap, "madvise") and hasattr(mmap, "MADV_DONTNEED")
+
+
+def release_pages(tensors: Iterable[torch.Tensor]) -> None:
+    """Give back the resident pages of any of ``tensors`` that live in a disk store."""
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+    if not tensors:
+        return
+    for store in list(_live_stores):
+        store.release(tensors)
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+_malloc_fixed = False
+
+
+def _return_large_frees_to_the_os() -> None:
+    """Fix glibc's mmap threshold (Note [disk tier]); a no-op elsewhere."""
+    global _malloc_fixed
+    if _malloc_fixed or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+    except (OSError, AttributeError):
+        return  # not glibc: its allocator makes its own choice
+    _malloc_fixed = True
+
+
+class DiskStore:
+    """Allocates host tensors in memory-mapped files under ``directory`` (Note [disk tier])."""
+
+    def __init__(self, directory: str | os.PathLike | None = None):
+        if directory is None:
+            directory = tempfile.mkdtemp(prefix="weightstream-store-")
+        self.directory = Path(directory)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OSError(
+                e.errno,
+                f"cannot create the disk store directory {self.directory} ({e.strerror}); "
+                "give a writable store_dir",
+            ) from e
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        # data_ptr of a mapped storage -> its mapping (kept alive here until close()).
+        self._maps: dict[int, mmap.mmap] = {}
+        self._grads: dict[int, torch.Tensor] = {}  # id(master) -> its gradient in the store
+        self._hooks: list = []
+        self.bytes_mapped = 0
+        _return_large_frees_to_the_os()
+        _live_stores.add(self)
+
+    # ---- allocation ----------------------------------------------------------------
+
+    def zeros(
+        self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, kind: str
+    ) -> torch.Tensor:
+        """A tensor of zeros in a new mapped file (``kind`` names the file, for errors)."""
+        shape = torch.Size(shape)
+        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        path = self.directory / f"{next(self._ids):07d}.{kind}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.unlink(path)  # the mapping keeps the file; nothing is left behind
+            try:
+                # Reserve the blocks now: a full disk is an error here, never a
+                # SIGBUS on some later write through the mapping.
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                    raise OSError(
+                        e.errno,
+                        f"the disk store in {self.directory} has no room for "
+                        f"{nbytes:,} bytes for a {kind} tensor of shape {tuple(shape)} "
+                        f"({self.bytes_mapped:,} bytes already allocated); free space there "
+                        "or give another store_dir",
+                    ) from e
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                os.ftruncate(fd, nbytes)  # file system without fallocate: sparse file
+            mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        t = torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
+        with self._lock:
+            self._maps[t.untyped_storage().data_ptr()] = mapping
+            self.bytes_mapped += nbytes
+        return t
+
+    def holds(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cpu" and t.untyped_storage().data_ptr() in self._maps
+
+    def zeros_like(self, p: torch.Tensor, kind: str = "state") -> torch.Tensor:
+        return self.zeros(p.shape, p.dtype, kind)
+
+    def adopt(self, t: torch.Tensor, kind: str) -> torch.Tensor:
+        """A copy of ``t`` in the store (``t`` itself if it is there already)."""
+        if self.holds(t) or t.numel() == 0:
+            return t
+        out = self.zeros(t.shape, t.dtype, kind)
+        out.copy_(t)
+        self.release([out])
+        return out
+
+    # ---- pages ------------------------------------------------------------------------
+
+    def _mappings_of(self, tensors: Iterable[torch.Tensor]) -> list[mmap.mmap]:
+        out = []
+        for t in tensors:
+            if t is None or t.device.type != "cpu":
+                continue
+            m = self._maps.get(t.untyped_storage().data_ptr())
+            if m is not None:
+                out.append(m)
+        return out
+
+    def release(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Drop the resident pages of ``tensors`` (dirty data goes to the file, not away)."""
+        if _HAVE_MADVISE:
+            for m in self._mappings_of(tensors):
+                m.madvise(mmap.MADV_DONTNEED)
+
+    def prefetch(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Ask the kernel to start reading ``tensors``' pages now (read-ahead)."""
+        if _HAVE_MADVISE and hasattr(mmap, "MADV_WILLNEED"):
+            for m in self._mappings_of(tensors):
+                m.madvise(mmap.MADV_WILLNEED)
+
+    # ---- the module's training state -------------------------------------------------------
+
+    def take_module(self, module: nn.Module) -> None:
+        """Move every parameter of ``module`` into the store; materialize meta ones.
+
+        A parameter on the meta device (a model built under ``torch.device("meta")``,
+        larger than RAM) is allocated in the store and initialized by its module's
+        ``reset_parameters()``, one module at a time, so the model is never whole
+        in memory.
+        """
+        replaced: dict[int, nn.Parameter] = {}  # id(meta parameter) -> its stored twin (ties)
+        for name, m in module.named_modules():
+            for bname, b in m._buffers.items():
+                if b is not None and b.is_meta:
+                    raise ValueError(
+                        f"buffer {bname!r} of module {name or '<root>'!r} is on the meta "
+                        "device; the disk store materializes parameters only. Fix: create "
+                        "buffers on the CPU (e.g. register them after building on meta)."
+                    )
+            direct = [(n, p) for n, p in m._parameters.items() if p is not None]
+            fresh = [n for n, p in direct if p.is_meta and id(p) not in replaced]
+            if fresh and not hasattr(m, "reset_parameters"):
+                raise ValueError(
+                    f"parameters {fresh} of module {name or '<root>'!r} "
+                    f"({type(m).__name__}) are on the meta device and the module has no "
+                    "reset_parameters() to initialize them in the disk store. Fix: give the "
+                    "module a reset_parameters() method, or build the model on the CPU."
+                )
+            for n, p in direct:
+                if p.is_meta:
+                    # A meta tensor's data cannot be swapped for a CPU one: the
+                    # parameter object itself is replaced (once, for every tie).
+                    if id(p) not in replaced:
+                        t = self.zeros(p.shape, p.dtype, "master")
+                        replaced[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
+                    m._parameters[n] = replaced[id(p)]
+                elif not self.holds(p.data):
+                    with torch.no_grad():
+                        p.data = self.adopt(p.data, "master")
+            if fresh:
+                with torch.no_grad():
+                    m.reset_parameters()
+                self.release(m._parameters[n] for n in fresh)
+        for p in module.parameters():
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_into_store))
+
+    def _grad_into_store(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: keep ``p.grad`` in the store (Note [disk tier])."""
+        grad = p.grad
+        if grad is None or grad.layout != torch.strided or grad.device.type != "cpu":
+            return
+        if not self.holds(grad):
+            mine = self._grads.get(id(p))
+            if mine is None or mine.shape != grad.shape or mine.dtype != grad.dtype:
+                mine = self.zeros(grad.shape, grad.dtype, "grad")
+                self._grads[id(p)] = mine
+            # Autograd's first gradient of this step; later uses and micro-batches
+            # are added in place into the store's tensor by autograd itself.
+            mine.copy_(grad)
+            p.grad = mine
+            grad = mine
+        self.release([grad])
+
+    def adopt_optimizer_state(self, optimizer, params: Iterable[torch.Tensor]) -> None:
+        """Move the state tensors of ``params`` that are not in the store yet into it."""
+        for p in params:
+            state = optimizer.state.get(p)
+            if not state:
+                continue
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and not self.holds(value):
+                    state[key] = self.adopt(value, "state")
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._grads.clear()
+        with self._lock:
+            # The mappings live on for as long as tensors over them do.
+            self._maps.clear()
+        _live_stores.discard(self)
+
+
+def store_of(p: torch.Tensor) -> DiskStore | None:
+    """The disk store holding ``p``, if any."""
+    if not isinstance(p, torch.Tensor) or p.device.type != "cpu":
+        return None
+    for store in list(_live_stores):
+        if store.holds(p):
+            return store
+    return None

@@ -1,0 +1,282 @@
+"""The disk tier of the store (Note [disk tier] in runtime/store.py): training state
+in memory-mapped files gives the same bits as the RAM store and as eager PyTorch,
+and keeps resident memory under a configured cap while the store is several
+times larger."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import h5py
+import pytest
+import torch
+import torch.nn.functional as F
+
+import weightstream as cstorch
+from weightstream.models import GPT, GPTConfig
+from weightstream.runtime.store import DiskStore, store_of
+
+CFG = GPTConfig(vocab_size=128, seq_len=16, n_layer=3, d_model=32, n_head=4)
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, 128, (4, 16), generator=g)
+    return x, torch.roll(x, -1, 1)
+
+
+def _train(backend, steps=6, micro_batches=1, clip=True, **streaming):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    runner = cstorch.compile(model, backend=backend, **streaming)
+    opt = cstorch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        for mb in range(micro_batches):
+            x, y = _batch(step * micro_batches + mb)
+            loss = F.cross_entropy(runner(x).flatten(0, 1), y.flatten()) / micro_batches
+            loss.backward()
+            losses.append(loss.detach())
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    return model, runner, opt, torch.stack(losses)
+
+
+def _assert_same_training(a, b):
+    (ma, _, oa, la), (mb, _, ob, lb) = a, b
+    assert torch.equal(la, lb)
+    sa, sb = ma.state_dict(), mb.state_dict()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+    for i, st in oa.state_dict()["state"].items():
+        for name, v in st.items():
+            assert torch.equal(v, ob.state_dict()["state"][i][name]), (i, name)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_disk_store_is_bitwise_equal_to_ram_store_and_eager(tmp_path, overlap, micro_batches):
+    """GPT with tied embeddings (two uses of one master), gradient clipping,
+    gradient accumulation over micro-batches, overlapped or in-place updates."""
+    eager = _train("cpu", micro_batches=micro_batches)
+    ram = _train("ws", micro_batches=micro_batches, overlap_updates=overlap)
+    disk = _train(
+        "ws",
+        micro_batches=micro_batches,
+        overlap_updates=overlap,
+        store="disk",
+        store_dir=str(tmp_path),
+    )
+    _assert_same_training(eager, ram)
+    _assert_same_training(ram, disk)
+
+
+def test_disk_store_holds_masters_gradients_and_optimizer_state(tmp_path):
+    model, runner, opt, _ = _train("ws", steps=1, clip=False, store="disk", store_dir=str(tmp_path))
+    store = runner.engine.store
+    assert all(store.holds(p) for p in model.parameters())
+    for st in opt.state.values():
+        for name, v in st.items():
+            if v.dim() > 0:
+                assert store.holds(v), name
+    # The gradients of the next backward accumulate into the store.
+    x, y = _batch(99)
+    F.cross_entropy(runner(x).flatten(0, 1), y.flatten()).backward()
+    assert all(store.holds(p.grad) for p in model.parameters())
+    # Files are unlinked once mapped: nothing is left in the directory.
+    assert list(tmp_path.iterdir()) == []
+    runner.engine.close()
+    assert store_of(next(model.parameters())) is None
+
+
+def test_optimizer_built_before_compile_moves_its_state_into_the_store(tmp_path):
+    """torch.optim-style ordering: the optimizer's state exists in RAM before the
+    store does; the first step moves it, and the result is unchanged."""
+
+    def run(store):
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        opt = cstorch.optim.Adam(model.parameters(), lr=1e-3)
+        kwargs = {"store": "disk", "store_dir": str(tmp_path)} if store else {}
+        runner = cstorch.compile(model, backend="ws", **kwargs)
+        for step in range(3):
+            x, y = _batch(step)
+            F.cross_entropy(runner(x).flatten(0, 1), y.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+        return model, runner, opt
+
+    ref_model, _, _ = run(store=False)
+    model, runner, opt = run(store=True)
+    for k, v in ref_model.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    assert all(
+        runner.engine.store.holds(v) for st in opt.state.values() for v in st.values() if v.dim()
+    )
+
+
+def test_meta_model_is_materialized_in_the_store_by_reset_parameters(tmp_path):
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)
+    )
+    with torch.device("meta"):
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)
+        )
+    torch.manual_seed(0)  # reset_parameters draws in module order, as the constructor did
+    runner = cstorch.compile(model, backend="ws", store="disk", store_dir=str(tmp_path))
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    out = runner(torch.ones(2, 8))
+    assert out.shape == (2, 4) and torch.isfinite(out).all()
+
+
+def test_meta_parameter_without_reset_parameters_is_an_error(tmp_path):
+    class Raw(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(4, 4))
+
+        def forward(self, x):
+            return x @ self.w
+
+    with torch.device("meta"):
+        model = Raw()
+    with pytest.raises(ValueError, match=r"meta device .* no reset_parameters\(\)"):
+        cstorch.compile(model, backend="ws", store="disk", store_dir=str(tmp_path))
+
+
+def test_bad_store_settings_name_the_fix():
+    with pytest.raises(ValueError, match="store must be one of 'ram', 'disk'"):
+        cstorch.compile(GPT(CFG), backend="ws", store="ssd")
+    with pytest.raises(ValueError, match="set store='disk'"):
+        cstorch.compile(GPT(CFG), backend="ws", store_dir="/tmp/x")
+    with pytest.raises(ValueError, match="host_memory_budget must be a positive"):
+        cstorch.compile(GPT(CFG), backend="ws", store="disk", host_memory_budget=-1)
+
+
+def test_host_memory_budget_too_small_fails_before_any_step(tmp_path):
+    model = GPT(CFG)
+    with pytest.raises(ValueError, match="more than host_memory_budget"):
+        cstorch.compile(
+            model, backend="ws", store="disk", store_dir=str(tmp_path), host_memory_budget=1024
+        )
+
+
+def test_full_disk_is_a_clear_error(tmp_path):
+    store = DiskStore(tmp_path)
+    with pytest.raises(
+        OSError,
+        match=r"has no room for 4,611,686,018,427,387,904 bytes .* free space there or give another store_dir",
+    ):
+        # Larger than any disk here: posix_fallocate fails at once.
+        store.zeros((2**62,), torch.uint8, "master")
+    store.close()
+
+
+def test_checkpoint_from_the_disk_store_equals_the_ram_store_checkpoint(tmp_path):
+    ram_model, _, ram_opt, _ = _train("ws", steps=2)
+    disk_model, _, disk_opt, _ = _train(
+        "ws", steps=2, store="disk", store_dir=str(tmp_path / "store")
+    )
+    for name, (model, opt) in {"ram": (ram_model, ram_opt), "disk": (disk_model, disk_opt)}.items():
+        cstorch.save(
+            {"model": model.state_dict(), "optimizer": opt.state_dict()},
+            tmp_path / f"{name}.mdl",
+        )
+    with h5py.File(tmp_path / "ram.mdl") as a, h5py.File(tmp_path / "disk.mdl") as b:
+        names = []
+        a.visit(names.append)
+        for n in names:
+            if isinstance(a[n], h5py.Dataset):
+                assert a[n][()].tobytes() == b[n][()].tobytes(), n
+
+
+_RSS_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    import torch.nn.functional as F
+    import weightstream as cstorch
+
+    def rss(field):
+        for line in open("/proc/self/status"):
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError(field)
+
+    store, store_dir, budget = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    width, layers = 1024, 24
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    kwargs = dict(granularity="module", prefetch_depth=1)
+    if store == "disk":
+        kwargs.update(store="disk", store_dir=store_dir, host_memory_budget=budget)
+        runner = cstorch.compile(model, backend="ws", **kwargs)
+    else:
+        model.to_empty(device="cpu")
+        for m in model:
+            m.reset_parameters()
+        runner = cstorch.compile(model, backend="ws", **kwargs)
+    opt = cstorch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(8, width)
+    runner(x)  # compile: fixes the plan (a meta-device trace), no step yet
+    baseline = rss("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak (VmHWM) to the current RSS
+    losses = []
+    for step in range(3):
+        loss = runner(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    peak = rss("VmHWM")
+    print(json.dumps({"baseline": baseline, "peak": peak, "losses": losses,
+                      "params": sum(p.numel() for p in model.parameters())}))
+    """
+)
+
+
+def _rss_run(store, tmp_path, budget):
+    out = subprocess.run(
+        [sys.executable, "-c", _RSS_SCRIPT, store, str(tmp_path), str(budget)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_peak_rss_stays_under_the_cap_while_the_store_is_several_times_larger(tmp_path):
+    """24 Linear(1024, 1024) units: 4 MiB of weights each, 96 MiB in all; with
+    AdamW's moments and the gradients the store holds 384 MiB. The cap is the
+    compile-time bound of the disk store: (prefetch_depth 1 + 1) units in flight
+    plus one unit's update at 4x its weights = 6 units = 24 MiB, so the store is
+    16x the cap."""
+    unit = 1024 * 1024 * 4 + 1024 * 4  # weight + bias, fp32
+    cap = (1 + 1 + 4) * unit
+    disk = _rss_run("disk", tmp_path, cap)
+    ram = _rss_run("ram", tmp_path, cap)
+    store_bytes = 4 * disk["params"] * 4  # masters, gradients, two moments
+    assert store_bytes >= 10 * cap
+    # Beyond the store's pages: the device copies ((prefetch_depth + 1) x unit,
+    # and the backward's copies), the activations (8 x 1024 fp32 per layer, 24
+    # layers, well under 1 MiB) and the allocator's slack, 16 MiB in all.
+    activations_and_copies = 16 * 2**20
+    growth = disk["peak"] - disk["baseline"]
+    assert growth <= cap + activations_and_copies, (growth, cap)
+    # The RAM store, by contrast, grows by at least the gradients it holds.
+    assert ram["peak"] - ram["baseline"] > disk["params"] * 4
+    # Same arithmetic, same losses.
+    assert disk["losses"] == ram["losses"]
