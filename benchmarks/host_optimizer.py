@@ -17,6 +17,7 @@ import statistics
 import time
 
 import torch
+from _common import print_result, summary
 
 import weightstream as cstorch
 
@@ -80,6 +81,7 @@ def main() -> None:
         f"memory bandwidth {bw / 1e9:.1f} GB/s -> memory limit {limit / 1e9:.2f} Gparam/s"
     )
     ref = statistics.median(times["torch fused"])
+    result = {}
     for name, ts in times.items():
         rates = sorted(n / t / 1e9 for t in ts)
         med = statistics.median(ts)
@@ -88,6 +90,12 @@ def main() -> None:
             f"max {rates[-1]:.3f}   speed vs torch fused {ref / med:.2f}x   "
             f"{n / med / limit:.0%} of the memory limit"
         )
+        result[name] = {
+            "gparam_per_s": summary([n / t / 1e9 for t in ts]),
+            "vs_torch_fused": ref / med,
+            "fraction_of_limit": n / med / limit,
+        }
+    print_result("host_optimizer", params=n, variants=result)
 
 
 if __name__ == "__main__":

@@ -18,12 +18,12 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _common import GPT_BENCH as CFG
+from _common import GPT_BENCH_BATCH as BATCH
+from _common import machine_profile, print_result, summary, train_step_flops
 
 import weightstream as cstorch
-from weightstream.models import GPT, GPTConfig
-
-CFG = GPTConfig(vocab_size=4096, seq_len=256, n_layer=6, d_model=512, n_head=8)
-BATCH = 8
+from weightstream.models import GPT
 
 
 def make_runner(mode: str):
@@ -62,6 +62,9 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
     modes = ["eager", "lp", "ws"]
+    profile = machine_profile()
+    flops = train_step_flops(CFG, BATCH)
+    result = {}
     for dtype in args.dtypes.split(","):
         autocast = dtype == "bf16"
         runners = {m: make_runner(m) for m in modes}
@@ -83,12 +86,26 @@ def main() -> None:
                 f"  {m.upper()}/eager median ratio {med[m] / med['eager']:.3f} "
                 f"(per-step ratios min {r[0]:.3f} / median {statistics.median(r):.3f} / max {r[-1]:.3f})"
             )
+        peak = profile.peak_flops(torch.bfloat16 if autocast else torch.float32)
+        limit = flops / peak
+        print(
+            f"  machine limit: {flops / 1e9:.1f} GFLOP per step at the measured matmul peak "
+            f"{peak / 1e9:.0f} GFLOP/s = {limit:.3f} s; WS reaches {limit / med['ws']:.0%} of it"
+        )
+        r_ws = [a / b for a, b in zip(times["ws"], times["eager"])]
+        result[dtype] = {
+            m: {"seconds": summary(ts), "fraction_of_limit": limit / med[m]}
+            for m, ts in times.items()
+        }
+        result[dtype]["ws_over_eager"] = med["ws"] / med["eager"]
+        result[dtype]["ws_over_eager_per_step"] = summary(r_ws)
         ws = runners["ws"][0]
         print(
             f"  WS plan: {len(ws.plan.units)} units, largest {ws.plan.largest_unit_bytes / 2**20:.1f} MiB, "
             f"peak device weights {ws.engine.streamer.meter.peak_bytes / 2**20:.1f} MiB "
             f"(bound {ws.plan.weight_bound(ws.engine.config.prefetch_depth) / 2**20:.1f} MiB)"
         )
+    print_result("ws_step_time", steps=args.steps, flops_per_step=flops, dtypes=result)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,177 @@
+"""Run the performance benchmarks one after the other and print one table.
+
+Each benchmark runs as its own process (so one's memory and threads do not
+disturb the next), prints its full report here, and ends with a ``RESULT``
+line that this script gathers. The table gives, per benchmark, the ratio it is
+about (medians of interleaved runs, with min/median/max where it has them) and
+how close the measured figure is to the machine's limit.
+
+    .venv/bin/python benchmarks/run_all.py [--quick] [--large-store-dir DIR]
+
+``--quick`` runs fewer steps and repeats. ``--large-store-dir`` adds the
+larger-than-RAM run (about 10 minutes and free disk space of 1.3x RAM there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def run(script: str, *args: str) -> dict | None:
+    print(f"\n===== {script} {' '.join(args)}", flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / script), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    result = None
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT ") :])
+        else:
+            print(line, end="", flush=True)
+    code = proc.wait()
+    print(f"===== {script}: exit {code}, {time.perf_counter() - t0:.0f} s", flush=True)
+    return result if code == 0 else None
+
+
+def _mmm(s: dict, digits: int = 3) -> str:
+    return f"{s['min']:.{digits}f} / {s['median']:.{digits}f} / {s['max']:.{digits}f}"
+
+
+def rows_ws_step_time(r: dict) -> list[tuple[str, str, str, str]]:
+    out = []
+    for dtype, d in r["dtypes"].items():
+        out.append(
+            (
+                f"WS/eager step time, {dtype}",
+                f"{d['ws_over_eager']:.3f}",
+                _mmm(d["ws_over_eager_per_step"]),
+                f"WS {d['ws']['fraction_of_limit']:.0%}, eager "
+                f"{d['eager']['fraction_of_limit']:.0%} of matmul peak",
+            )
+        )
+    return out
+
+
+def rows_host_optimizer(r: dict) -> list[tuple[str, str, str, str]]:
+    out = []
+    for name in ("ours fused", "ours foreach"):
+        v = r["variants"][name]
+        out.append(
+            (
+                f"host AdamW, {name} / torch fused",
+                f"{v['vs_torch_fused']:.3f}",
+                _mmm(v["gparam_per_s"]) + " Gparam/s",
+                f"{v['fraction_of_limit']:.0%} of memory bandwidth",
+            )
+        )
+    tf = r["variants"]["torch foreach"]
+    fused = r["variants"]["ours fused"]
+    out.append(
+        (
+            "host AdamW, ours fused / torch foreach",
+            f"{fused['gparam_per_s']['median'] / tf['gparam_per_s']['median']:.3f}",
+            _mmm(tf["gparam_per_s"]) + " Gparam/s (torch foreach)",
+            f"{tf['fraction_of_limit']:.0%} of memory bandwidth (torch foreach)",
+        )
+    )
+    return out
+
+
+def rows_disk_store(r: dict) -> list[tuple[str, str, str, str]]:
+    return [
+        (
+            "disk store / RAM store step time",
+            f"{r['disk_over_ram']:.3f}",
+            _mmm(r["disk_over_ram_per_step"]),
+            f"disk {r['disk']['fraction_of_limit']:.0%}, RAM {r['ram']['fraction_of_limit']:.0%} "
+            "of matmul peak",
+        ),
+        (
+            "disk store / RAM store peak RSS",
+            f"{r['disk']['peak_rss'] / r['ram']['peak_rss']:.3f}",
+            f"{r['disk']['peak_rss'] / 2**20:.0f} vs {r['ram']['peak_rss'] / 2**20:.0f} MiB",
+            f"growth during steps {r['disk']['rss_growth'] / 2**20:.0f} vs "
+            f"{r['ram']['rss_growth'] / 2**20:.0f} MiB",
+        ),
+    ]
+
+
+def rows_larger_than_ram(r: dict) -> list[tuple[str, str, str, str]]:
+    return [
+        (
+            f"larger than RAM ({r['state_over_ram']:.2f}x RAM, {r['params'] / 1e9:.2f}B params)",
+            f"{r['over_limit']:.2f}x limit",
+            _mmm(r["seconds"], 1) + " s/step",
+            f"limit {r['limit_seconds']:.1f} s (disk bandwidth); peak RSS "
+            f"{r['peak_rss'] / r['ram_bytes']:.1%} of RAM",
+        )
+    ]
+
+
+def rows_estimate(r: dict) -> list[tuple[str, str, str, str]]:
+    out = []
+    for name, m in r["models"].items():
+        out.append(
+            (
+                f"measured / estimated samples/s, {name}",
+                f"{m['ratio']['median']:.3f}",
+                _mmm(m["ratio"]),
+                m.get("limit", ""),
+            )
+        )
+    return out
+
+
+TABLE = {
+    "ws_step_time": rows_ws_step_time,
+    "host_optimizer": rows_host_optimizer,
+    "disk_store": rows_disk_store,
+    "larger_than_ram": rows_larger_than_ram,
+    "estimate_vs_measured": rows_estimate,
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps and repeats")
+    ap.add_argument("--large-store-dir", help="also run the larger-than-RAM model, store here")
+    args = ap.parse_args()
+    q = args.quick
+    plan: list[tuple[str, list[str]]] = [
+        ("ws_step_time.py", ["--steps", "4" if q else "10", "--warmup", "1"]),
+        ("host_optimizer.py", ["--repeats", "3" if q else "7"]),
+        ("disk_store.py", ["--steps", "4" if q else "10", "--warmup", "1"]),
+        ("estimate_vs_measured.py", ["--repeats", "1" if q else "3"]),
+    ]
+    if args.large_store_dir:
+        plan.append(("larger_than_ram.py", ["--store-dir", args.large_store_dir]))
+    results = {script: run(script, *a) for script, a in plan}
+
+    rows: list[tuple[str, str, str, str]] = []
+    for script, r in results.items():
+        if r is None:
+            rows.append((script, "failed", "(see its output above)", ""))
+            continue
+        rows.extend(TABLE[r["benchmark"]](r))
+    head = ("benchmark", "ratio (median)", "min / median / max", "against the machine's limit")
+    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(4)]
+    print("\n" + "  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+
+
+if __name__ == "__main__":
+    main()
