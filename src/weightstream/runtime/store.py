@@ -47,6 +47,7 @@ import errno
 import itertools
 import mmap
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -61,7 +62,27 @@ from torch import nn
 # writer) can give its pages back without knowing which engine owns it.
 _live_stores: weakref.WeakSet = weakref.WeakSet()
 
-_HAVE_MADVISE = hasattr(mmap.mmap, "madvise") and hasattr(mmap, "MADV_DONTNEED")
+
+def _libc_madvise():
+    """``madvise(addr, length, advice)`` from the C library, or None where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MADV_REMOVE = getattr(mmap, "MADV_REMOVE", 9)
+# Free space kept beyond a discarded gradient's bytes before writing it again.
+_DISK_MARGIN = 64 * 2**20
+
+# On the storages' own addresses: torch's mapping is page-aligned and has no
+# Python object to call madvise on.
+_madvise = _libc_madvise()
 
 
 def release_pages(tensors: Iterable[torch.Tensor]) -> None:
@@ -107,9 +128,12 @@ class DiskStore:
             ) from e
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        # data_ptr of a mapped storage -> its mapping (kept alive here until close()).
-        self._maps: dict[int, mmap.mmap] = {}
+        # data_ptr of a mapped storage -> a tensor over the whole mapping. Holding
+        # it keeps the address from being reused by another allocation while this
+        # store may still advise on it (DONTNEED on anonymous memory would zero it).
+        self._maps: dict[int, torch.Tensor] = {}
         self._grads: dict[int, torch.Tensor] = {}  # id(master) -> its gradient in the store
+        self._discarded: set[int] = set()  # data_ptr of storages whose blocks were freed
         self._hooks: list = []
         self.bytes_mapped = 0
         _return_large_frees_to_the_os()
@@ -128,7 +152,6 @@ class DiskStore:
         path = self.directory / f"{next(self._ids):07d}.{kind}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.unlink(path)  # the mapping keeps the file; nothing is left behind
             try:
                 # Reserve the blocks now: a full disk is an error here, never a
                 # SIGBUS on some later write through the mapping.
@@ -145,14 +168,19 @@ class DiskStore:
                 if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
                 os.ftruncate(fd, nbytes)  # file system without fallocate: sparse file
-            mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-        finally:
             os.close(fd)
-        t = torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
+            fd = -1
+            # torch maps the file shared and closes its descriptor (a Python mmap
+            # would keep one open per tensor, and a large model has thousands).
+            flat = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            os.unlink(path)  # the mapping keeps the file; nothing is left behind
         with self._lock:
-            self._maps[t.untyped_storage().data_ptr()] = mapping
+            self._maps[flat.untyped_storage().data_ptr()] = flat
             self.bytes_mapped += nbytes
-        return t
+        return flat.view(dtype).view(shape)
 
     def holds(self, t: torch.Tensor) -> bool:
         return t.device.type == "cpu" and t.untyped_storage().data_ptr() in self._maps
@@ -171,27 +199,63 @@ class DiskStore:
 
     # ---- pages ------------------------------------------------------------------------
 
-    def _mappings_of(self, tensors: Iterable[torch.Tensor]) -> list[mmap.mmap]:
+    def _ranges_of(self, tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
         out = []
         for t in tensors:
             if t is None or t.device.type != "cpu":
                 continue
-            m = self._maps.get(t.untyped_storage().data_ptr())
-            if m is not None:
-                out.append(m)
+            start = t.untyped_storage().data_ptr()
+            flat = self._maps.get(start)
+            if flat is not None:
+                out.append((start, flat.numel()))
         return out
+
+    def _advise(self, tensors: Iterable[torch.Tensor], advice: int) -> None:
+        if _madvise is None:
+            return
+        for start, nbytes in self._ranges_of(tensors):
+            _madvise(start, nbytes, advice)
 
     def release(self, tensors: Iterable[torch.Tensor]) -> None:
         """Drop the resident pages of ``tensors`` (dirty data goes to the file, not away)."""
-        if _HAVE_MADVISE:
-            for m in self._mappings_of(tensors):
-                m.madvise(mmap.MADV_DONTNEED)
+        self._advise(tensors, mmap.MADV_DONTNEED)
+
+    def discard(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Drop ``tensors``' pages and their contents (consumed gradients).
+
+        Their data is not written back: the file's blocks are freed
+        (``MADV_REMOVE``) and read as zeros again. The next write through the
+        mapping allocates them anew, so free space is checked first
+        (``_grad_into_store``), never left to a SIGBUS.
+        """
+        ranges = self._ranges_of(tensors)
+        if _madvise is None or not ranges:
+            return
+        for start, nbytes in ranges:
+            if _madvise(start, nbytes, _MADV_REMOVE) == 0:
+                self._discarded.add(start)
+            else:
+                _madvise(start, nbytes, mmap.MADV_DONTNEED)  # no hole punching here
+
+    def _reclaim(self, t: torch.Tensor) -> None:
+        """Before writing into a discarded tensor: its blocks must fit on the disk again."""
+        start = t.untyped_storage().data_ptr()
+        if start not in self._discarded:
+            return
+        nbytes = self._maps[start].numel()
+        free = shutil.disk_usage(self.directory).free
+        if free < nbytes + _DISK_MARGIN:
+            raise OSError(
+                errno.ENOSPC,
+                f"the disk store in {self.directory} needs {nbytes:,} bytes for a gradient "
+                f"but the disk has {free:,} bytes free; free space there or give another "
+                "store_dir",
+            )
+        self._discarded.discard(start)
 
     def prefetch(self, tensors: Iterable[torch.Tensor]) -> None:
         """Ask the kernel to start reading ``tensors``' pages now (read-ahead)."""
-        if _HAVE_MADVISE and hasattr(mmap, "MADV_WILLNEED"):
-            for m in self._mappings_of(tensors):
-                m.madvise(mmap.MADV_WILLNEED)
+        self._advise(tensors, mmap.MADV_WILLNEED)
 
     # ---- the module's training state -------------------------------------------------------
 
@@ -250,6 +314,7 @@ class DiskStore:
             if mine is None or mine.shape != grad.shape or mine.dtype != grad.dtype:
                 mine = self.zeros(grad.shape, grad.dtype, "grad")
                 self._grads[id(p)] = mine
+            self._reclaim(mine)
             # Autograd's first gradient of this step; later uses and micro-batches
             # are added in place into the store's tensor by autograd itself.
             mine.copy_(grad)

@@ -108,9 +108,10 @@ class UnitUpdater:
             shares.append(mine)
         rest = [p for g in snapshot for p in g["params"] if id(p) in grads and id(p) not in claimed]
         if not self._background:
-            for share in [*shares, rest]:
-                if share:
-                    _apply(optimizer, snapshot, share, grads, self._store)
+            work = [share for share in [*shares, rest] if share]
+            for i, share in enumerate(work):
+                ahead = work[i + 1] if i + 1 < len(work) else None
+                _apply(optimizer, snapshot, share, grads, self._store, ahead)
             return
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -119,9 +120,13 @@ class UnitUpdater:
         with self._lock:
             self._unit_futures = []
             self._all = []
-            for share in [*shares, rest]:
+            every = [*shares, rest]
+            for i, share in enumerate(every):
+                ahead = next((s for s in every[i + 1 :] if s), None)
                 future = (
-                    self._executor.submit(_apply, optimizer, snapshot, share, grads, self._store)
+                    self._executor.submit(
+                        _apply, optimizer, snapshot, share, grads, self._store, ahead
+                    )
                     if share
                     else None
                 )
@@ -159,12 +164,14 @@ class UnitUpdater:
             self._executor = None
 
 
-def _apply(optimizer, snapshot, share, grads, store=None) -> None:
+def _apply(optimizer, snapshot, share, grads, store=None, ahead=None) -> None:
     """Run the optimizer's update on ``share`` with the step's hyperparameters.
 
     The gradients travel in the groups (``GRADS_KEY``), never through ``p.grad``:
     the caller's thread owns ``p.grad`` again as soon as ``step()`` returns, and
-    its ``zero_grad()`` must not race with this update.
+    its ``zero_grad()`` must not race with this update. With a disk store the
+    next share's pages are read ahead while this one is updated, and this one's
+    are given back after it (Note [disk tier]).
     """
     ids = {id(p) for p in share}
     mine = {id(p): grads[id(p)] for p in share}
@@ -173,20 +180,27 @@ def _apply(optimizer, snapshot, share, grads, store=None) -> None:
     ]
     if store is not None:
         store.adopt_optimizer_state(optimizer, share)
+        if ahead is not None:
+            store.prefetch(_update_tensors(optimizer, ahead, grads))
     try:
         with torch.no_grad():
             optimizer._update([g for g in groups if g["params"]])
     finally:
         if store is not None:
-            store.release(
-                [
-                    *share,
-                    *mine.values(),
-                    *(
-                        v
-                        for p in share
-                        for v in optimizer.state.get(p, {}).values()
-                        if isinstance(v, torch.Tensor)
-                    ),
-                ]
-            )
+            store.release([*share, *_state_tensors(optimizer, share)])
+            # The gradients are consumed: their pages need never reach the disk.
+            store.discard(mine.values())
+
+
+def _state_tensors(optimizer, params) -> list[torch.Tensor]:
+    return [
+        v
+        for p in params
+        for v in optimizer.state.get(p, {}).values()
+        if isinstance(v, torch.Tensor)
+    ]
+
+
+def _update_tensors(optimizer, params, grads) -> list[torch.Tensor]:
+    """Everything an update of ``params`` reads: masters, gradients, optimizer state."""
+    return [*params, *(grads[id(p)] for p in params), *_state_tensors(optimizer, params)]
