@@ -549,6 +549,32 @@ def test_distributed_sampler_tail_rules_and_state():
         DistributedSampler(ds, seed=9, num_shards=2, shard_index=1).load_state_dict(state)
 
 
+def test_distributed_sampler_state_moves_to_another_layout():
+    ds = range(50)  # rounds of 6 samples: epochs of 48
+    reference = flatten(DistributedSampler(ds, seed=4, batch_size=6, shard=False))
+    # Two shards with batches of 3 yield 3 batches each (3 rounds, 18 samples) and save.
+    saver = DistributedSampler(ds, seed=4, batch_size=3, num_shards=2, shard_index=1)
+    it = iter(saver)
+    assert [next(it) for _ in range(3)] == [reference[i : i + 3] for i in (3, 9, 15)]
+    state = saver.state_dict()
+    for batch_size, shards in ((6, 1), (2, 3), (1, 6)):
+        samplers = [
+            DistributedSampler(ds, seed=4, batch_size=batch_size, num_shards=shards, shard_index=r)
+            for r in range(shards)
+        ]
+        for s in samplers:
+            s.load_state_dict(state)
+        assert flatten(interleave([list(s) for s in samplers])) == reference[18:], shards
+    # 18 samples are not whole rounds of 12: no shard would start on the next sample.
+    with pytest.raises(ValueError, match=r"18 samples into a pass .* rounds of 12 samples"):
+        DistributedSampler(ds, seed=4, batch_size=3, num_shards=4).load_state_dict(state)
+    # Rounds of 5 make epochs of 50 samples, another sequence than the saved 48.
+    with pytest.raises(ValueError, match="epochs hold 48 samples, but this sampler's hold 50"):
+        DistributedSampler(ds, seed=4, batch_size=1, num_shards=5).load_state_dict(state)
+    with pytest.raises(ValueError, match="different order \\(dataset_len: saved 50, here 60"):
+        DistributedSampler(range(60), seed=4, batch_size=6, num_samples=50).load_state_dict(state)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
