@@ -336,8 +336,9 @@ def test_aggregated_state_round_trip_and_load():
         aggregate_state_dict([state, {**other, "appliance_step": 4}])
     with pytest.raises(ValueError, match="missing key"):
         deaggregate_state_dict({"worker_states": [state]})
-    # One streamer here: a two-worker state cannot be mapped, a one-worker one loads.
-    with pytest.raises(ValueError, match="holds 2 worker state\\(s\\) but this run has 1"):
+    # One streamer here: without a DistributedSampler a two-worker state cannot be
+    # mapped (test_state_moves_between_rank_counts has one that can), a one-worker one loads.
+    with pytest.raises(ValueError, match=r"position of 2 streamer\(s\) .* but this run has 1"):
         DataLoader(shuffled_fn, max_steps=8).load_state_dict(agg)
     full, _ = run(shuffled_fn, max_steps=8)
     tail, _ = run(shuffled_fn, state=aggregate_state_dict([state]), max_steps=8)
@@ -549,6 +550,32 @@ def test_distributed_sampler_tail_rules_and_state():
         DistributedSampler(ds, seed=9, num_shards=2, shard_index=1).load_state_dict(state)
 
 
+def test_distributed_sampler_state_moves_to_another_layout():
+    ds = range(50)  # rounds of 6 samples: epochs of 48
+    reference = flatten(DistributedSampler(ds, seed=4, batch_size=6, shard=False))
+    # Two shards with batches of 3 yield 3 batches each (3 rounds, 18 samples) and save.
+    saver = DistributedSampler(ds, seed=4, batch_size=3, num_shards=2, shard_index=1)
+    it = iter(saver)
+    assert [next(it) for _ in range(3)] == [reference[i : i + 3] for i in (3, 9, 15)]
+    state = saver.state_dict()
+    for batch_size, shards in ((6, 1), (2, 3), (1, 6)):
+        samplers = [
+            DistributedSampler(ds, seed=4, batch_size=batch_size, num_shards=shards, shard_index=r)
+            for r in range(shards)
+        ]
+        for s in samplers:
+            s.load_state_dict(state)
+        assert flatten(interleave([list(s) for s in samplers])) == reference[18:], shards
+    # 18 samples are not whole rounds of 12: no shard would start on the next sample.
+    with pytest.raises(ValueError, match=r"18 samples into a pass .* rounds of 12 samples"):
+        DistributedSampler(ds, seed=4, batch_size=3, num_shards=4).load_state_dict(state)
+    # Rounds of 5 make epochs of 50 samples, another sequence than the saved 48.
+    with pytest.raises(ValueError, match="epochs hold 48 samples, but this sampler's hold 50"):
+        DistributedSampler(ds, seed=4, batch_size=1, num_shards=5).load_state_dict(state)
+    with pytest.raises(ValueError, match="different order \\(dataset_len: saved 50, here 60"):
+        DistributedSampler(range(60), seed=4, batch_size=6, num_samples=50).load_state_dict(state)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
@@ -652,3 +679,167 @@ def test_reference_import_path():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         DataLoader(shuffled_fn, num_steps=1).state_dict()
+
+
+# -- another number of ranks -----------------------------------------------------------------
+#
+# Ranks are simulated one after another in this process (FakeDist): each builds
+# its loader, streams its share and saves its state, as the processes of a run
+# would. What is compared: the sample ids each rank's loader yields after a
+# resume on another number of ranks, against an uninterrupted run on that
+# number of ranks.
+
+G = 12  # global batch: divides by 1, 2, 3 and 4 ranks
+
+
+class Indices(Dataset):
+    """Sample i is the tensor i: a batch shows which samples it holds."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.tensor(i)
+
+
+def ordered_fn(global_batch=G, seed=7, n=100, num_workers=0):
+    """This rank's share of one global order, per-rank batch = global batch / ranks.
+
+    100 samples in batches of 12: passes of 8 global batches (the tail of 4 is dropped).
+    """
+    ds = Indices(n)
+    per_rank = get_streaming_batch_size(global_batch)
+    sampler = DistributedSampler(ds, seed=seed, batch_size=per_rank)
+    return TorchDataLoader(ds, batch_sampler=sampler, num_workers=num_workers)
+
+
+def run_ranks(monkeypatch, ranks, input_fn, stop_after=None, state=None, max_steps=20):
+    """Each of `ranks` streamers runs `run`; their batches, and the state a checkpoint keeps."""
+    per_rank, states = [], []
+    real = streaming.dist
+    for r in range(ranks):
+        monkeypatch.setattr(streaming, "dist", FakeDist(ranks, r))
+        batches, worker_state = run(
+            input_fn, stop_after=stop_after, state=state, max_steps=max_steps
+        )
+        per_rank.append(batches)
+        states.append(worker_state)
+    monkeypatch.setattr(streaming, "dist", real)
+    # As the trainer stores it: one worker's state, or all of them aggregated.
+    return per_rank, states[0] if ranks == 1 else aggregate_state_dict(states)
+
+
+def global_batches(per_rank):
+    """The global batches: rank r holds the r-th slice of each (Note [global order])."""
+    return [flatten(parts) for parts in zip(*per_rank)]
+
+
+@pytest.mark.parametrize(("saved_ranks", "ranks"), [(2, 1), (1, 2), (4, 2), (2, 3)])
+@pytest.mark.parametrize("stop", [5, 8, 11])  # mid pass, at the end of pass 0, mid pass 1
+def test_state_moves_between_rank_counts(monkeypatch, saved_ranks, ranks, stop):
+    uninterrupted, _ = run_ranks(monkeypatch, ranks, ordered_fn)
+    saved_run, _ = run_ranks(monkeypatch, saved_ranks, ordered_fn)
+    # One order whatever the number of ranks: the premise of moving a position.
+    assert global_batches(saved_run) == global_batches(uninterrupted)
+    assert len(set(flatten(global_batches(uninterrupted)[:8]))) == 96
+
+    head, state = run_ranks(monkeypatch, saved_ranks, ordered_fn, stop_after=stop)
+    epoch, batches = divmod(stop, 8)
+    assert state["global_position"] == {
+        "epoch": epoch,
+        "batches_in_epoch": batches,
+        "samples_in_epoch": batches * G,
+        "global_batch_size": G,
+        "shuffle": True,
+        "shuffle_seed": 7,
+        "dataset_len": 100,
+        "num_samples": 100,
+        "drop_last": True,
+        "pad_last": False,
+    }
+    tail, after = run_ranks(monkeypatch, ranks, ordered_fn, state=state)
+    for r in range(ranks):
+        assert tail[r] == uninterrupted[r][stop:], f"rank {r} of {ranks} after the resume"
+    assert global_batches(head) + global_batches(tail) == global_batches(saved_run)
+    # Samples streamed stay the global count, shared out among the new ranks.
+    assert after["samples_streamed"] == 20 * G
+
+
+def test_state_moves_between_rank_and_worker_counts(monkeypatch):
+    # A map-style loader is ordered by its sampler in this process: worker
+    # processes change nothing, neither across rank counts nor on the same one.
+    with_workers = lambda: ordered_fn(num_workers=2)  # noqa: E731
+    uninterrupted, _ = run_ranks(monkeypatch, 1, ordered_fn, max_steps=8)
+    _, state = run_ranks(monkeypatch, 2, ordered_fn, stop_after=3, max_steps=8)
+    tail, after = run_ranks(monkeypatch, 1, with_workers, state=state, max_steps=8)
+    assert tail == [uninterrupted[0][3:]]
+    assert after["layout"] == {"num_streamers": 1, "input_workers": 2}
+
+
+def test_state_of_another_global_batch_or_order_is_refused(monkeypatch):
+    _, state = run_ranks(monkeypatch, 2, ordered_fn, stop_after=3)
+    cases = [
+        (
+            1,
+            {"global_batch": 8},
+            r"global batch size: saved 12, here 8\).*keep the global batch "
+            r"at 12 samples whatever the number of ranks",
+        ),
+        # The same number of ranks with a smaller per-rank batch is a smaller global batch too.
+        (2, {"global_batch": 8}, r"global batch size: saved 12, here 8\)"),
+        (1, {"seed": 8}, r"shuffle seed: saved 7, here 8\).*shuffle=True, seed=7"),
+        (2, {"seed": 8}, r"shuffle seed: saved 7, here 8\)"),
+        (
+            1,
+            {"n": 90},
+            r"dataset length: saved 100, here 90; samples per epoch: saved 100, "
+            r"here 90\).*read the same data",
+        ),
+    ]
+    for ranks, settings, message in cases:
+        monkeypatch.setattr(streaming, "dist", FakeDist(ranks, 0))
+        for strict in (True, False):  # not a key mismatch: no strict=False loads it anyway
+            dl = DataLoader(lambda: ordered_fn(**settings), max_steps=20)  # noqa: B023
+            with pytest.raises(ValueError, match=message):
+                dl.load_state_dict(state, strict=strict)
+
+
+def test_state_without_global_position_stays_on_its_rank_count(monkeypatch):
+    _, state = run_ranks(monkeypatch, 2, ordered_fn, stop_after=3)
+    # As saved before the global position was recorded: the per-rank states still
+    # load on two ranks, but cannot be mapped onto one.
+    old = {k: v for k, v in state.items() if k != "global_position"}
+    old["worker_states"] = [
+        {k: v for k, v in w.items() if k not in ("layout", "global_position")}
+        for w in state["worker_states"]
+    ]
+    tail, _ = run_ranks(monkeypatch, 2, ordered_fn, state=old)
+    uninterrupted, _ = run_ranks(monkeypatch, 2, ordered_fn)
+    assert tail == [batches[3:] for batches in uninterrupted]
+    with pytest.raises(ValueError, match=r"records no global position.*Resume on 2 rank"):
+        DataLoader(ordered_fn, max_steps=20).load_state_dict(old)
+
+
+class WorkerShards(torch.utils.data.IterableDataset):
+    """Deals samples out to the input workers itself: its order depends on their number."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        return iter(range(worker, 12, workers))
+
+
+def test_iterable_dataset_state_needs_the_same_workers_and_ranks(monkeypatch):
+    def input_fn(num_workers=0):
+        return TorchDataLoader(WorkerShards(), batch_size=2, num_workers=num_workers)
+
+    _, state = run(input_fn, stop_after=2, max_steps=4)
+    assert state["global_position"] is None and state["layout"]["input_workers"] == 0
+    with pytest.raises(ValueError, match=r"num_workers=0 .* num_workers=2; its dataset is an Iter"):
+        DataLoader(lambda: input_fn(2), max_steps=4).load_state_dict(state)
+    monkeypatch.setattr(streaming, "dist", FakeDist(2, 1))
+    with pytest.raises(ValueError, match=r"position of 1 streamer.*this run has 2.*Resume on 1"):
+        DataLoader(input_fn, max_steps=4).load_state_dict(state)

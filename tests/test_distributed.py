@@ -7,11 +7,19 @@ and average the two gradients. That changes the last bits of the gradients
 (relative 1e-7 per step), which AdamW's normalisation can carry into the
 weights at the scale of its update size for near-zero gradients: hence the
 stated tolerances below.
+
+A checkpoint saved by N ranks resumes on M ranks: the weights, optimizer,
+schedule and scaler are those of the replicated store, the same on every rank,
+and the data continues from the run's place in its global sample order
+(Note [global position] in weightstream.data.state). The resumed steps differ
+from the uninterrupted run's only in the same order of sums, so the same
+tolerances hold.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,13 +32,16 @@ import yaml
 
 from weightstream import checkpoint as ckpt
 from weightstream.cli.main import main
+from weightstream.runtime.trainer import LOSS_LOG, LossLog
 
 ROOT = Path(__file__).resolve().parent.parent
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 2e-5
 
 
-def _params(tmp_path: Path, model: str, max_steps: int = 6) -> Path:
+def _params(
+    tmp_path: Path, model: str, max_steps: int = 6, input_overrides: dict | None = None
+) -> Path:
     if model == "gpt2":
         data = {
             "data_processor": "TextCorpusProcessor",
@@ -55,6 +66,7 @@ def _params(tmp_path: Path, model: str, max_steps: int = 6) -> Path:
             "shuffle_seed": 3,
         }
         model_section = {"name": "fc_mnist"}
+    data.update(input_overrides or {})
     params = {
         "train_input": data,
         "model": model_section,
@@ -101,6 +113,47 @@ def test_two_ranks_equal_one_rank_with_the_whole_batch(tmp_path, model, mode):
         torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=WEIGHT_ATOL, msg=k)
     # written once, by rank 0, in the same single-file format
     assert [s for s, _ in ckpt.list_checkpoints(two)] == [3, 6]
+
+
+@pytest.mark.parametrize(
+    ("mode", "saved_ranks", "ranks"),
+    [
+        ("weight_streaming", 2, 1),
+        ("weight_streaming", 1, 2),
+        ("layer_pipelined", 2, 1),
+        ("layer_pipelined", 1, 2),
+    ],
+)
+def test_checkpoint_resumes_on_another_number_of_ranks(tmp_path, mode, saved_ranks, ranks):
+    # FC-MNIST, the cheaper model. 180 training images make epochs of 5 global
+    # batches of 32, so the resumed steps 4-6 also cross into epoch 1 (reshuffled).
+    params = _params(tmp_path, "fc_mnist", input_overrides={"eval_fraction": 0.9})
+    common = ["run", "CPU", "-p", str(params), "--execution_mode", mode]
+    full, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
+    assert main([*common, "-o", str(full), "--num_csx", str(saved_ranks)]) == 0
+    resumed.mkdir()
+    shutil.copy(full / "checkpoint_3.mdl", resumed)  # resumed from as the newest checkpoint
+    assert main([*common, "-o", str(resumed), "--num_csx", str(ranks)]) == 0
+
+    want, got = LossLog.read(full / LOSS_LOG), LossLog.read(resumed / LOSS_LOG)
+    assert [s for s, _ in want] == [1, 2, 3, 4, 5, 6]
+    assert [s for s, _ in got] == [4, 5, 6], "continued from the checkpoint's step"
+    torch.testing.assert_close(
+        torch.tensor([v for _, v in got]),
+        torch.tensor([v for _, v in want[3:]]),
+        rtol=LOSS_RTOL,
+        atol=0,
+    )
+    w_full, w_resumed = _final_weights(full, 6), _final_weights(resumed, 6)
+    assert w_full.keys() == w_resumed.keys()
+    for k in w_full:
+        torch.testing.assert_close(w_resumed[k], w_full[k], rtol=0, atol=WEIGHT_ATOL, msg=k)
+    # The data went on from the global position: every global batch once, and
+    # the count of samples streamed is the run's, not one rank's.
+    data = ckpt.load(resumed / "checkpoint_6.mdl", map_location="cpu")["dataloader"]
+    assert data["samples_streamed"] == 6 * 32
+    position = data["global_position"]
+    assert (position["epoch"], position["batches_in_epoch"]) == (1, 1)
 
 
 def _children(pid: int) -> list[int]:

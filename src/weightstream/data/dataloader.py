@@ -11,6 +11,17 @@ batches: in the DistributedSampler when one orders the data (no data is
 loaded), otherwise by drawing and discarding them. A loader that keeps its own
 state (``state_dict``/``load_state_dict`` on the loader) is trusted instead.
 
+Note [another number of ranks]: each rank saves its own position, but when a
+DistributedSampler decides the batches the positions are one place in one
+global order, recorded as ``global_position`` (Note [global position] in
+``weightstream.data.state``). A state saved by N ranks then loads on M ranks:
+any one worker's position serves every rank, because the pass number, the
+batches consumed (one per rank per global batch) and the private RNG stream
+are the same on all ranks; only the sampler's layout (shards, per-rank batch)
+changes, which the sampler converts itself. The global batch and the order
+must stay the same, which is checked against the record at load time (before
+any batch is drawn) so that a changed setting is reported, not trained on.
+
 Note [private data RNG]: the underlying loader draws from the global torch RNG
 (RandomSampler's seed, the worker base seed, random transforms with
 ``num_workers=0``). If it shared the user's stream, the order of epoch 2 would
@@ -35,6 +46,7 @@ import torch
 from weightstream.config import current_config
 from weightstream.data import loader_parts
 from weightstream.data._checks import check_int
+from weightstream.data.sampler import DistributedSampler
 from weightstream.data.state import (
     aggregate_state_dict,
     deaggregate_state_dict,
@@ -47,6 +59,17 @@ from weightstream.data.streaming import get_streaming_rank, num_streamers
 __all__ = ["DataLoader"]
 
 _POSITION_KEYS = ("seed", "epoch", "batch_in_epoch", "rng_state", "generators")
+
+# The settings of a global position that must not change, and how to name them.
+_ORDER_LABELS = {
+    "global_batch_size": "global batch size",
+    "shuffle": "shuffle",
+    "shuffle_seed": "shuffle seed",
+    "dataset_len": "dataset length",
+    "num_samples": "samples per epoch",
+    "drop_last": "drop_last",
+    "pad_last": "pad_last",
+}
 
 
 class _DataRNG:
@@ -355,8 +378,33 @@ class DataLoader:
                 "samples_streamed": self._samples_streamed,
                 "user_state": user_state or None,
                 "position": position,
+                "layout": {
+                    "num_streamers": num_streamers(),
+                    "input_workers": loader_parts.input_workers(self._loader),
+                },
+                "global_position": self._global_position(
+                    position["epoch"], position["batch_in_epoch"]
+                ),
             }
         )
+
+    def _global_order(self) -> tuple[DistributedSampler, int] | None:
+        """The sampler whose global order alone decides the batches, and its items per batch."""
+        return None if self._stateful else loader_parts.global_order(self._loader)
+
+    def _global_position(self, epoch: int, batch_in_epoch: int) -> dict | None:
+        """Note [global position] in weightstream.data.state, or None without a global order."""
+        target = self._global_order()
+        if target is None:
+            return None
+        order = _order_settings(*target)
+        return {
+            "epoch": epoch,
+            # Each rank yields one batch of every global batch, so its count is the global one.
+            "batches_in_epoch": batch_in_epoch,
+            "samples_in_epoch": batch_in_epoch * order["global_batch_size"],
+            **order,
+        }
 
     def _loader_state(self) -> dict:
         return {"loader": self._loader.state_dict()}
@@ -369,6 +417,12 @@ class DataLoader:
         raises ValueError; otherwise it warns and loads what matches. Unless
         ``initial_step`` was given, the run continues from the saved
         ``appliance_step`` (which shortens a ``max_steps`` run accordingly).
+
+        A state saved by another number of streamers loads when a
+        DistributedSampler orders the data and the global batch and the order
+        are unchanged (Note [another number of ranks]); a changed global batch,
+        dataset or shuffle seed raises ValueError saying which, whatever
+        ``strict`` says, since the position would count batches of another order.
         """
         if self._started:
             raise RuntimeError(
@@ -376,25 +430,22 @@ class DataLoader:
                 "DataLoader was already iterated. Build a new DataLoader and load the state "
                 "into it before the first `for batch in dataloader`."
             )
+        streamers = num_streamers()
         if is_aggregated(state_dict):
-            state_dict = self._own_worker_state(state_dict)
-        state = validate_worker_state(state_dict, strict=strict)
-        rank = get_streaming_rank()
-        if state["wse_id"] != rank:
-            self._mismatch(
-                strict,
-                f"the state was saved by streamer {state['wse_id']} but this process is streamer "
-                f"{rank}. Load each process's own state, or the aggregated state of all workers "
-                "(aggregate_state_dict) from which each process picks its own",
-            )
-        config = current_config()
-        for key in ("num_csx", "num_workers_per_csx"):
-            if state[key] != getattr(config, key):
-                warnings.warn(
-                    f"DataLoader state was saved with {key}={state[key]}, this run has "
-                    f"{getattr(config, key)}; the saved position is per streamer and is used as is.",
-                    stacklevel=2,
-                )
+            workers = deaggregate_state_dict(state_dict)
+            saved_streamers = len(workers)  # one worker per streamer (Note in streaming.py)
+        else:
+            workers = [validate_worker_state(state_dict, strict=strict)]
+            saved_streamers = _saved_layout(workers[0])[0]
+        if saved_streamers is not None and saved_streamers != streamers:
+            state = self._rebase(workers, saved_streamers, strict)
+        else:
+            state = self._own_worker_state(workers) if is_aggregated(state_dict) else workers[0]
+            self._check_same_streamer(state, strict)
+            target = self._global_order()
+            if state["global_position"] is not None and target is not None:
+                # Here too: a per-rank batch of another size is another global batch.
+                self._check_order(state["global_position"], target)
         position = self._check_position(state["position"], strict)
         user_state = self._check_user_state(state["user_state"], strict)
         generators = position["generators"] if position is not None else {}
@@ -425,22 +476,157 @@ class DataLoader:
         self._batch_in_epoch = position["batch_in_epoch"]
         self._restore = {**position, "generators": generators, "user_state": user_state}
 
-    def _own_worker_state(self, aggregated: dict) -> dict:
-        workers = deaggregate_state_dict(aggregated)
-        streamers, rank = num_streamers(), get_streaming_rank()
-        if len(workers) != streamers:
-            raise ValueError(
-                f"The aggregated DataLoader state holds {len(workers)} worker state(s) but this "
-                f"run has {streamers} streamer(s); per-worker positions cannot be mapped onto a "
-                "different number of streamers. Run with the same number of ranks, or restart "
-                "the data with DistributedSampler(start_index=<the state's samples_streamed>)."
+    def _check_same_streamer(self, state: dict, strict: bool) -> None:
+        """Checks of a state loaded by the number of streamers that saved it."""
+        rank = get_streaming_rank()
+        if state["wse_id"] != rank:
+            self._mismatch(
+                strict,
+                f"the state was saved by streamer {state['wse_id']} but this process is streamer "
+                f"{rank}. Load each process's own state, or the aggregated state of all workers "
+                "(aggregate_state_dict) from which each process picks its own",
             )
+        saved_workers = _saved_layout(state)[1]
+        workers = loader_parts.input_workers(self._loader)
+        if (
+            saved_workers is not None
+            and workers is not None
+            and saved_workers != workers
+            and loader_parts.splits_over_workers(self._loader)
+        ):
+            # A map-style loader's order comes from its sampler in this process,
+            # whatever the worker count; an IterableDataset deals itself out to
+            # the workers, whose outputs torch interleaves: another order.
+            self._mismatch(
+                strict,
+                f"it was saved with num_workers={saved_workers} input worker processes and the "
+                f"loader built by input_fn has num_workers={workers}; its dataset is an "
+                "IterableDataset, which splits its data over the workers itself, so the saved "
+                f"position is a place in another order. Resume with num_workers={saved_workers}",
+            )
+        config = current_config()
+        for key in ("num_csx", "num_workers_per_csx"):
+            if state[key] != getattr(config, key):
+                warnings.warn(
+                    f"DataLoader state was saved with {key}={state[key]}, this run has "
+                    f"{getattr(config, key)}; the saved position is per streamer and is used as is.",
+                    stacklevel=3,
+                )
+
+    def _own_worker_state(self, workers: list[dict]) -> dict:
+        rank = get_streaming_rank()
         for worker in workers:
             if worker["wse_id"] == rank and worker["local_worker_id"] == 0:
                 return worker
         raise ValueError(
             f"The aggregated DataLoader state has no state for streamer {rank} "
             f"(it has wse_id {sorted(w['wse_id'] for w in workers)})."
+        )
+
+    def _rebase(self, workers: list[dict], saved_streamers: int, strict: bool) -> dict:
+        """This streamer's state from the states of another number of streamers.
+
+        Note [another number of ranks]. ``workers`` holds every streamer's state
+        (an aggregated state) or one of them.
+        """
+        streamers, rank = num_streamers(), get_streaming_rank()
+        saved = (
+            f"The DataLoader state holds the position of {saved_streamers} streamer(s) "
+            f"(data-parallel ranks) but this run has {streamers}"
+        )
+        target = self._global_order()
+        if target is None:
+            raise ValueError(
+                f"{saved}. A position moves to another number of ranks only when one global "
+                "sample order decides the batches: a torch DataLoader over a map-style dataset "
+                "without a state_dict of its own, ordered by weightstream's DistributedSampler "
+                "(as sampler or batch_sampler). The loader built by input_fn is not ordered so, "
+                f"and its per-rank positions cannot be mapped. Resume on {saved_streamers} "
+                "rank(s), or order the data with a DistributedSampler."
+            )
+        positions = [w["global_position"] for w in workers]
+        if positions[0] is None:
+            raise ValueError(
+                f"{saved}, and the state records no global position (its loader had no global "
+                "sample order, or it was saved before weightstream recorded one), so each "
+                f"position fits only the rank that saved it. Resume on {saved_streamers} rank(s)."
+            )
+        if any(p != positions[0] for p in positions):  # aggregate_state_dict checks it too
+            raise ValueError(
+                f"{saved}, and their global positions disagree ({positions}): the states are "
+                "not from one step of one run. Load the state saved at one checkpoint step."
+            )
+        record = positions[0]
+        self._check_order(record, target)
+        template = workers[0]
+        position = template["position"]
+        if position is not None and (
+            position.get("epoch"),
+            position.get("batch_in_epoch"),
+        ) != (record["epoch"], record["batches_in_epoch"]):
+            raise ValueError(
+                f"{saved}; its position (pass {position.get('epoch')}, batch "
+                f"{position.get('batch_in_epoch')}) disagrees with its global position (pass "
+                f"{record['epoch']}, batch {record['batches_in_epoch']}): the state is corrupt. "
+                "Resume from another checkpoint."
+            )
+        sampler = target[0]
+        user_state = copy.deepcopy(template["user_state"])
+        for name, part in loader_parts.stateful_parts(self._loader).items():
+            if part is sampler and user_state and name in user_state:
+                # The saved shard's sampler state, as this shard's sampler would save it.
+                user_state[name] = sampler.adapt_state_dict(user_state[name], strict)
+        # Samples streamed so far, shared as if this run had always had `streamers`
+        # ranks (their sum stays the global count). One saved state stands for all
+        # of its ranks, which streamed equally (lock step).
+        total = sum(w["samples_streamed"] for w in workers)
+        if len(workers) == 1:
+            total *= saved_streamers
+        base, extra = divmod(total, streamers)
+        config = current_config()
+        return {
+            **template,
+            "local_worker_id": 0,
+            "num_workers_per_csx": config.num_workers_per_csx,
+            "num_csx": config.num_csx,
+            "wse_id": rank,
+            "samples_streamed": base + (1 if rank < extra else 0),
+            "user_state": user_state,
+            "layout": None,  # rebuilt by the next state_dict()
+        }
+
+    def _check_order(self, saved: dict, target: tuple[DistributedSampler, int]) -> None:
+        """Refuse a global position in another order than this loader's (Note [global position])."""
+        mine = _order_settings(*target)
+        differ = [k for k in _ORDER_LABELS if k in saved and saved[k] != mine[k]]
+        if not differ:
+            return
+        details = "; ".join(
+            f"{_ORDER_LABELS[k]}: saved {saved[k]!r}, here {mine[k]!r}" for k in differ
+        )
+        fixes = []
+        if "global_batch_size" in differ:
+            g = saved["global_batch_size"]
+            fixes.append(
+                f"keep the global batch at {g} samples whatever the number of ranks (M ranks "
+                f"take {g}/M each; in a params file train_input.batch_size is the global batch)"
+            )
+        if "shuffle" in differ or "shuffle_seed" in differ:
+            fixes.append(
+                f"set the shuffle settings back to shuffle={saved.get('shuffle')!r}, "
+                f"seed={saved.get('shuffle_seed')!r} (train_input.shuffle, shuffle_seed)"
+            )
+        if "dataset_len" in differ or "num_samples" in differ:
+            fixes.append("read the same data as the run that saved it")
+        if "drop_last" in differ or "pad_last" in differ:
+            fixes.append(
+                f"set drop_last={saved.get('drop_last')!r}, pad_last={saved.get('pad_last')!r} back"
+            )
+        raise ValueError(
+            f"The DataLoader state is a position in another sample order than this loader's "
+            f"({details}): it counts batches of the order it was saved in, so it cannot "
+            f"continue this one. To resume, {'; '.join(fixes)}. To train with the new "
+            "settings instead, start a new run (another model_dir) without this state."
         )
 
     @staticmethod
@@ -510,6 +696,34 @@ class DataLoader:
     # The reference protocol has these on the loader; they combine any workers' states.
     aggregate_state_dict = staticmethod(aggregate_state_dict)
     deaggregate_state_dict = staticmethod(deaggregate_state_dict)
+
+
+def _order_settings(sampler: DistributedSampler, items_per_batch: int) -> dict:
+    """What fixes a global order and its batches (Note [global position] in weightstream.data.state)."""
+    return {
+        "global_batch_size": items_per_batch * (sampler.batch_size or 1) * sampler.num_shards,
+        "shuffle": sampler.shuffle,
+        "shuffle_seed": sampler.seed,
+        "dataset_len": sampler.dataset_len,
+        "num_samples": sampler.num_samples,
+        "drop_last": sampler.drop_last,
+        "pad_last": sampler.pad_last,
+    }
+
+
+def _saved_layout(state: dict) -> tuple[int | None, int | None]:
+    """(streamers, input workers) a worker state was saved with; None where it does not say."""
+    layout = state.get("layout") or {}
+    values = []
+    for key in ("num_streamers", "input_workers"):
+        value = layout.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(
+                f"DataLoader state layout {key!r} must be an int or None, got {value!r}; the "
+                "state is corrupt or was not produced by DataLoader.state_dict()."
+            )
+        values.append(value)
+    return values[0], values[1]
 
 
 def _batch_size_of(batch: Any) -> int:

@@ -23,8 +23,11 @@ __all__ = [
     "capture",
     "fast_forward_target",
     "generators",
+    "global_order",
+    "input_workers",
     "is_stateful",
     "set_epoch",
+    "splits_over_workers",
     "stateful_parts",
     "trusted_length",
 ]
@@ -141,3 +144,31 @@ def fast_forward_target(loader: Any) -> tuple[DistributedSampler, int] | None:
     ):
         return batch_sampler.sampler, batch_sampler.batch_size
     return None
+
+
+def global_order(loader: Any) -> tuple[DistributedSampler, int] | None:
+    """The DistributedSampler whose global order alone decides the loader's batches, and items per batch.
+
+    The same loaders as :func:`fast_forward_target`, for the same reason:
+    nothing but the sampler carries state along a pass, so the loader's
+    position is a place in the sampler's global order, the same on every rank.
+    """
+    return fast_forward_target(loader)
+
+
+def input_workers(loader: Any) -> int | None:
+    """The worker processes of a torch DataLoader (``num_workers``); None for other loaders."""
+    return loader.num_workers if isinstance(loader, _TorchDataLoader) else None
+
+
+def splits_over_workers(loader: Any) -> bool:
+    """Whether the loader's order depends on its worker count: a torch DataLoader of an IterableDataset.
+
+    Each worker iterates its own copy of such a dataset (which shards itself by
+    worker) and torch interleaves their batches, so another ``num_workers``
+    gives another order. A map-style dataset is ordered by its sampler in the
+    main process, whatever the worker count.
+    """
+    return isinstance(loader, _TorchDataLoader) and isinstance(
+        loader.dataset, torch.utils.data.IterableDataset
+    )

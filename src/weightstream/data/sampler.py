@@ -11,6 +11,17 @@ whatever the number of shards: a run restarted on a different number of ranks
 same sequence. Only the tail of an epoch depends on the number of shards,
 because ``drop_last``/``pad_last`` make every shard's share equally long (ranks
 step in lock step).
+
+Note [moving a state between layouts]: the *order* settings (seed, shuffle,
+dataset length, samples per epoch, tail rule) fix the global sequence; the
+*layout* (num_shards, shard_index, batch_size) only says who yields which part
+of it. A saved state is therefore loadable by a sampler of another layout when
+the two give the same epoch sequence: shards step in lock step, so a shard
+that yielded ``p`` items of a pass means the whole cluster consumed ``p``
+rounds (``p * batch_size * num_shards`` samples) of it, which the new layout
+continues from if that is a whole number of its own rounds. Epochs, the
+``start_index`` skip and the epoch offset are counted in global samples and
+epochs already, and carry over unchanged.
 """
 
 from __future__ import annotations
@@ -27,17 +38,13 @@ from weightstream.data.streaming import get_streaming_rank, num_streamers
 
 __all__ = ["DistributedSampler"]
 
-# Config fields that fix the order; a state saved under other values cannot be resumed.
-_CONFIG_KEYS = (
-    "seed",
-    "shuffle",
-    "num_samples",
-    "batch_size",
-    "drop_last",
-    "pad_last",
-    "num_shards",
-    "shard_index",
-)
+# Config fields that fix the global order; a state saved under other values cannot be resumed.
+_ORDER_KEYS = ("seed", "shuffle", "num_samples", "drop_last", "pad_last")
+# Added later than the others: a state without it is still accepted (not checked).
+_OPTIONAL_ORDER_KEYS = ("dataset_len",)
+# Config fields of the layout: who yields which part of the order (Note [moving a state
+# between layouts]); a state may move to another layout.
+_LAYOUT_KEYS = ("batch_size", "num_shards", "shard_index")
 _POSITION_KEYS = ("epoch", "epoch_offset", "pending_skip", "pass_skip", "in_pass", "position")
 
 
@@ -184,12 +191,7 @@ class DistributedSampler(torch.utils.data.Sampler):
 
     def _epoch_length(self) -> int:
         """Samples in one epoch's global sequence, after dropping or padding its tail."""
-        n, r = self.num_samples, self._round()
-        if self.drop_last:
-            return (n // r) * r
-        if self.pad_last:
-            return math.ceil(n / r) * r
-        return n
+        return _epoch_length(self.num_samples, self._round(), self.drop_last, self.pad_last)
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         """The epoch's permutation of sample indices, ``num_samples`` long (before the tail rule)."""
@@ -220,9 +222,14 @@ class DistributedSampler(torch.utils.data.Sampler):
         return [b.tolist() for b in batches[self.shard_index :: self.num_shards]]
 
     def _num_shard_items(self, skip: int) -> int:
-        remaining = self._epoch_length() - skip
-        items = math.ceil(remaining / self._unit())
-        return max(0, math.ceil((items - self.shard_index) / self.num_shards))
+        return _num_shard_items(
+            self._epoch_length(), skip, self._unit(), self.num_shards, self.shard_index
+        )
+
+    @property
+    def dataset_len(self) -> int:
+        """``len(dataset)``: part of the order (a state of another dataset does not fit)."""
+        return self._dataset_len
 
     # -- Sampler protocol --------------------------------------------------------------
 
@@ -278,6 +285,7 @@ class DistributedSampler(torch.utils.data.Sampler):
             "seed": self.seed,
             "shuffle": self.shuffle,
             "num_samples": self.num_samples,
+            "dataset_len": self._dataset_len,
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
             "pad_last": self.pad_last,
@@ -294,18 +302,28 @@ class DistributedSampler(torch.utils.data.Sampler):
     def load_state_dict(self, state_dict: dict, strict: bool = True) -> None:
         """Continue from ``state_dict``: the next pass resumes where the saved one stopped.
 
-        The sampler must be configured as the one that saved the state (same
-        seed, shuffle, num_samples, batch_size, tail rule and sharding). To
-        continue on a different number of shards, build a new sampler with
-        ``start_index`` = samples streamed globally instead.
+        The sampler must give the same global order as the one that saved the
+        state (same seed, shuffle, dataset length, num_samples and tail rule).
+        Its layout (num_shards, shard_index, batch_size) may differ when the
+        epochs come out equally long and the saved position is a whole number
+        of this sampler's rounds (Note [moving a state between layouts]).
+        """
+        self._load(self.adapt_state_dict(state_dict, strict))
+
+    def adapt_state_dict(self, state_dict: dict, strict: bool = True) -> dict:
+        """``state_dict`` (saved by a sampler of the same order) as this sampler's layout would save it.
+
+        Raises ValueError naming what differs when the order differs, or when
+        the saved position cannot be expressed in this layout. See
+        :meth:`load_state_dict`.
         """
         if not isinstance(state_dict, dict):
             raise TypeError(
                 f"DistributedSampler.load_state_dict expects a dict, got {type(state_dict).__name__}."
             )
-        expected = set(_CONFIG_KEYS) | set(_POSITION_KEYS)
+        expected = set(_ORDER_KEYS) | set(_LAYOUT_KEYS) | set(_POSITION_KEYS)
         missing = sorted(expected - set(state_dict))
-        unexpected = sorted(set(state_dict) - expected)
+        unexpected = sorted(set(state_dict) - expected - set(_OPTIONAL_ORDER_KEYS))
         if missing:
             raise ValueError(
                 f"DistributedSampler state is missing key(s) {missing}; pass a dict returned "
@@ -317,25 +335,86 @@ class DistributedSampler(torch.utils.data.Sampler):
                 raise ValueError(
                     message + "; pass load_state_dict(sd, strict=False) to ignore them."
                 )
-            warnings.warn(message + "; ignoring them.", stacklevel=2)
+            warnings.warn(message + "; ignoring them.", stacklevel=3)
         mine = self.state_dict()
-        differ = [k for k in _CONFIG_KEYS if state_dict[k] != mine[k]]
+        order_keys = _ORDER_KEYS + tuple(k for k in _OPTIONAL_ORDER_KEYS if k in state_dict)
+        differ = [k for k in order_keys if state_dict[k] != mine[k]]
         if differ:
             details = ", ".join(f"{k}: saved {state_dict[k]!r}, here {mine[k]!r}" for k in differ)
             raise ValueError(
                 f"DistributedSampler state was saved with a different order ({details}). Build "
-                "the sampler with the saved settings; to change the number of shards, build it "
-                "with start_index = the number of samples streamed globally instead."
+                "the sampler with the saved settings, or start a new order (without the state)."
             )
         for key in ("epoch", "epoch_offset", "pending_skip", "pass_skip", "position"):
             check_int(key, state_dict[key], minimum=0)
-        self.epoch = state_dict["epoch"]
-        self._epoch_offset = state_dict["epoch_offset"]
-        self._pending_skip = state_dict["pending_skip"]
-        self._pass_skip = state_dict["pass_skip"]
-        self._in_pass = bool(state_dict["in_pass"])
-        self._position = state_dict["position"]
+        state = {**mine, **{k: state_dict[k] for k in _POSITION_KEYS}}
+        if all(state_dict[k] == mine[k] for k in _LAYOUT_KEYS):
+            return state
+        # Another layout: Note [moving a state between layouts].
+        saved_unit = state_dict["batch_size"] or 1
+        saved_round = saved_unit * state_dict["num_shards"]
+        saved_length = _epoch_length(self.num_samples, saved_round, self.drop_last, self.pad_last)
+        layout = (
+            f"batch_size={state_dict['batch_size']} x num_shards={state_dict['num_shards']}, "
+            f"here batch_size={self.batch_size} x num_shards={self.num_shards}"
+        )
+        if saved_length != self._epoch_length():
+            raise ValueError(
+                f"DistributedSampler state was saved by another layout ({layout}) whose epochs "
+                f"hold {saved_length} samples, but this sampler's hold {self._epoch_length()} "
+                "(the tail rule cuts them to whole rounds of batch_size x num_shards), so the "
+                "two do not continue the same sequence. Choose batch_size and num_shards whose "
+                f"product is {saved_round}, as when the state was saved."
+            )
+        position = state_dict["position"]
+        saved_items = _num_shard_items(
+            saved_length,
+            state_dict["pass_skip"],
+            saved_unit,
+            state_dict["num_shards"],
+            state_dict["shard_index"],
+        )
+        if not state_dict["in_pass"]:
+            position = 0  # no pass begun: nothing consumed yet
+        elif position >= saved_items:
+            position = self._num_shard_items(state_dict["pass_skip"])  # the pass was finished
+        else:
+            consumed = position * saved_round  # every shard yielded as many items (lock step)
+            if consumed % self._round():
+                raise ValueError(
+                    f"DistributedSampler state was saved {consumed} samples into a pass by "
+                    f"another layout ({layout}); that is not a whole number of this sampler's "
+                    f"rounds of {self._round()} samples, so no shard would start on the next "
+                    f"sample. Choose batch_size and num_shards whose product divides {consumed} "
+                    f"(e.g. {saved_round}, as when the state was saved)."
+                )
+            position = consumed // self._round()
+        state["position"] = position
+        return state
+
+    def _load(self, state: dict) -> None:
+        self.epoch = state["epoch"]
+        self._epoch_offset = state["epoch_offset"]
+        self._pending_skip = state["pending_skip"]
+        self._pass_skip = state["pass_skip"]
+        self._in_pass = bool(state["in_pass"])
+        self._position = state["position"]
         # A finished pass is not resumed (it would yield nothing): the next
         # pass starts afresh, as torch samplers do.
         finished = self._position >= self._num_shard_items(self._pass_skip)
         self._resume = self._position if self._in_pass and not finished else None
+
+
+def _epoch_length(num_samples: int, round_: int, drop_last: bool, pad_last: bool) -> int:
+    """Samples in an epoch's global sequence whose rounds (one item per shard) hold ``round_``."""
+    if drop_last:
+        return (num_samples // round_) * round_
+    if pad_last:
+        return math.ceil(num_samples / round_) * round_
+    return num_samples
+
+
+def _num_shard_items(epoch_length: int, skip: int, unit: int, shards: int, index: int) -> int:
+    """Items (of ``unit`` samples) shard ``index`` of ``shards`` yields from a pass skipping ``skip``."""
+    items = math.ceil((epoch_length - skip) / unit)
+    return max(0, math.ceil((items - index) / shards))

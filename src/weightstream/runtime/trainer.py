@@ -128,7 +128,9 @@ class Trainer:
             state["schedulers"] = [self.lr_scheduler.state_dict()]
         state["grad_scaler"] = self.grad_scaler.state_dict()
         if dataloader is not None:
-            # Each rank streams its own shard: the checkpoint keeps every rank's position.
+            # Each rank streams its own shard: the checkpoint keeps every rank's position,
+            # and their common place in the global sample order, from which a run on
+            # another number of ranks resumes (Note [global position] in data/state.py).
             states = swarm.all_gather_objects(dataloader.state_dict())
             state["dataloader"] = states[0] if len(states) == 1 else aggregate_state_dict(states)
         return state
