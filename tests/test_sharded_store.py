@@ -12,6 +12,7 @@ differences measured are below 1e-8, well inside the same bounds.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
@@ -158,6 +159,36 @@ def _store_bytes(model: torch.nn.Module, optimizer) -> int:
     return sum(storages.values())
 
 
+def _gather_and_reload(model, optimizer) -> dict:
+    """Gather the shards as a checkpoint does, spoil the owned state, load it back."""
+    import torch.distributed as dist
+
+    from weightstream.runtime import sharding
+
+    shards = sharding.store_for(model.parameters())
+    model_state, optim_state = shards.gather_to_main(
+        model, model.state_dict(), optimizer, optimizer.state_dict()
+    )
+    box = [model_state, optim_state]  # rank 0's whole state, as read from the file
+    dist.broadcast_object_list(box, src=0)
+    box = copy.deepcopy(box)  # rank 0's dicts still share the live tensors: a file would not
+    owned = [p for p in model.parameters() if shards.owns(p)]
+    kept = [p.detach().clone() for p in owned]
+    moments = [optimizer.state[p]["exp_avg"].clone() for p in owned]
+    with torch.no_grad():
+        for p in owned:
+            p.add_(1.0)
+            optimizer.state[p]["exp_avg"].add_(1.0)
+    shards.load_model_state(model, box[0])
+    shards.load_optimizer_state(optimizer, box[1])
+    return {
+        "whole": all(not sharding.is_placeholder(t) for t in box[0].values()),
+        "restored": all(torch.equal(p, k) for p, k in zip(owned, kept))
+        and all(torch.equal(optimizer.state[p]["exp_avg"], m) for p, m in zip(owned, moments)),
+        "bytes": _store_bytes(model, optimizer),
+    }
+
+
 def _memory_rank(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -186,13 +217,15 @@ def _memory_rank(rank: int, world: int, port: int, out: str) -> None:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             result[sharding] = _store_bytes(model, optimizer)
+            if sharding == "sharded":
+                result["reload"] = _gather_and_reload(model, optimizer)
             compiled.engine.close()
     finally:
         dist.destroy_process_group()
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def test_per_rank_store_memory_is_half_with_two_ranks(tmp_path):
+def test_per_rank_store_memory_is_half_with_two_ranks_and_stays_so_after_a_load(tmp_path):
     import torch.multiprocessing as mp
 
     mp.start_processes(
@@ -213,3 +246,6 @@ def test_per_rank_store_memory_is_half_with_two_ranks(tmp_path):
     assert sharded == 99_920
     assert [g["replicated"] for g in got] == [replicated, replicated]
     assert [g["sharded"] for g in got] == [sharded, sharded]
+    # A checkpoint's state gathered from the shards is whole, and loading it into
+    # the sharded store fills the owned tensors only: memory stays at the share.
+    assert [g["reload"] for g in got] == [{"whole": True, "restored": True, "bytes": sharded}] * 2
