@@ -201,6 +201,10 @@ class GradScaler:
         self._squared_norms: list[torch.Tensor] = []
         self._global_norm: torch.Tensor | None = None
         self._isfinite: bool | None = None
+        # True once an optimizer whose masters live in a sharded store was
+        # unscaled this iteration: its gradients are spread over the ranks, and
+        # the non-finite check must see all of them (Note [sharded store]).
+        self._sharded = False
 
     # ----------------------------------------------------------------- queries
 
@@ -276,6 +280,10 @@ class GradScaler:
                 "before step(), or update() to start the next iteration."
             )
         grads = _grads_of(optimizer)
+        from weightstream.runtime import sharding
+
+        if sharding.store_for(p for g in optimizer.param_groups for p in g["params"]):
+            self._sharded = True
         if self._scaling:
             # Correctly rounded float32 reciprocal, as the reference: exact for
             # the powers of two that dynamic scaling uses.
@@ -344,15 +352,22 @@ class GradScaler:
             self._stages[optimizer] = OptState.READY
         self._squared_norms = []
         self._isfinite = None
+        self._sharded = False
 
     # ------------------------------------------------------------- internals
 
     def _decide_isfinite(self) -> bool:
         """Global-norm finiteness of everything unscaled so far; see Note [dynamic loss scaling]."""
         if self._squared_norms:
-            self._global_norm = torch.sqrt(torch.sum(torch.stack(self._squared_norms)))
+            squares = torch.sum(torch.stack(self._squared_norms))
         else:
-            self._global_norm = torch.zeros((), dtype=torch.float32)
+            squares = torch.zeros((), dtype=torch.float32)
+        if self._sharded:
+            from weightstream.runtime import swarm
+
+            # Every rank gets here with its own shard's squares (possibly none).
+            squares = swarm.sum_over_ranks(squares)
+        self._global_norm = torch.sqrt(squares)
         # Host sync point: whether the optimizer runs is a Python decision.
         self._isfinite = bool(torch.isfinite(self._global_norm))
         return self._isfinite

@@ -748,6 +748,7 @@ class RunConfigParams:
     store: Literal["ram", "disk"] = "ram"
     store_dir: str | None = None
     host_memory_budget: int | None = None
+    store_sharding: Literal["replicated", "sharded"] = "replicated"
 
     def __post_init__(self) -> None:
         s = "runconfig"
@@ -792,6 +793,11 @@ class RunConfigParams:
             raise ValueError(
                 f"{s}.store_dir and {s}.host_memory_budget configure the disk store, but "
                 f"{s}.store is {self.store!r}. Fix: set store: disk, or remove them."
+            )
+        if self.store_sharding == "sharded" and self.store == "disk":
+            raise ValueError(
+                f"{s}.store_sharding: sharded does not support {s}.store: disk yet. Fix: "
+                "use store: ram with a sharded store, or store_sharding: replicated."
             )
         if self.compile_only and self.validate_only:
             raise ValueError(

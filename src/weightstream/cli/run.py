@@ -109,6 +109,10 @@ class Run:
                 unit_size_target=self.rc.unit_size_target,
                 compute_dtype=self._compute_dtype(),
                 overlap_updates=self.rc.overlap_updates,
+                # num_wgt_servers bounds the owner ranks of a sharded store
+                # (Note [sharded store]); more than the ranks means every rank.
+                store_sharding=self.rc.store_sharding,
+                weight_servers=self.rc.num_wgt_servers,
             )
             if self.rc.store == "disk":
                 kwargs.update(

@@ -31,8 +31,15 @@ def hyper(group: dict[str, Any], name: str) -> float:
 
 
 def zeros_like(p: Tensor) -> Tensor:
-    """A state tensor for ``p``: in the disk store when ``p`` lives there (Note [disk tier])."""
+    """A state tensor for ``p``: in the disk store when ``p`` lives there (Note [disk tier]),
+    a storage-free placeholder when a sharded store keeps ``p`` on another rank
+    (Note [sharded store])."""
+    from weightstream.runtime.sharding import placeholder_state_for
     from weightstream.runtime.store import store_of
+
+    elsewhere = placeholder_state_for(p)
+    if elsewhere is not None:
+        return elsewhere
 
     store = store_of(p)
     if store is not None:

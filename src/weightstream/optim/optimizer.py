@@ -94,9 +94,15 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
         behind the next forward (Note [overlapped updates] in runtime/updater.py).
         """
         from weightstream.optim._common import run_closure
+        from weightstream.runtime.sharding import store_for
         from weightstream.runtime.updater import updater_for
 
         loss = run_closure(closure)
+        shards = store_for(p for g in self.param_groups for p in g["params"])
+        if shards is not None:
+            # Built before the plan fixed the owners, the optimizer holds state
+            # for every parameter; keep only this rank's (Note [sharded store]).
+            shards.shard_optimizer_state(self)
         updater = updater_for(self)
         if updater is not None:
             updater.defer(self)

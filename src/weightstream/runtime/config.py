@@ -9,6 +9,7 @@ import torch
 
 GRANULARITIES = ("auto", "module")
 STORES = ("ram", "disk")
+STORE_SHARDINGS = ("replicated", "sharded")
 
 
 @dataclass
@@ -52,6 +53,15 @@ class StreamingConfig:
             may use. Compile fails, before any step, if the plan needs more:
             (prefetch_depth + 1) units in flight plus one unit's update (master,
             gradient and two optimizer moments) of the largest unit.
+        store_sharding: with data parallel (torch.distributed initialized, more
+            than one rank), ``"replicated"`` keeps every master and all optimizer
+            state on every rank; ``"sharded"`` gives each streaming unit one owner
+            rank that alone keeps its masters and optimizer state, broadcasts its
+            weights and runs its update (Note [sharded store] in
+            runtime/sharding.py). With one rank both are the same.
+        weight_servers: how many ranks own units of a sharded store (ranks
+            0 .. weight_servers-1); None: every rank. More than the world size
+            means every rank.
     """
 
     prefetch_depth: int = 1
@@ -65,8 +75,29 @@ class StreamingConfig:
     store: str = "ram"
     store_dir: str | None = None
     host_memory_budget: int | None = None
+    store_sharding: str = "replicated"
+    weight_servers: int | None = None
 
     def __post_init__(self) -> None:
+        if self.store_sharding not in STORE_SHARDINGS:
+            raise ValueError(
+                f"store_sharding must be one of {', '.join(map(repr, STORE_SHARDINGS))}, "
+                f"got {self.store_sharding!r}."
+            )
+        if self.weight_servers is not None and (
+            isinstance(self.weight_servers, bool)
+            or not isinstance(self.weight_servers, int)
+            or self.weight_servers <= 0
+        ):
+            raise ValueError(
+                f"weight_servers must be a positive number of ranks or None (every rank), "
+                f"got {self.weight_servers!r}."
+            )
+        if self.store_sharding == "sharded" and self.store == "disk":
+            raise ValueError(
+                "store_sharding='sharded' does not support store='disk' yet; use "
+                "store='ram' with a sharded store, or store_sharding='replicated' with disk."
+            )
         if self.store not in STORES:
             raise ValueError(
                 f"store must be one of {', '.join(map(repr, STORES))}, got {self.store!r}."

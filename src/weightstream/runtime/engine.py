@@ -10,8 +10,10 @@ from torch.utils import _pytree as pytree
 
 from weightstream.compiler.partition import Plan, build_plan
 from weightstream.compiler.trace import trace_forward
+from weightstream.runtime import swarm
 from weightstream.runtime.config import StreamingConfig
 from weightstream.runtime.device import DeviceOps
+from weightstream.runtime.sharding import ShardedStore
 from weightstream.runtime.store import DiskStore
 from weightstream.runtime.streamer import Streamer
 from weightstream.runtime.updater import UnitUpdater
@@ -92,6 +94,7 @@ class StreamingEngine:
         self.streamer: Streamer | None = None
         self.updater: UnitUpdater | None = None
         self.store: DiskStore | None = None
+        self.shards: ShardedStore | None = None
         _place(module, self.device)
         if config.store == "disk":
             self.store = DiskStore(config.store_dir)
@@ -114,6 +117,14 @@ class StreamingEngine:
             plan = build_plan(self.module, self.config, trace)
         check_budget(plan, self.config)
         self.plan = plan
+        if self.config.store_sharding == "sharded" and swarm.world_size() > 1:
+            if self.device.type != "cpu":
+                raise ValueError(
+                    "store_sharding='sharded' runs on the CPU (gloo) only so far; use "
+                    "store_sharding='replicated' on accelerators."
+                )
+            # Fixed with the plan: ownership is by the plan's units (Note [sharded store]).
+            self.shards = ShardedStore([u.params for u in plan.units], self.config.weight_servers)
         self.updater = None
         if self.config.overlap_updates or self.store is not None:
             self.updater = UnitUpdater(
@@ -134,6 +145,7 @@ class StreamingEngine:
             self._postprocess(),
             before_fetch=None if self.updater is None else self.updater.wait_unit,
             store=self.store,
+            shards=self.shards,
         )
         self.streamer.install()
 

@@ -27,6 +27,7 @@ activations and stay saved as they are.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -62,13 +63,15 @@ class _SavedWeight:
 
 
 class _Link:
-    """What ``_StreamIn`` needs: the device copies to hand out (forward only)."""
+    """What ``_StreamIn`` needs: the device copies to hand out (forward only), and
+    with a sharded store the reduction of the gradients to the unit's owner."""
 
-    __slots__ = ("ops", "tensors")
+    __slots__ = ("ops", "reduce", "tensors")
 
-    def __init__(self, ops: DeviceOps, tensors: list[torch.Tensor]):
+    def __init__(self, ops: DeviceOps, tensors: list[torch.Tensor], reduce=None):
         self.ops = ops
         self.tensors = tensors
+        self.reduce = reduce
 
 
 class _StreamIn(torch.autograd.Function):
@@ -79,6 +82,7 @@ class _StreamIn(torch.autograd.Function):
         outs = tuple(link.tensors)
         link.tensors = []  # the graph must not keep the device buffers alive
         ctx.ops = link.ops
+        ctx.reduce = link.reduce
         ctx.masters = [(m.device, m.dtype) for m in masters]
         frozen = [o for o, m in zip(outs, masters) if not m.requires_grad]
         if frozen:
@@ -96,6 +100,10 @@ class _StreamIn(torch.autograd.Function):
             else:
                 # Host sync point on accelerators (gradient leaves the device).
                 out.append(g.to(device=device, dtype=dtype))
+        if ctx.reduce is not None:
+            # Sharded store: the sum over ranks goes to the owner's master only
+            # (Note [sharded store] in runtime/sharding.py).
+            out = [None, *ctx.reduce(out[1:])]
         return tuple(out)
 
 
@@ -119,8 +127,12 @@ class Streamer:
         postprocess=None,
         before_fetch=None,
         store=None,
+        shards=None,
     ):
         self.plan = plan
+        # A sharded store (Note [sharded store] in runtime/sharding.py): weights
+        # are broadcast from each unit's owner, gradients reduced to it.
+        self._shards = shards
         # A disk store (Note [disk tier]): masters are read ahead when a fetch is
         # issued and their pages given back once the device copy is made.
         self._store = store
@@ -183,6 +195,7 @@ class Streamer:
         groups = [(dt, [unit.params[i] for i in idx]) for dt, idx in unit.groups.items()]
         ops, meter, post, before = self.ops, self.meter, self._postprocess, self._before_fetch
         store = self._store
+        shards = self._shards
         index = unit.index
 
         def run():
@@ -190,7 +203,11 @@ class Streamer:
                 before(index)  # never copy a master whose update is still running
             buffers = []
             for dt, masters in groups:
-                buf = ops.copy_flat(masters, dt, sum(m.numel() for m in masters))
+                numel = sum(m.numel() for m in masters)
+                if shards is None:
+                    buf = ops.copy_flat(masters, dt, numel)
+                else:
+                    buf = shards.fetch_flat(index, masters, dt, numel, ops)
                 if post is not None and buf.is_floating_point():
                     post(buf)
                 meter.track(buf)
@@ -201,7 +218,10 @@ class Streamer:
 
         if store is not None and background:
             store.prefetch(unit.params)
-        copy.fetch(ops.submit(run, background=background and self.depth > 0))
+        # A sharded store's broadcasts must all run on the one worker thread, in
+        # issue order, synchronous fetches too (Note [sharded store]).
+        background = (background and self.depth > 0) or shards is not None
+        copy.fetch(ops.submit(run, background=background))
         return copy
 
     # ---- forward ----------------------------------------------------------------
@@ -247,7 +267,10 @@ class Streamer:
             self._buffer_owner[id(buf)] = (seq, pos, buf_i)
         masters = unit.params
         if torch.is_grad_enabled() and any(p.requires_grad for p in masters):
-            tensors = list(_StreamIn.apply(_Link(self.ops, list(tensors)), *masters))
+            reduce = None
+            if self._shards is not None:
+                reduce = functools.partial(self._shards.reduce_grads, unit.index)
+            tensors = list(_StreamIn.apply(_Link(self.ops, list(tensors), reduce), *masters))
         by_param = {id(p): t for p, t in zip(masters, tensors)}
         previous = []
         for slot in unit.spec.slots:

@@ -93,6 +93,39 @@ def average(value: torch.Tensor) -> torch.Tensor:
     return out / world_size()
 
 
+def sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The sum of a tensor over the ranks (a copy; ``value`` itself with one rank)."""
+    if world_size() == 1:
+        return value
+    out = value.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)  # host sync point
+    return out
+
+
+def clip_grad_norm_sharded_(
+    params, max_norm: float, replicated=(), eps: float = 1e-6
+) -> torch.Tensor:
+    """``clip_grad_norm_`` over gradients spread across the ranks (a sharded store).
+
+    Each rank holds the gradients of the masters it owns; the global norm is the
+    square root of the sum over ranks of each rank's sum of squares. Gradients
+    of ``replicated`` parameters are equal on every rank and count once (rank
+    0's). Returns the global norm, as torch's function does.
+    """
+    replicated_ids = {id(p) for p in replicated}
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.zeros((), dtype=torch.float32)
+    for p, g in ((p, p.grad) for p in params if p.grad is not None):
+        if id(p) in replicated_ids and rank() != 0:
+            continue
+        total = total + torch.sum(torch.square(g.detach().float()))
+    norm = torch.sqrt(sum_over_ranks(total))
+    coef = torch.clamp(max_norm / (norm + eps), max=1.0)
+    for g in grads:
+        g.detach().mul_(coef.to(g.dtype))
+    return norm
+
+
 def all_gather_objects(obj) -> list:
     if world_size() == 1:
         return [obj]
