@@ -67,17 +67,18 @@ def gpt_runs(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("sharded_runs")
     params = _params(tmp, "gpt2")
-    sharded = tmp / "gpt2_sharded.yaml"
     values = yaml.safe_load(params.read_text())
-    values["runconfig"]["store_sharding"] = "sharded"
-    sharded.write_text(yaml.safe_dump(values))
+    sharded, replicated = tmp / "gpt2_sharded.yaml", tmp / "gpt2_replicated.yaml"
+    for path, how in ((sharded, "sharded"), (replicated, "replicated")):
+        values["runconfig"]["store_sharding"] = how
+        path.write_text(yaml.safe_dump(values))
     runs = {"one": tmp / "one", "replicated": tmp / "replicated", "sharded": tmp / "sharded"}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WEIGHTSTREAM_CACHE_DIR", str(tmp / "cache"))
         mp.setenv("WEIGHTSTREAM_QUICK_MACHINE_PROFILE", "1")
         for name, p, ranks in (
             ("one", params, []),
-            ("replicated", params, ["--num_csx", "2"]),
+            ("replicated", replicated, ["--num_csx", "2"]),
             ("sharded", sharded, ["--num_csx", "2"]),
         ):
             common = ["run", "CPU", "-p", str(p), "-o", str(runs[name])]

@@ -748,7 +748,9 @@ class RunConfigParams:
     store: Literal["ram", "disk"] = "ram"
     store_dir: str | None = None
     host_memory_budget: int | None = None
-    store_sharding: Literal["replicated", "sharded"] = "replicated"
+    # None: sharded across the ranks (the weight servers) with store: ram, as the
+    # reference's MemoryX; replicated with store: disk, which cannot shard yet.
+    store_sharding: Literal["replicated", "sharded"] | None = None
 
     def __post_init__(self) -> None:
         s = "runconfig"

@@ -111,7 +111,8 @@ class Run:
                 overlap_updates=self.rc.overlap_updates,
                 # num_wgt_servers bounds the owner ranks of a sharded store
                 # (Note [sharded store]); more than the ranks means every rank.
-                store_sharding=self.rc.store_sharding,
+                store_sharding=self.rc.store_sharding
+                or ("replicated" if self.rc.store == "disk" else "sharded"),
                 weight_servers=self.rc.num_wgt_servers,
             )
             if self.rc.store == "disk":
