@@ -1,10 +1,10 @@
 """Data-parallel scaling on this machine: samples/sec with 1 and 2 local ranks.
 
-Runs the run command (weight streaming, replicated store) on a GPT with a fixed
-global batch, once per rank count, and prints samples/sec from each run's
-performance.json, the speed-up, and the scaling model of docs/scaling.md
-evaluated with the measured one-rank step time and this machine's measured
-all-reduce bandwidth.
+Runs the run command (weight streaming) on a GPT with a fixed global batch: one
+rank, then two ranks with the replicated store and with the sharded store
+(the default), and prints samples/sec from each run's performance.json, the
+speed-ups, and the scaling model of docs/scaling.md evaluated with the
+measured one-rank step time and this machine's measured collective bandwidth.
 
     .venv/bin/python benchmarks/data_parallel_scaling.py [--steps 20]
 """
@@ -43,12 +43,13 @@ PARAMS = {
 }
 
 
-def run(num_ranks: int, steps: int, work: Path) -> dict:
-    params = work / "params.yaml"
+def run(num_ranks: int, sharding: str, steps: int, work: Path) -> dict:
+    params = work / f"params_{sharding}.yaml"
     cfg = json.loads(json.dumps(PARAMS))
     cfg["runconfig"]["max_steps"] = steps
+    cfg["runconfig"]["store_sharding"] = sharding
     params.write_text(yaml.safe_dump(cfg))
-    model_dir = work / f"ranks{num_ranks}"
+    model_dir = work / f"ranks{num_ranks}_{sharding}"
     cmd = [
         sys.executable,
         "-m",
@@ -99,24 +100,35 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        results = {n: run(n, args.steps, work) for n in (1, 2)}
+        runs = [(1, "replicated"), (2, "replicated"), (2, "sharded")]
+        results = {key: run(*key, args.steps, work) for key in runs}
     bw = allreduce_bandwidth()
-    one, two = results[1]["samples_per_sec"], results[2]["samples_per_sec"]
     batch = PARAMS["train_input"]["batch_size"]
+    one = results[(1, "replicated")]["samples_per_sec"]
     t1 = batch / one
     n_params = 4 * 12 * 256**2 + 2 * 256 * 256 + 128 * 256  # blocks + embeddings (approx.)
-    grad_bytes = 4 * n_params
+    weight_bytes = grad_bytes = 4 * n_params
     # Both ranks share this machine's cores: each computes half the batch at half
     # the machine's throughput, so the compute term stays t1 (docs/scaling.md).
-    model_t2 = t1 + 2 * (2 - 1) / 2 * grad_bytes / bw
+    # Replicated: a ring all-reduce of the gradients. Sharded: each unit's weights
+    # broadcast from its owner in forward and in backward, its gradients reduced
+    # to it; each rank receives (N-1)/N of the bytes of each.
+    comm = {
+        "replicated": 2 * (2 - 1) / 2 * grad_bytes / bw,
+        "sharded": (2 * weight_bytes + grad_bytes) * (2 - 1) / 2 / bw,
+    }
     print(f"global batch {batch}, {args.steps} steps, {time.strftime('%Y-%m-%d')}")
-    print(f"  1 rank : {one:8.2f} samples/s  (step {t1:.3f} s)")
-    print(f"  2 ranks: {two:8.2f} samples/s  (step {batch / two:.3f} s)  speed-up {two / one:.2f}x")
-    print(f"  all-reduce bandwidth (gloo, loopback): {bw / 1e9:.2f} GB/s")
-    print(
-        f"  scaling model for 2 ranks (docs/scaling.md): step {model_t2:.3f} s "
-        f"-> {batch / model_t2:.2f} samples/s"
-    )
+    print(f"  1 rank             : {one:8.2f} samples/s  (step {t1:.3f} s)")
+    for sharding in ("replicated", "sharded"):
+        two = results[(2, sharding)]["samples_per_sec"]
+        model_t2 = t1 + comm[sharding]
+        print(
+            f"  2 ranks, {sharding:<10}: {two:8.2f} samples/s  (step {batch / two:.3f} s)  "
+            f"speed-up {two / one:.2f}x; model (docs/scaling.md) step {model_t2:.3f} s = "
+            f"{t1:.3f} compute + {comm[sharding]:.3f} collectives -> "
+            f"{batch / model_t2:.2f} samples/s"
+        )
+    print(f"  collective bandwidth (gloo all-reduce, loopback): {bw / 1e9:.2f} GB/s")
 
 
 if __name__ == "__main__":
