@@ -34,7 +34,6 @@ renamed checkpoint). The default suite runs 5 kills; ``-m slow`` runs 20.
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import signal
@@ -46,8 +45,8 @@ from pathlib import Path
 
 import h5py
 import pytest
-import torch
 import yaml
+from trees import assert_same_tree
 
 from weightstream import checkpoint as ckpt
 from weightstream.checkpoint.crash import ENV as CRASH_ENV
@@ -268,30 +267,6 @@ def _kinds(rng: random.Random, kills: int) -> list[str]:
 # ---------------------------------------------------------------------------
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _assert_same(a, b, where: str) -> None:
-    """Bit for bit: tensors of the same dtype and bits, other values equal, same types."""
-    assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(_bits(a), _bits(b)), f"{where}: the tensors differ"
-    elif isinstance(a, dict):
-        assert list(a) == list(b), f"{where}: keys {list(a)} != {list(b)}"
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}.{i}")
-    elif isinstance(a, float) and math.isnan(a):
-        assert math.isnan(b), where
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
 def _check_after_kill(model_dir: Path, kill: Kill, previous: int, note: str) -> int:
     """The invariants a kill must leave; returns the newest complete checkpoint's step."""
     listed = ckpt.list_checkpoints(model_dir)
@@ -380,7 +355,7 @@ def run_kill_chain(tmp_path: Path, kills: int, seed: int) -> dict:
         # The one difference the two runs are meant to have.
         assert a["metadata"]["params"]["runconfig"].pop("model_dir") == str(reference_dir)
         assert b["metadata"]["params"]["runconfig"].pop("model_dir") == str(chain_dir)
-        _assert_same(a, b, f"checkpoint_{step}")
+        assert_same_tree(a, b, f"checkpoint_{step}")
     # TensorBoard's reader, given the event files of every start, shows the same losses.
     pytest.importorskip("tensorboard")
     got_tb = _tensorboard_losses(chain_dir / "train")

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from trees import assert_same_tree
 
 from weightstream import checkpoint as ckpt
 from weightstream.cli.main import main
@@ -136,21 +137,6 @@ def test_resume_continues_exactly(tmp_path):
     assert la == lb
 
 
-def _assert_same_tree(a, b, path="") -> None:
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            _assert_same_tree(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same_tree(x, y, f"{path}.{i}")
-    elif isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), path
-    else:
-        assert a == b, path
-
-
 def test_disk_store_run_and_resume_equal_the_ram_store_run(tmp_path):
     """runconfig store: disk (Note [disk tier]): 4 steps, stop, resume for 4 more
     from the checkpoint written out of the disk store; bitwise the RAM run."""
@@ -163,8 +149,8 @@ def test_disk_store_run_and_resume_equal_the_ram_store_run(tmp_path):
     assert main(["run", "CPU", "-p", str(disk_params), "-o", str(disk)]) == 0
     a = ckpt.load(ram / "checkpoint_8.mdl", map_location="cpu")
     b = ckpt.load(disk / "checkpoint_8.mdl", map_location="cpu")
-    _assert_same_tree(a["model"], b["model"])
-    _assert_same_tree(a["optimizer"], b["optimizer"])
+    assert_same_tree(a["model"], b["model"], "model")
+    assert_same_tree(a["optimizer"], b["optimizer"], "optimizer")
     la = [v for _, v in _scalars(ram / "train", "loss")]
     lb = [v for _, v in _scalars(disk / "train", "loss")]
     assert la == lb
