@@ -8,8 +8,9 @@ store (``store="disk"``, Note [disk tier] in runtime/store.py), and trains it fo
 (min/median/max), peak RSS, and the step time against the disk-bandwidth limit:
 every byte of the training state read once and written once per step,
 ``16 B x params / read bandwidth + 16 B x params / write bandwidth``, with the
-bandwidths measured on the store's own directory (the compiler's machine
-profile). Needs free disk space of about the training state's size.
+bandwidths measured on the store's own directory just before the run (a 2 GiB
+file written with fsync and read back after dropping it from the page cache,
+best of 3). Needs free disk space of about the training state's size.
 
     .venv/bin/python benchmarks/larger_than_ram.py --store-dir runs/large_store [--steps 3]
 """
@@ -28,7 +29,6 @@ from _common import (
     current_rss_bytes,
     fmt,
     lm_loss,
-    machine_profile,
     peak_rss_bytes,
     print_result,
     reset_peak_rss,
@@ -47,6 +47,33 @@ def mem_total() -> int:
         if line.startswith("MemTotal:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("no MemTotal in /proc/meminfo (Linux only)")
+
+
+def disk_bandwidths(directory: Path, nbytes: int = 2 * 2**30, repeats: int = 3):
+    """Best write (with fsync) and cold read bandwidth of ``directory``, bytes/s."""
+    chunk = bytes(64 * 2**20)
+    path = directory / "bandwidth.probe"
+    best_w = best_r = 0.0
+    try:
+        for _ in range(repeats):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            t = time.perf_counter()
+            for _ in range(nbytes // len(chunk)):
+                os.write(fd, chunk)
+            os.fsync(fd)
+            best_w = max(best_w, nbytes / (time.perf_counter() - t))
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the read must hit the disk
+            os.close(fd)
+            fd = os.open(path, os.O_RDONLY)
+            t = time.perf_counter()
+            while os.read(fd, len(chunk)):
+                pass
+            best_r = max(best_r, nbytes / (time.perf_counter() - t))
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+    finally:
+        path.unlink(missing_ok=True)
+    return best_r, best_w
 
 
 def config_for(target_params: int, d_model: int, seq_len: int) -> GPTConfig:
@@ -84,8 +111,7 @@ def main() -> None:
     )
     if free < state * 1.02:
         raise SystemExit(f"not enough free disk space in {store_dir} for {state / 2**30:.1f} GiB")
-    profile = machine_profile(store_dir)
-    read_bw, write_bw = profile.disk_read_bandwidth, profile.disk_write_bandwidth
+    read_bw, write_bw = disk_bandwidths(store_dir)
     limit = state / read_bw + state / write_bw
 
     t0 = time.perf_counter()
@@ -114,13 +140,17 @@ def main() -> None:
     for i in range(args.steps):
         t = time.perf_counter()
         loss = lm_loss(runner(x), y)
+        t_fwd = time.perf_counter()
         loss.backward()
+        t_bwd = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())  # host sync point: the step is complete
-        times.append(time.perf_counter() - t)
+        end = time.perf_counter()
+        times.append(end - t)
         print(
-            f"  step {i + 1}: loss {losses[-1]:.4f}, {times[-1]:.1f} s, "
+            f"  step {i + 1}: loss {losses[-1]:.4f}, {times[-1]:.1f} s (forward "
+            f"{t_fwd - t:.1f}, backward {t_bwd - t_fwd:.1f}, update {end - t_bwd:.1f}), "
             f"peak RSS so far {peak_rss_bytes() / 2**30:.2f} GiB",
             flush=True,
         )
