@@ -250,3 +250,33 @@ def test_per_rank_store_memory_is_half_with_two_ranks_and_stays_so_after_a_load(
     # A checkpoint's state gathered from the shards is whole, and loading it into
     # the sharded store fills the owned tensors only: memory stays at the share.
     assert [g["reload"] for g in got] == [{"whole": True, "restored": True, "bytes": sharded}] * 2
+
+
+def test_sharded_gradient_clipping_uses_the_whole_models_norm(tmp_path):
+    """Clipping at a norm far below the gradients' (every step clips) on 2 sharded
+    ranks equals 1 rank: each rank holds only its units' gradients, and a norm of
+    one shard would clip differently (by up to the ratio of the shard's norm to
+    the whole model's, far outside the tolerance)."""
+    from weightstream import config
+    from weightstream.cli.main import main
+    from weightstream.runtime import executor
+
+    values = yaml.safe_load(_params(tmp_path, "gpt2", max_steps=4).read_text())
+    values["optimizer"]["max_gradient_norm"] = 0.05
+    values["runconfig"]["store_sharding"] = "sharded"
+    params = tmp_path / "clipped.yaml"
+    params.write_text(yaml.safe_dump(values))
+    dirs = {"one": tmp_path / "one", "sharded": tmp_path / "sharded"}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WEIGHTSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+        mp.setenv("WEIGHTSTREAM_QUICK_MACHINE_PROFILE", "1")
+        for name, ranks in (("one", []), ("sharded", ["--num_csx", "2"])):
+            assert main(["run", "CPU", "-p", str(params), "-o", str(dirs[name]), *ranks]) == 0
+            config._reset_for_tests()
+            executor._reset_for_tests()
+    one, shd = _losses(dirs["one"]), _losses(dirs["sharded"])
+    torch.testing.assert_close(torch.tensor(shd), torch.tensor(one), rtol=LOSS_RTOL, atol=0)
+    w1 = _checkpoint(dirs["one"], 4)["model"]
+    ws = _checkpoint(dirs["sharded"], 4)["model"]
+    for k in w1:
+        torch.testing.assert_close(ws[k], w1[k], rtol=0, atol=WEIGHT_ATOL, msg=k)
