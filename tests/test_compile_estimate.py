@@ -431,6 +431,7 @@ def _overhead_profile() -> MachineProfile:
         op_overhead_fwd_s=1e-5,
         op_overhead_bwd_s=5e-6,
         unit_overhead_s=1e-4,
+        stream_step_s=2e-4,
         step_overhead_s=3e-4,
     )
 
@@ -496,13 +497,22 @@ def test_estimate_terms_of_work_overheads_update_and_input():
     # outside: operators only (3 x 10 us, 4 x 5 us) and 1 kB of simple bytes at 1e9 B/s
     assert est.outside_fwd_s == pytest.approx(3e-5 + 1000 / 1e9)
     assert est.outside_bwd_s == pytest.approx(2e-5)
+    # the streamed step's own fixed cost, once whatever the units
+    assert est.stream_step_s == 2e-4
     step = (
-        u.fwd_s + u.bwd_s + 1e-4 + est.outside_fwd_s + est.outside_bwd_s + est.update_s + 3e-4
+        u.fwd_s
+        + u.bwd_s
+        + 1e-4
+        + 2e-4
+        + est.outside_fwd_s
+        + est.outside_bwd_s
+        + est.update_s
+        + 3e-4
     ) + 2e-3
     assert est.step_s == pytest.approx(step)
     assert est.est_samples_per_sec == pytest.approx(4 / step)
     assert est.model_samples_per_sec == pytest.approx(4 / (step - 2e-3))
-    assert est.overhead_s == pytest.approx(1e-4 + 1e-4 + 1e-4 + 3e-5 + 2e-5 + 3e-4)
+    assert est.overhead_s == pytest.approx(1e-4 + 1e-4 + 1e-4 + 2e-4 + 3e-5 + 2e-5 + 3e-4)
     assert est.memory_s == pytest.approx(u.fwd_memory_s + u.bwd_memory_s + 1e-6)
     assert est.bound == "compute"
     # On the CPU the operators' bytes load host memory too.
@@ -524,6 +534,7 @@ def test_layer_pipelined_estimate_has_no_transfer_and_no_streaming():
         assert (p.fwd_s, p.bwd_s) == (p.fwd_work_s, p.bwd_work_s)
         assert w.stream_s == 1e-4
     assert lp.link_bytes == 0 and lp.transfer_s == 0.0
+    assert (ws.stream_step_s, lp.stream_step_s) == (2e-4, 0.0)
     assert lp.step_s < ws.step_s
 
 
@@ -645,6 +656,7 @@ def test_machine_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
     # The fixed costs and curves of the estimate (Note [fixed costs] in machine.py).
     assert first.op_overhead_fwd_s > 0 and first.op_overhead_bwd_s > 0
     assert first.unit_overhead_s >= 0 and first.step_overhead_s >= 0
+    assert first.stream_step_s >= 0
     assert first.matmul_curve and first.attention_curve
     assert set(first.op_bandwidth) == {"simple", *OP_CLASSES}
     assert first.runtime_digest == machine_mod.runtime_digest()
@@ -724,6 +736,25 @@ def test_update_cost_is_measured_once_per_setting_and_cached(tmp_path, monkeypat
         "SGD", {"learning_rate": [{"scheduler": "Linear"}], "momentum": 0.9}
     )
     assert spec["kwargs"] == {"momentum": 0.9}  # the learning rate does not change the cost
+    assert spec["schedule"] is None  # ... but a schedule's step does: it is part of the spec
+    schedule = [
+        {
+            "scheduler": "Linear",
+            "initial_learning_rate": 0.0,
+            "end_learning_rate": 1.0,
+            "total_iters": 2,
+        },
+        {
+            "scheduler": "CosineDecay",
+            "initial_learning_rate": 1.0,
+            "end_learning_rate": 0.1,
+            "total_iters": 10,
+        },
+    ]
+    scheduled = machine_mod.update_spec("SGD", {"momentum": 0.9}, schedule=schedule)
+    assert scheduled["schedule"] == schedule and scheduled["schedule"] is not schedule
+    assert machine_mod.update_key(scheduled) != machine_mod.update_key(spec)
+    assert machine_mod.update_cost(profile, scheduled).fixed_s >= 0  # timed with its scheduler
     cost = machine_mod.update_cost(profile, spec)
     assert cost.per_tensor_s >= 0 and cost.per_element_s >= 0 and cost.fixed_s >= 0
     assert cost.seconds(2, 1000) == pytest.approx(

@@ -52,14 +52,17 @@ def quick_profile() -> bool:
 
 def _update_spec_of(params, device: torch.device, weight_streaming: bool) -> dict:
     opt = params.optimizer
+    kwargs = opt.optimizer_kwargs()
     return update_spec(
         opt.optimizer_type,
-        opt.optimizer_kwargs(),
+        kwargs,
         max_gradient_norm=opt.max_gradient_norm,
         max_gradient_value=opt.max_gradient_value,
         grad_scaler=opt.grad_scaler_kwargs(),
         # Weight streaming updates the host masters; layer pipelined, the device copies.
         device="cpu" if weight_streaming else device,
+        # The run steps a scheduler whenever it has a learning rate (cli/run.py).
+        schedule=kwargs.get("learning_rate"),
     )
 
 

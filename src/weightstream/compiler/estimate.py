@@ -32,14 +32,18 @@ Weight streaming adds, per unit:
   unit of each pass (forward: the first; backward: the last) also waits for
   its own fetch, which nothing hides; with 0, work + its own transfer;
 * stream: ``unit_overhead_s`` per unit per step (hooks, the two fetches'
-  bookkeeping, the background hand-off, the stream-in autograd node).
+  bookkeeping, the background hand-off, the stream-in autograd node);
+
+and per step, whatever the units, ``stream_step_s`` (the streamed call's own
+fixed cost: the input moved to the device, the pass opened and closed, the
+backward's closing callback).
 
 Layer pipelined runs (``weight_streaming=False``) have no transfer and no
 stream term: a unit's share is its work.
 
 update: the optimizer step after the backward (no overlap). With a measured
 ``UpdateCost`` (``machine.update_cost``: the trainer's whole update sequence,
-clipping and loss scaler included): fixed + trainable tensors x per tensor +
+clipping, loss scaler and learning-rate scheduler included): fixed + trainable tensors x per tensor +
 trainable elements x per element, split per unit by its tensors and elements
 (the fixed part is the step's). Without one: trainable parameters x optimizer
 bytes per parameter / host memory bandwidth (AdamW in fp32 streams 7 tensors of
@@ -53,8 +57,8 @@ workers, whose throughput the input analyzer compares with the model's).
 step overhead: the run loop's bookkeeping per step (``step_overhead_s``:
 reading the loss back, logging TensorBoard scalars; ``machine.py``).
 
-step = sum over units (forward share + backward share + stream) + outside work
-(forward + backward) + update + step overhead + input; est. samples/sec =
+step = sum over units (forward share + backward share + stream) + stream step
++ outside work (forward + backward) + update + step overhead + input; est. samples/sec =
 batch / step, and the model's own consumption rate is batch / (step - input).
 
 The physical limit (design.md, "Performance") is the larger of the compute
@@ -197,6 +201,7 @@ class Estimate:
     input_s: float = 0.0
     ops: int = 0  # aten operators per step
     op_bytes: int = 0  # bytes the non-matmul operators move per step
+    stream_step_s: float = 0.0  # the streamed call's fixed cost per step (weight streaming)
 
     @property
     def model_samples_per_sec(self) -> float:
@@ -336,8 +341,10 @@ def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettin
         )
     out_fwd, out_bwd = _entry_work(costs.outside, machine, dtype)
     update = sum(e.update_s for e in units) + (upd.fixed_s if upd is not None else 0.0)
+    stream_step = machine.stream_step_s if ws and units else 0.0
     step = (
         sum(e.share_s for e in units)
+        + stream_step
         + out_fwd.work_s
         + out_bwd.work_s
         + update
@@ -354,6 +361,7 @@ def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettin
     )
     overhead = (
         sum(e.fwd_overhead_s + e.bwd_overhead_s + e.stream_s for e in units)
+        + stream_step
         + out_fwd.overhead_s
         + out_bwd.overhead_s
         + settings.step_overhead_s
@@ -419,4 +427,5 @@ def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettin
         input_s=settings.input_s,
         ops=costs.ops,
         op_bytes=op_bytes,
+        stream_step_s=stream_step,
     )

@@ -41,37 +41,63 @@ dominate small models; see Note [fixed costs]):
   small that their data work is nil: a chain of 8 tiny blocks (LayerNorm,
   Linear, GELU, Linear, residual add; 4 x 16 activations), operators counted
   by ``cost.function_costs`` on the same chain;
-* ``unit_overhead_s``: seconds per streaming unit per training step (forward
-  + backward): the same chain streamed with each block a unit
-  (``prefetch_depth=1``), minus the eager chain, minus the units' copies at
-  the copy bandwidth, divided by the 8 units;
+* ``unit_overhead_s`` and ``stream_step_s``: seconds per streaming unit per
+  training step (forward + backward), and per step of a streamed model
+  whatever its units (the input moved to the device, the pass opened and
+  closed, the prefetch of the first unit, the backward's closing callback):
+  the same chain streamed with each block a unit (``prefetch_depth=1``) and
+  streamed as one unit, each minus the eager chain and the units' copies at
+  the copy bandwidth; the 8 units cost 7 units more than the single one, and
+  the single one's cost less one unit is the step's. A model of one unit
+  (FC-MNIST) pays the step's cost whole, which a per-unit figure alone spread
+  over 8 units would miss;
 * ``stream_bandwidth``: bytes per second the streaming runtime moves (two
   fetches and the gradients back per unit and step): a chain of 8 blocks of
   512 features (2 MiB of weights each) streamed, minus its eager twin, minus
-  8 x ``unit_overhead_s``, over the bytes moved; fresh buffers, page faults
+  8 x ``unit_overhead_s`` and ``stream_step_s``, over the bytes moved; fresh buffers, page faults
   and the background hand-off included, which a plain copy does not see;
 * ``step_overhead_s``: seconds per step of the run loop's bookkeeping (the
   loss read back, 4 TensorBoard scalars and their writer thread's
   interference): a step of the eager chain with it minus one without it;
 * optimizer update costs (``UpdateCost``), measured the first time a run asks
   for an optimizer setting and kept in ``update_costs``: the update sequence
-  of the trainer (unscale, clip, step, scaler update, zero_grad) timed on 1
+  of the trainer (unscale, clip, step, scaler update, zero_grad, the
+  learning-rate scheduler's step) timed on 1
   tensor of 16 elements, on 64 such tensors, and on 1 tensor of 2^20
   elements, which gives a fixed cost, a cost per parameter tensor and a cost
   per element; 4 such models are updated in turn, so that each update finds
   its tensors cold, as after a forward and a backward.
 
-Every timing is the median of several short bursts (a run on a shared machine
-sees the typical burst, not the fastest one; the median ignores the rare
-burst that another process disturbed), and each headline figure is the
-median of 3 such timings (``samples`` keeps all three, so a report can show
-min/median/max), each point of a curve the median of 3 measurements of the
-curve (1 with ``quick``). The profile is cached as JSON under
-``$WEIGHTSTREAM_CACHE_DIR`` (default ``~/.cache/weightstream``), in a file
-named by a hash of the device name, the torch version and the thread count,
-so a different machine, torch or thread setting measures again. The software
-figures also carry a digest of this library's runtime sources
-(``runtime_digest``): when the runtime changes they alone are measured again.
+Every timing is the fastest of many short bursts, and each headline figure
+the best of 3 such timings (``samples`` keeps all three, so a report can show
+min/median/max), each point of a curve the best of 3 measurements of the curve
+(1 with ``quick``); a figure that is the difference of two timings (the
+software figures below) is the median of its 3 differences. See Note [quiet
+timings]. The profile is cached as JSON under ``$WEIGHTSTREAM_CACHE_DIR``
+(default ``~/.cache/weightstream``), in a file named by a hash of the device
+name, the torch version and the thread count, so a different machine, torch or
+thread setting measures again. The software figures also carry a digest of
+this library's runtime sources (``runtime_digest``): when the runtime changes
+they alone are measured again.
+
+Note [quiet timings]
+--------------------
+The profile is measured once and prices every later estimate, so it must
+describe the machine, not the neighbours that happened to run while it was
+measured. On a shared CPU another busy process does not slow PyTorch a little:
+an operator split over the thread pool waits for whichever worker the
+scheduler took away, and a burst that meets such a wait runs 2x to 500x slower
+(measured: a 64 x 64 product at 60 GFLOP/s undisturbed and 0.1 GFLOP/s in
+the worst bursts, with other processes using 78% of 2 CPUs). Such noise only
+ever adds time, so the fastest burst is the estimate of the undisturbed speed
+(a median is right only while fewer than half the bursts are disturbed), and
+bursts are as short as the clock allows (one call, or enough calls for
+_BURST_SECONDS): the shorter the burst, the likelier some of them run between
+two interruptions. Measuring for a fixed budget rather than a fixed count
+also bounds the profile's duration on a busy machine. What such timings do
+not capture is deliberate: a training run disturbed by other processes is
+slower than estimated by as much as it was disturbed (``OtherLoad`` says how
+much).
 
 Note [fixed costs]
 ------------------
@@ -88,6 +114,7 @@ work is negligible and the time is the overhead alone.
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import hashlib
 import itertools
@@ -107,9 +134,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SCHEMA = 2
+SCHEMA = 3
 REPEATS = 3
-BURSTS = 7  # a timing is the median of this many bursts
+MIN_BURSTS = 5  # a timing is the fastest of at least this many bursts (Note [quiet timings])
+_BURST_SECONDS = 50e-6  # shortest burst: well above the clock's resolution and its cost
 ENV_CACHE_DIR = "WEIGHTSTREAM_CACHE_DIR"
 _DTYPES = ("float32", "bfloat16", "float16")
 # The package files whose code the software figures time (Note [fixed costs]).
@@ -207,6 +235,7 @@ class MachineProfile:
     op_overhead_fwd_s: float = 0.0  # per aten operator in forward (autograd recording)
     op_overhead_bwd_s: float = 0.0  # per aten operator in backward
     unit_overhead_s: float = 0.0  # per streamed unit per step (forward + backward)
+    stream_step_s: float = 0.0  # per step of a streamed model, whatever its units
     # bytes (2 fetches + gradients back) per second the streaming runtime moves
     stream_bandwidth: float = 0.0
     step_overhead_s: float = 0.0  # the run loop's bookkeeping per step (logging, loss read)
@@ -357,22 +386,25 @@ def _sync(device: torch.device) -> None:
 
 
 def _seconds(fn: Callable[[], object], device: torch.device, budget: float) -> float:
-    """Seconds per call of ``fn``: the median of BURSTS bursts that together fill ``budget``."""
+    """Seconds per call of ``fn``: the fastest of the short bursts that fill ``budget``
+    (at least MIN_BURSTS; see Note [quiet timings])."""
     fn()  # warm-up (allocations, kernel selection)
     _sync(device)
     t0 = time.perf_counter()
     fn()
     _sync(device)
     one = max(time.perf_counter() - t0, 1e-7)
-    iters = max(1, int(budget / BURSTS / one))
+    # As short as the clock allows: a short burst is more likely to run undisturbed.
+    iters = max(1, math.ceil(_BURST_SECONDS / one))
     bursts = []
-    for _ in range(BURSTS):
+    deadline = time.perf_counter() + budget
+    while len(bursts) < MIN_BURSTS or time.perf_counter() < deadline:
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
         _sync(device)
         bursts.append((time.perf_counter() - t0) / iters)
-    return statistics.median(bursts)
+    return min(bursts)
 
 
 class OtherLoad:
@@ -414,15 +446,16 @@ class OtherLoad:
         return False
 
 
-def _median_curve(measure_curve: Callable[[], dict[str, float]], sizes) -> dict[str, float]:
-    """Each point of a curve: the median of ``sizes.curve_repeats`` measurements of it."""
+def _best_curve(measure_curve: Callable[[], dict[str, float]], sizes) -> dict[str, float]:
+    """Each point of a throughput curve: the best of ``sizes.curve_repeats`` measurements."""
     curves = [measure_curve() for _ in range(sizes.curve_repeats)]
-    return {k: statistics.median(c[k] for c in curves) for k in curves[0]}
+    return {k: max(c[k] for c in curves) for k in curves[0]}
 
 
-def _median3(fn) -> tuple[float, list[float]]:
+def _best3(fn) -> tuple[float, list[float]]:
+    """The best (highest) of REPEATS throughput measurements, and all of them."""
     samples = [fn() for _ in range(REPEATS)]
-    return statistics.median(samples), samples
+    return max(samples), samples
 
 
 # ---- hardware measurements -----------------------------------------------------------
@@ -452,7 +485,7 @@ def _matmul_flops(device: torch.device, dtype: torch.dtype, sizes: _Sizes) -> tu
     def one() -> float:
         return 2 * n**3 / seconds_per_product(n, sizes.matmul_seconds)
 
-    return _median3(one)
+    return _best3(one)
 
 
 def _dispatch_seconds(device: torch.device, budget: float) -> float:
@@ -620,7 +653,7 @@ def _copy_bandwidths(device: torch.device, sizes: _Sizes) -> tuple[float, list, 
         t = _seconds(lambda: host_dst.copy_(host_src), torch.device("cpu"), budget)
         return 2 * sizes.copy_bytes / t  # read + write
 
-    host_bw, host_samples = _median3(host_copy)
+    host_bw, host_samples = _best3(host_copy)
     if device.type == "cpu":
         # The compute device is the host: a device copy is a host copy, and
         # the bytes it delivers are half the bytes it moves.
@@ -632,7 +665,7 @@ def _copy_bandwidths(device: torch.device, sizes: _Sizes) -> tuple[float, list, 
         t = _seconds(lambda: dev_dst.copy_(pinned, non_blocking=True), device, budget)
         return sizes.copy_bytes / t
 
-    link_bw, link_samples = _median3(h2d)
+    link_bw, link_samples = _best3(h2d)
     return link_bw, link_samples, host_bw, host_samples
 
 
@@ -688,9 +721,20 @@ def _tiny_chain(units: int = _FULL.tiny_units, d: int = 16) -> nn.Sequential:
     return nn.Sequential(*[_TinyBlock(d) for _ in range(units)])
 
 
+class _TinyGroup(nn.Module):
+    """Tiny blocks in one module: streamed as one unit (``unit_classes=[_TinyGroup]``)."""
+
+    def __init__(self, blocks: nn.Sequential):
+        super().__init__()
+        self.blocks = blocks
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
 def _fwd_bwd_split(model, x, device: torch.device, budget: float) -> tuple[float, float]:
-    """(forward, backward) seconds of ``model(x).sum()``: the medians of the steps
-    that fit in ``budget`` seconds (at least 3). The gradients are dropped after
+    """(forward, backward) seconds of ``model(x).sum()``: the fastest of the steps
+    that fit in ``budget`` seconds (at least 3; Note [quiet timings]). The gradients are dropped after
     each step (not timed), as the trainer's ``zero_grad(set_to_none=True)`` does."""
     model(x).sum().backward()  # warm-up
     model.zero_grad(set_to_none=True)
@@ -706,7 +750,7 @@ def _fwd_bwd_split(model, x, device: torch.device, budget: float) -> tuple[float
         fwd.append(t1 - t0)
         bwd.append(time.perf_counter() - t1)
         model.zero_grad(set_to_none=True)
-    return statistics.median(fwd), statistics.median(bwd)
+    return min(fwd), min(bwd)
 
 
 SCALARS_PER_STEP = 4  # Trainer._log: loss, lr, loss_scale, samples_per_sec
@@ -785,11 +829,12 @@ def _step_overhead(model, x, device: torch.device, budget: float) -> float:
                     times[fn].append(time.perf_counter() - t0)
         finally:
             writer.close()
-    return max(0.0, statistics.median(times[logged]) - statistics.median(times[plain]))
+    return max(0.0, min(times[logged]) - min(times[plain]))
 
 
 def _software_figures(device: torch.device, sizes: _Sizes, copy_bandwidth: float) -> dict:
-    """op_overhead_fwd_s, op_overhead_bwd_s, unit_overhead_s, step_overhead_s, samples."""
+    """op_overhead_fwd_s, op_overhead_bwd_s, unit_overhead_s, stream_step_s,
+    stream_bandwidth, step_overhead_s, samples."""
     from weightstream.backend import compile as ws_compile
     from weightstream.compiler.cost import function_costs
 
@@ -799,6 +844,15 @@ def _software_figures(device: torch.device, sizes: _Sizes, copy_bandwidth: float
     streamed_model = _tiny_chain(sizes.tiny_units)
     streamed = ws_compile(
         streamed_model, "wse_ws", device=device, unit_classes=[_TinyBlock], prefetch_depth=1
+    )
+    # The same blocks streamed as a single unit: what a streamed step costs
+    # whatever its units, apart from what each unit adds (Note [fixed costs]).
+    single = ws_compile(
+        nn.Sequential(_TinyGroup(_tiny_chain(sizes.tiny_units))),
+        "wse_ws",
+        device=device,
+        unit_classes=[_TinyGroup],
+        prefetch_depth=1,
     )
     # Wide units: their weights dominate, so their streaming time over the
     # tiny units' is the price of the bytes (Note [fixed costs]).
@@ -812,35 +866,44 @@ def _software_figures(device: torch.device, sizes: _Sizes, copy_bandwidth: float
     wide_bytes = 3 * sum(p.numel() * p.element_size() for p in wide_model.parameters())
     tiny_bytes = 3 * sum(p.numel() * p.element_size() for p in streamed_model.parameters())
     try:
-        fwd, bwd, units, steps, streams = [], [], [], [], []
+        fwd, bwd, units, fixed, steps, streams = [], [], [], [], [], []
         for _ in range(REPEATS):
             # Interleaved: eager and streamed see the same machine conditions.
             f, b = _fwd_bwd_split(eager, x, device, sizes.overhead_seconds)
             fs, bs = _fwd_bwd_split(streamed, x, device, sizes.overhead_seconds)
+            f1, b1 = _fwd_bwd_split(single, x, device, sizes.overhead_seconds)
             fwd.append(f / costs.fwd_ops)
             bwd.append(b / costs.bwd_ops)
             # 2 fetches + gradients back of the tiny weights, at the copy bandwidth
             copies = tiny_bytes / copy_bandwidth
-            unit = max(0.0, (fs + bs - f - b - copies) / sizes.tiny_units)
+            many = fs + bs - f - b - copies  # fixed + tiny_units x unit
+            one = f1 + b1 - f - b - copies  # fixed + 1 x unit
+            unit = max(0.0, (many - one) / max(1, sizes.tiny_units - 1))
             units.append(unit)
+            fixed.append(max(0.0, one - unit))
             fw, bw = _fwd_bwd_split(wide_eager, wide_x, device, sizes.overhead_seconds)
             fws, bws = _fwd_bwd_split(wide, wide_x, device, sizes.overhead_seconds)
-            per_bytes = (fws + bws - fw - bw) - sizes.tiny_units * unit
+            per_bytes = (fws + bws - fw - bw) - sizes.tiny_units * unit - fixed[-1]
             streams.append(wide_bytes / per_bytes if per_bytes > 0 else copy_bandwidth)
             steps.append(_step_overhead(eager, x, device, sizes.overhead_seconds))
     finally:
         streamed.engine.close()
+        single.engine.close()
         wide.engine.close()
+    # Direct timings: the fastest repetition; differences of two timings: the
+    # median (a disturbed eager twin would make a difference too small).
     return {
-        "op_overhead_fwd_s": statistics.median(fwd),
-        "op_overhead_bwd_s": statistics.median(bwd),
+        "op_overhead_fwd_s": min(fwd),
+        "op_overhead_bwd_s": min(bwd),
         "unit_overhead_s": statistics.median(units),
+        "stream_step_s": statistics.median(fixed),
         "stream_bandwidth": statistics.median(streams),
         "step_overhead_s": statistics.median(steps),
         "samples": {
             "op_overhead_fwd": fwd,
             "op_overhead_bwd": bwd,
             "unit_overhead": units,
+            "stream_step": fixed,
             "stream_bandwidth": streams,
             "step_overhead": steps,
         },
@@ -856,7 +919,7 @@ def update_key(spec: dict) -> str:
 def _measure_update(spec: dict, quick: bool) -> UpdateCost:
     """Time the trainer's update sequence for ``spec`` (see :func:`update_cost`)."""
     from weightstream.amp import GradScaler
-    from weightstream.optim import configure_optimizer
+    from weightstream.optim import configure_lr_scheduler, configure_optimizer
 
     device = torch.device(spec["device"])
     budget = 0.005 if quick else 0.05
@@ -874,9 +937,11 @@ def _measure_update(spec: dict, quick: bool) -> UpdateCost:
             opt = configure_optimizer(
                 spec["optimizer_type"], params=params, learning_rate=1e-3, **spec["kwargs"]
             )
-            updates.append((params, grads, opt, GradScaler(**spec["grad_scaler"])))
+            schedule = spec.get("schedule")
+            sched = None if schedule is None else configure_lr_scheduler(opt, schedule)
+            updates.append((params, grads, opt, GradScaler(**spec["grad_scaler"]), sched))
 
-        def update(params, grads, opt, scaler):
+        def update(params, grads, opt, scaler, sched):
             # The update part of Trainer._optimizer_step, in its order.
             for p, g in zip(params, grads):
                 p.grad = g
@@ -888,6 +953,8 @@ def _measure_update(spec: dict, quick: bool) -> UpdateCost:
             scaler.step(opt)
             scaler.update()
             opt.zero_grad(set_to_none=True)
+            if sched is not None:
+                sched.step()
 
         def all_sets():
             for u in updates:
@@ -942,16 +1009,15 @@ def measure(
                     Path(disk_dir), sizes.disk_bytes
                 )
             floor = _dispatch_seconds(device, sizes.curve_seconds)
-            matmul_curve = _median_curve(lambda: _matmul_curve(device, sizes, floor), sizes)
+            matmul_curve = _best_curve(lambda: _matmul_curve(device, sizes, floor), sizes)
         software = _software_figures(device, sizes, link)
         samples.update(software.pop("samples"))
         tables = [_op_bandwidth(device, sizes, software) for _ in range(sizes.curve_repeats)]
         op_bandwidth = {
-            cls: {k: statistics.median(t[cls][k] for t in tables) for k in tables[0][cls]}
-            for cls in tables[0]
+            cls: {k: max(t[cls][k] for t in tables) for k in tables[0][cls]} for cls in tables[0]
         }
-        software["op_bandwidth"] = op_bandwidth  # the medians price the attention's loss
-        attention_curve = _median_curve(lambda: _attention_curve(device, sizes, software), sizes)
+        software["op_bandwidth"] = op_bandwidth  # the best figures price the attention's loss
+        attention_curve = _best_curve(lambda: _attention_curve(device, sizes, software), sizes)
     del software["op_bandwidth"]
     return MachineProfile(
         device=str(device),
@@ -1064,11 +1130,15 @@ def update_spec(
     max_gradient_value: float | None = None,
     grad_scaler: dict | None = None,
     device: torch.device | str = "cpu",
+    schedule=None,
 ) -> dict:
     """What an update's cost depends on: the optimizer and its numeric arguments
-    (the learning rate and its schedule do not change the cost and are left out),
-    gradient clipping, the loss scaler's settings and the device holding the
-    parameters (the host in weight streaming)."""
+    (the learning rate's value does not change the cost and is left out),
+    gradient clipping, the loss scaler's settings, the device holding the
+    parameters (the host in weight streaming) and the learning-rate schedule
+    (``schedule``: the params file's ``learning_rate``, None for none), whose
+    Python step runs once per step: a sequence of schedulers costs a few hundred
+    microseconds, several percent of a small model's step."""
     kwargs = {
         k: v
         for k, v in (kwargs or {}).items()
@@ -1081,6 +1151,7 @@ def update_spec(
         "max_gradient_value": max_gradient_value,
         "grad_scaler": {k: v for k, v in (grad_scaler or {}).items() if v is not None},
         "device": str(torch.device(device)),
+        "schedule": copy.deepcopy(schedule),
     }
 
 
