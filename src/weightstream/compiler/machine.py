@@ -75,8 +75,8 @@ min/median/max), each point of a curve the best of 3 measurements of the curve
 software figures below) is the median of its 3 differences. See Note [quiet
 timings]. The profile is cached as JSON under ``$WEIGHTSTREAM_CACHE_DIR``
 (default ``~/.cache/weightstream``), in a file named by a hash of the device
-name, the torch version and the thread count, so a different machine, torch or
-thread setting measures again. The software figures also carry a digest of
+name, the torch version, the thread count and the profile's schema, so a
+different machine, torch or thread setting measures again. The software figures also carry a digest of
 this library's runtime sources (``runtime_digest``): when the runtime changes
 they alone are measured again.
 
@@ -368,7 +368,16 @@ def default_cache_dir() -> Path:
 
 def profile_key(device: torch.device | str, quick: bool = False) -> str:
     device = torch.device(device)
-    ident = [device.type, device_name(device), torch.__version__, torch.get_num_threads(), quick]
+    # The schema too: checkouts of different versions sharing one cache directory
+    # keep a profile each instead of measuring again over each other's.
+    ident = [
+        device.type,
+        device_name(device),
+        torch.__version__,
+        torch.get_num_threads(),
+        quick,
+        SCHEMA,
+    ]
     return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
 
 
