@@ -126,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
             f"machine profile of {profile.measured_at} (other processes: {load}): "
             f"fp32 peak {profile.matmul_flops['float32'] / 1e9:.0f} GFLOP/s, "
             f"{profile.op_overhead_fwd_s * 1e6:.1f}/{profile.op_overhead_bwd_s * 1e6:.1f} us "
-            f"per operator (fwd/bwd), {profile.unit_overhead_s * 1e6:.0f} us per streamed unit"
+            f"per operator (fwd/bwd), {profile.unit_overhead_s * 1e6:.0f} us per streamed unit "
+            f"+ {profile.param_overhead_s * 1e6:.0f} us per parameter tensor, in-situ factor "
+            f"{profile.in_situ_factor:.2f}"
         )
 
     print(profile_line(args.remeasure != "never"))

@@ -72,6 +72,7 @@ def test_linear_chain_flops_match_the_formula():
     costs = unit_costs(model, _plan(model, x), (x,), {})
     assert costs.backward_measured
     assert [u.name for u in costs.units] == ["layers.0", "layers.1", "layers.2"]
+    assert [u.tensors for u in costs.units] == [2, 2, 2]  # weight and bias, each streamed
     for u, (i, o) in zip(costs.units, itertools.pairwise(DIMS)):
         # forward: addmm = 2*B*in*out (the bias add is not a matmul FLOP)
         assert u.fwd_flops == 2 * B * i * o
@@ -431,7 +432,7 @@ def _overhead_profile() -> MachineProfile:
         op_overhead_fwd_s=1e-5,
         op_overhead_bwd_s=5e-6,
         unit_overhead_s=1e-4,
-        stream_step_s=2e-4,
+        param_overhead_s=2e-5,
         step_overhead_s=3e-4,
     )
 
@@ -461,6 +462,7 @@ def test_estimate_terms_of_work_overheads_update_and_input():
         fwd_flops=4_000_000,
         bwd_flops=8_000_000,
         trainable_tensors=2,
+        tensors=2,
         fwd_ops=10,
         bwd_ops=20,
         fwd_mem={"simple": {10_000: 200_000}, "gelu": {1000: 100_000}},
@@ -490,29 +492,21 @@ def test_estimate_terms_of_work_overheads_update_and_input():
     assert (u.fwd_transfer_s, u.bwd_transfer_s) == (pytest.approx(4e-5), pytest.approx(8e-5))
     assert u.fwd_s == pytest.approx(u.fwd_work_s + 4e-5)
     assert u.bwd_s == pytest.approx(u.bwd_work_s + 8e-5)
-    assert u.stream_s == 1e-4
+    # streaming bookkeeping: the unit, and its 2 parameter tensors
+    assert u.stream_s == pytest.approx(1e-4 + 2 * 2e-5)
     # update: 2 tensors x 1e-4 + 1000 elements x 1e-8, and the step's fixed 1 ms
     assert u.update_s == pytest.approx(2e-4 + 1e-5)
     assert est.update_s == pytest.approx(1e-3 + 2e-4 + 1e-5)
     # outside: operators only (3 x 10 us, 4 x 5 us) and 1 kB of simple bytes at 1e9 B/s
     assert est.outside_fwd_s == pytest.approx(3e-5 + 1000 / 1e9)
     assert est.outside_bwd_s == pytest.approx(2e-5)
-    # the streamed step's own fixed cost, once whatever the units
-    assert est.stream_step_s == 2e-4
     step = (
-        u.fwd_s
-        + u.bwd_s
-        + 1e-4
-        + 2e-4
-        + est.outside_fwd_s
-        + est.outside_bwd_s
-        + est.update_s
-        + 3e-4
+        u.fwd_s + u.bwd_s + u.stream_s + est.outside_fwd_s + est.outside_bwd_s + est.update_s + 3e-4
     ) + 2e-3
     assert est.step_s == pytest.approx(step)
     assert est.est_samples_per_sec == pytest.approx(4 / step)
     assert est.model_samples_per_sec == pytest.approx(4 / (step - 2e-3))
-    assert est.overhead_s == pytest.approx(1e-4 + 1e-4 + 1e-4 + 2e-4 + 3e-5 + 2e-5 + 3e-4)
+    assert est.overhead_s == pytest.approx(1e-4 + 1e-4 + 1.4e-4 + 3e-5 + 2e-5 + 3e-4)
     assert est.memory_s == pytest.approx(u.fwd_memory_s + u.bwd_memory_s + 1e-6)
     assert est.bound == "compute"
     # On the CPU the operators' bytes load host memory too.
@@ -521,6 +515,43 @@ def test_estimate_terms_of_work_overheads_update_and_input():
     assert est.limit_s == pytest.approx(
         max(12e6 / 1e9, (2 * (2 * 4000 + 4000) + 1000 * 28 + op_bytes) / 4e8)
     )
+
+
+def test_in_situ_factor_scales_work_and_streaming_only():
+    profile = _overhead_profile()
+    unit = UnitCost(
+        0,
+        "block",
+        1000,
+        1000,
+        4000,
+        4000,
+        fwd_flops=4e6,
+        bwd_flops=8e6,
+        tensors=2,
+        fwd_ops=10,
+        bwd_ops=20,
+        fwd_mem={"simple": {10_000: 200_000}},
+        fwd_matmul={20: 3_000_000},
+        bwd_matmul={20: 6_000_000},
+    )
+    outside = UnitCost(-1, OUTSIDE_NAME, fwd_ops=3, bwd_ops=4)
+    update = UpdateCost(spec={}, fixed_s=1e-3, per_tensor_s=1e-4, per_element_s=1e-8)
+    settings = EstimateSettings(batch_size=4, update=update, input_s=2e-3, step_overhead_s=3e-4)
+    costs = StepCosts([unit], outside)
+    one = estimate(costs, profile, settings)
+    profile.in_situ_factor = 1.5
+    slow = estimate(costs, profile, settings)
+    (u1,), (u2,) = one.units, slow.units
+    for name in ("fwd_compute_s", "bwd_compute_s", "fwd_memory_s", "fwd_overhead_s", "stream_s"):
+        assert getattr(u2, name) == pytest.approx(1.5 * getattr(u1, name)), name
+    assert slow.outside_fwd_s == pytest.approx(1.5 * one.outside_fwd_s)
+    # measured elsewhere in their own context: transfers, the update, input, bookkeeping
+    assert (u2.fwd_transfer_s, u2.bwd_transfer_s) == (u1.fwd_transfer_s, u1.bwd_transfer_s)
+    assert (slow.update_s, slow.input_s) == (one.update_s, one.input_s)
+    grown = sum(u1.fwd_work_s + u1.bwd_work_s + u1.stream_s for u1 in one.units)
+    grown += one.outside_fwd_s + one.outside_bwd_s
+    assert slow.step_s == pytest.approx(one.step_s + 0.5 * grown)
 
 
 def test_layer_pipelined_estimate_has_no_transfer_and_no_streaming():
@@ -534,7 +565,6 @@ def test_layer_pipelined_estimate_has_no_transfer_and_no_streaming():
         assert (p.fwd_s, p.bwd_s) == (p.fwd_work_s, p.bwd_work_s)
         assert w.stream_s == 1e-4
     assert lp.link_bytes == 0 and lp.transfer_s == 0.0
-    assert (ws.stream_step_s, lp.stream_step_s) == (2e-4, 0.0)
     assert lp.step_s < ws.step_s
 
 
@@ -651,12 +681,15 @@ def test_machine_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert first.quick and first.matmul_flops["float32"] > 0
     assert first.copy_bandwidth > 0 and first.host_memory_bandwidth > 0
     assert first.disk_read_bandwidth > 0 and first.disk_write_bandwidth > 0
-    assert all(len(s) == 3 for s in first.samples.values())  # 3 repetitions each
+    # 3 repetitions of each figure; the timed steps of the in-situ proxy
+    assert all(len(s) == 3 for k, s in first.samples.items() if k != "in_situ")
+    assert len(first.samples["in_situ"]) == machine_mod._QUICK.proxy_steps
+    assert 0.5 <= first.in_situ_factor <= 3.0
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # probe file removed
     # The fixed costs and curves of the estimate (Note [fixed costs] in machine.py).
     assert first.op_overhead_fwd_s > 0 and first.op_overhead_bwd_s > 0
     assert first.unit_overhead_s >= 0 and first.step_overhead_s >= 0
-    assert first.stream_step_s >= 0
+    assert first.param_overhead_s >= 0
     assert first.matmul_curve and first.attention_curve
     assert set(first.op_bandwidth) == {"simple", *OP_CLASSES}
     assert first.runtime_digest == machine_mod.runtime_digest()

@@ -17,7 +17,11 @@ Per entry (a streaming unit, or everything outside the units) and pass
   (``op_overhead_fwd_s`` / ``op_overhead_bwd_s``; Note [fixed costs] in
   ``machine.py``).
 
-work = compute + memory + overhead.
+work = (compute + memory + overhead) x ``in_situ_factor``: the profile's figures
+time each kind of work alone, and a training step runs slower than the sum of
+its parts (cold operands, outputs on fresh memory, the prefetch thread beside
+the compute); the factor is measured on a proxy training step (Note [in situ]
+in ``machine.py``). The streaming bookkeeping below is scaled by it too.
 
 Weight streaming adds, per unit:
 
@@ -32,11 +36,10 @@ Weight streaming adds, per unit:
   unit of each pass (forward: the first; backward: the last) also waits for
   its own fetch, which nothing hides; with 0, work + its own transfer;
 * stream: ``unit_overhead_s`` per unit per step (hooks, the two fetches'
-  bookkeeping, the background hand-off, the stream-in autograd node);
-
-and per step, whatever the units, ``stream_step_s`` (the streamed call's own
-fixed cost: the input moved to the device, the pass opened and closed, the
-backward's closing callback).
+  bookkeeping, the background hand-off, the stream-in autograd node), plus
+  ``param_overhead_s`` per parameter tensor the unit streams (its view of the
+  flat buffer, its slot swapped in and out, its saved weight rebuilt in
+  backward, its gradient routed back to the master).
 
 Layer pipelined runs (``weight_streaming=False``) have no transfer and no
 stream term: a unit's share is its work.
@@ -57,8 +60,8 @@ workers, whose throughput the input analyzer compares with the model's).
 step overhead: the run loop's bookkeeping per step (``step_overhead_s``:
 reading the loss back, logging TensorBoard scalars; ``machine.py``).
 
-step = sum over units (forward share + backward share + stream) + stream step
-+ outside work (forward + backward) + update + step overhead + input; est. samples/sec =
+step = sum over units (forward share + backward share + stream) + outside work
+(forward + backward) + update + step overhead + input; est. samples/sec =
 batch / step, and the model's own consumption rate is batch / (step - input).
 
 The physical limit (design.md, "Performance") is the larger of the compute
@@ -201,7 +204,6 @@ class Estimate:
     input_s: float = 0.0
     ops: int = 0  # aten operators per step
     op_bytes: int = 0  # bytes the non-matmul operators move per step
-    stream_step_s: float = 0.0  # the streamed call's fixed cost per step (weight streaming)
 
     @property
     def model_samples_per_sec(self) -> float:
@@ -252,7 +254,8 @@ def pass_work(
     for cls, by_size in mem.items():
         for nbytes, total in by_size.items():
             memory += total / machine.op_throughput(cls, int(nbytes))
-    return PassWork(compute, memory, ops * op_overhead_s)
+    f = machine.in_situ_factor
+    return PassWork(f * compute, f * memory, f * ops * op_overhead_s)
 
 
 def _entry_work(e: UnitCost, machine: MachineProfile, dtype: str) -> tuple[PassWork, PassWork]:
@@ -336,15 +339,18 @@ def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettin
                 bwd_memory_s=bwd.memory_s,
                 fwd_overhead_s=fwd.overhead_s,
                 bwd_overhead_s=bwd.overhead_s,
-                stream_s=machine.unit_overhead_s if ws else 0.0,
+                stream_s=(
+                    machine.in_situ_factor
+                    * (machine.unit_overhead_s + u.tensors * machine.param_overhead_s)
+                    if ws
+                    else 0.0
+                ),
             )
         )
     out_fwd, out_bwd = _entry_work(costs.outside, machine, dtype)
     update = sum(e.update_s for e in units) + (upd.fixed_s if upd is not None else 0.0)
-    stream_step = machine.stream_step_s if ws and units else 0.0
     step = (
         sum(e.share_s for e in units)
-        + stream_step
         + out_fwd.work_s
         + out_bwd.work_s
         + update
@@ -361,7 +367,6 @@ def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettin
     )
     overhead = (
         sum(e.fwd_overhead_s + e.bwd_overhead_s + e.stream_s for e in units)
-        + stream_step
         + out_fwd.overhead_s
         + out_bwd.overhead_s
         + settings.step_overhead_s
@@ -427,5 +432,4 @@ def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettin
         input_s=settings.input_s,
         ops=costs.ops,
         op_bytes=op_bytes,
-        stream_step_s=stream_step,
     )

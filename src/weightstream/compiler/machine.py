@@ -3,9 +3,9 @@
 Hardware figures (throughputs of the compute device and its host):
 
 * matmul peak (FLOP/s) per dtype: ``torch.mm`` of square matrices on the
-  compute device, sized (and repeated) to take about 0.2 s;
+  compute device, sized (and repeated) to take about 0.1 s;
 * matmul throughput by size (float32): ``n x n x n`` products for n from 16
-  to 1024, timed as in a training pass (each of its own operands, outputs
+  to 512, timed as in a training pass (each of its own operands, outputs
   kept alive: 10-20% slower than a loop over the same hot matrices); a
   product of effective size n (``cost.matmul_size``: the geometric mean of
   its two smallest dimensions) runs at the throughput interpolated at n
@@ -13,7 +13,7 @@ Hardware figures (throughputs of the compute device and its host):
 * attention throughput by size: a causal scaled dot-product attention,
   forward + backward, FLOPs counted on its math decomposition as ``cost.py``
   counts them (12 x heads x T^2 x head_dim), for (T, head_dim) from (64, 16) to
-  (1024, 64), keyed by the effective size cube root of T * T * head_dim;
+  (512, 64), keyed by the effective size cube root of T * T * head_dim;
 * operator throughput (bytes read + written per second) of non-matmul
   operators: the "simple" class (elementwise arithmetic: ``x * y``, forward
   and backward) at three operator sizes, and each class of
@@ -41,24 +41,28 @@ dominate small models; see Note [fixed costs]):
   small that their data work is nil: a chain of 8 tiny blocks (LayerNorm,
   Linear, GELU, Linear, residual add; 4 x 16 activations), operators counted
   by ``cost.function_costs`` on the same chain;
-* ``unit_overhead_s`` and ``stream_step_s``: seconds per streaming unit per
-  training step (forward + backward), and per step of a streamed model
-  whatever its units (the input moved to the device, the pass opened and
-  closed, the prefetch of the first unit, the backward's closing callback):
+* ``unit_overhead_s`` and ``param_overhead_s``: seconds per streaming unit
+  and per streamed parameter tensor, per training step (forward + backward):
   the same chain streamed with each block a unit (``prefetch_depth=1``) and
   streamed as one unit, each minus the eager chain and the units' copies at
   the copy bandwidth; the 8 units cost 7 units more than the single one, and
-  the single one's cost less one unit is the step's. A model of one unit
-  (FC-MNIST) pays the step's cost whole, which a per-unit figure alone spread
-  over 8 units would miss;
+  the single one's cost less one unit is its 48 parameter tensors'. Streaming
+  costs per parameter (its view of the flat buffer, its slot swapped in and
+  out, its saved weight rebuilt in backward, its gradient routed back to the
+  master: 40-50 us a step on a 2.5 GHz Xeon) as much as per unit: a unit of 8
+  blocks costs 2.5x a unit of 1, and a one-unit model like FC-MNIST (6
+  tensors) far less than a unit of a transformer (12 per block);
 * ``stream_bandwidth``: bytes per second the streaming runtime moves (two
   fetches and the gradients back per unit and step): a chain of 8 blocks of
   512 features (2 MiB of weights each) streamed, minus its eager twin, minus
-  8 x ``unit_overhead_s`` and ``stream_step_s``, over the bytes moved; fresh buffers, page faults
+  what its units and parameter tensors cost, over the bytes moved; fresh
+  buffers, page faults
   and the background hand-off included, which a plain copy does not see;
 * ``step_overhead_s``: seconds per step of the run loop's bookkeeping (the
   loss read back, 4 TensorBoard scalars and their writer thread's
   interference): a step of the eager chain with it minus one without it;
+* ``in_situ_factor``: how much slower a training step runs than the sum of
+  its parts timed alone (Note [in situ]);
 * optimizer update costs (``UpdateCost``), measured the first time a run asks
   for an optimizer setting and kept in ``update_costs``: the update sequence
   of the trainer (unscale, clip, step, scaler update, zero_grad, the
@@ -68,17 +72,18 @@ dominate small models; see Note [fixed costs]):
   per element; 4 such models are updated in turn, so that each update finds
   its tensors cold, as after a forward and a backward.
 
-Every timing is the fastest of many short bursts, and each headline figure
-the best of 3 such timings (``samples`` keeps all three, so a report can show
-min/median/max), each point of a curve the best of 3 measurements of the curve
-(1 with ``quick``); a figure that is the difference of two timings (the
-software figures below) is the median of its 3 differences. See Note [quiet
-timings]. The profile is cached as JSON under ``$WEIGHTSTREAM_CACHE_DIR``
-(default ``~/.cache/weightstream``), in a file named by a hash of the device
-name, the torch version, the thread count and the profile's schema, so a
-different machine, torch or thread setting measures again. The software figures also carry a digest of
-this library's runtime sources (``runtime_digest``): when the runtime changes
-they alone are measured again.
+Every timing is the first quartile of many short bursts, and each headline
+figure the best of 3 such timings (``samples`` keeps all three, so a report
+can show min/median/max), each point of a curve the best of 3 measurements of
+the curve (1 with ``quick``); a figure that is the difference of two timings
+(the software figures below) is the median of its 3 differences. See Note
+[quiet timings]. The profile is cached as JSON under
+``$WEIGHTSTREAM_CACHE_DIR`` (default ``~/.cache/weightstream``), in a file
+named by a hash of the device name, the torch version, the thread count and
+the profile's schema, so a different machine, torch or thread setting
+measures again. The software figures also carry a digest of this library's
+runtime sources (``runtime_digest``): when the runtime changes they alone are
+measured again.
 
 Note [quiet timings]
 --------------------
@@ -88,16 +93,20 @@ measured. On a shared CPU another busy process does not slow PyTorch a little:
 an operator split over the thread pool waits for whichever worker the
 scheduler took away, and a burst that meets such a wait runs 2x to 500x slower
 (measured: a 64 x 64 product at 60 GFLOP/s undisturbed and 0.1 GFLOP/s in
-the worst bursts, with other processes using 78% of 2 CPUs). Such noise only
-ever adds time, so the fastest burst is the estimate of the undisturbed speed
-(a median is right only while fewer than half the bursts are disturbed), and
-bursts are as short as the clock allows (one call, or enough calls for
-_BURST_SECONDS): the shorter the burst, the likelier some of them run between
-two interruptions. Measuring for a fixed budget rather than a fixed count
-also bounds the profile's duration on a busy machine. What such timings do
-not capture is deliberate: a training run disturbed by other processes is
-slower than estimated by as much as it was disturbed (``OtherLoad`` says how
-much).
+the worst bursts, with other processes using 78% of 2 CPUs). A median is
+right only while fewer than half the bursts are disturbed. The fastest burst
+is not the answer either: with nothing else running, a 256^3 product on both
+cores of this kind of virtual machine runs at 125 GFLOP/s in most bursts and
+at 210 in a few (the second virtual CPU is not always there when the first
+one wants it), and a training run sees the typical burst. So a timing is the
+first quartile of its bursts: the typical undisturbed burst while up to three
+quarters of them are disturbed. Bursts are as short as the clock allows (one
+call, or enough calls for _BURST_SECONDS): the shorter the burst, the likelier
+it runs between two interruptions. Measuring for a fixed budget rather than a
+fixed count also bounds the profile's duration on a busy machine. What such
+timings do not capture is deliberate: a training run disturbed by other
+processes is slower than estimated by as much as it was disturbed
+(``OtherLoad`` says how much).
 
 Note [fixed costs]
 ------------------
@@ -109,6 +118,31 @@ optimizer loops over parameter tensors. FLOPs at the matmul peak see none of
 it (a 3-layer MLP on 64 samples estimates 8x too fast without these terms).
 The constants are measured on purpose-built tiny workloads, so that the data
 work is negligible and the time is the overhead alone.
+
+Note [in situ]
+--------------
+Every figure above times one kind of work alone, and a training step is
+slower than the sum of its parts so timed. Inside a step the operands of an
+operator were written long before and left the caches, its output often
+lands on memory the allocator has just taken from the kernel (a page fault
+per 4 KiB: fresh memory is written at 3 GB/s against 14 GB/s for reused
+memory on a 2.5 GHz Xeon VM), the backward runs with every activation alive,
+and the prefetch thread allocates and copies beside the compute. Measured per
+operator in a streamed training step on such a machine (2 threads, nothing
+else running): products at 1.2x to 2x their alone-timed figures (backward
+ones with large outputs the slowest), broadcast and reduction elementwise
+operators at 2x to 7x, attention and GELU at 1x; the whole step 25-40%
+slower than the sum. None of this is a property of one operator: it is how
+the machine runs a training step. ``in_situ_factor`` measures it on a proxy,
+two small decoder blocks with the operator mix of the model zoo's (a GPT-2
+block: LayerNorm, fused qkv, causal attention, GELU MLP; a Llama block: RMS
+norm, rotary positions, SwiGLU), streamed through the runtime for a few
+training steps: the typical (median) step over the estimate of the same step
+from the figures above (``estimate.py``). The estimate multiplies each pass's
+work (compute, memory, operators) and the streaming bookkeeping by it;
+transfers, the optimizer update, the input and the loop's bookkeeping are
+timed in their own context and stay as they are. It is measured with the
+software figures (the proxy streams through the runtime).
 """
 
 from __future__ import annotations
@@ -136,7 +170,8 @@ from torch import nn
 
 SCHEMA = 3
 REPEATS = 3
-MIN_BURSTS = 5  # a timing is the fastest of at least this many bursts (Note [quiet timings])
+MIN_BURSTS = 8  # a timing is the first quartile of at least this many bursts
+QUANTILE = 0.25  # ... of its bursts (Note [quiet timings])
 _BURST_SECONDS = 50e-6  # shortest burst: well above the clock's resolution and its cost
 ENV_CACHE_DIR = "WEIGHTSTREAM_CACHE_DIR"
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -161,24 +196,28 @@ class _Sizes:
     wide_features: int  # features of the wide chain's blocks (2 x d^2 weights each)
     live_sets: int  # most argument sets of one timed training-like pass
     update_numel: int  # elements of the large tensor of the update measurement
+    proxy: tuple[int, int, int, int]  # (batch, seq_len, d_model, heads) of the in-situ proxy
+    proxy_steps: int  # timed training steps of the proxy (after 2 untimed ones)
 
 
 _FULL = _Sizes(
-    matmul_seconds=0.2,
+    matmul_seconds=0.1,
     matmul_max_n=4096,
-    copy_bytes=128 * 2**20,
-    disk_bytes=256 * 2**20,
-    curve_seconds=0.04,
+    copy_bytes=64 * 2**20,
+    disk_bytes=64 * 2**20,
+    curve_seconds=0.03,
     curve_repeats=3,
-    matmul_curve=(16, 32, 64, 128, 256, 512, 1024),
-    attention=((64, 16), (128, 32), (256, 64), (1024, 64)),
+    matmul_curve=(16, 32, 64, 128, 256, 512),
+    attention=((64, 16), (128, 32), (256, 64), (512, 64)),
     simple_numel=(2**14, 2**18, 2**22),
     class_numel=2**18,
-    overhead_seconds=0.1,
+    overhead_seconds=0.06,
     tiny_units=8,
     wide_features=512,
     live_sets=8,
     update_numel=2**20,
+    proxy=(8, 128, 128, 4),
+    proxy_steps=6,
 )
 _QUICK = _Sizes(
     matmul_seconds=0.01,
@@ -196,6 +235,8 @@ _QUICK = _Sizes(
     wide_features=32,
     live_sets=2,
     update_numel=2**12,
+    proxy=(2, 8, 16, 2),
+    proxy_steps=2,
 )
 
 
@@ -235,10 +276,12 @@ class MachineProfile:
     op_overhead_fwd_s: float = 0.0  # per aten operator in forward (autograd recording)
     op_overhead_bwd_s: float = 0.0  # per aten operator in backward
     unit_overhead_s: float = 0.0  # per streamed unit per step (forward + backward)
-    stream_step_s: float = 0.0  # per step of a streamed model, whatever its units
+    param_overhead_s: float = 0.0  # per streamed parameter tensor per step
     # bytes (2 fetches + gradients back) per second the streaming runtime moves
     stream_bandwidth: float = 0.0
     step_overhead_s: float = 0.0  # the run loop's bookkeeping per step (logging, loss read)
+    # a training step's work and fixed costs in situ over the same timed alone (Note [in situ])
+    in_situ_factor: float = 1.0
     update_costs: dict[str, dict] = field(default_factory=dict)  # update_key -> UpdateCost
     runtime_digest: str = ""  # of the sources the software figures timed
     # share of the CPUs other processes used while this was measured (OtherLoad)
@@ -395,8 +438,8 @@ def _sync(device: torch.device) -> None:
 
 
 def _seconds(fn: Callable[[], object], device: torch.device, budget: float) -> float:
-    """Seconds per call of ``fn``: the fastest of the short bursts that fill ``budget``
-    (at least MIN_BURSTS; see Note [quiet timings])."""
+    """Seconds per call of ``fn``: the first quartile of the short bursts that fill
+    ``budget`` (at least MIN_BURSTS; see Note [quiet timings])."""
     fn()  # warm-up (allocations, kernel selection)
     _sync(device)
     t0 = time.perf_counter()
@@ -405,15 +448,24 @@ def _seconds(fn: Callable[[], object], device: torch.device, budget: float) -> f
     one = max(time.perf_counter() - t0, 1e-7)
     # As short as the clock allows: a short burst is more likely to run undisturbed.
     iters = max(1, math.ceil(_BURST_SECONDS / one))
+    # A call longer than the budget allows MIN_BURSTS of gets 3 bursts: the budget
+    # bounds the profile's duration.
+    least = MIN_BURSTS if one * MIN_BURSTS <= budget else 3
     bursts = []
     deadline = time.perf_counter() + budget
-    while len(bursts) < MIN_BURSTS or time.perf_counter() < deadline:
+    while len(bursts) < least or time.perf_counter() < deadline:
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
         _sync(device)
         bursts.append((time.perf_counter() - t0) / iters)
-    return min(bursts)
+    return _quiet(bursts)
+
+
+def _quiet(times: list[float]) -> float:
+    """The QUANTILE of ``times`` (Note [quiet timings])."""
+    ordered = sorted(times)
+    return ordered[int(QUANTILE * (len(ordered) - 1))]
 
 
 class OtherLoad:
@@ -563,8 +615,22 @@ def _overhead_of(costs, profile_partial: dict) -> float:
     )
 
 
+_TRACED: dict[tuple, object] = {}  # (what, argument shapes) -> cost.function_costs of it
+
+
+def _traced(what: str, fn: Callable, args: tuple):
+    """``cost.function_costs(fn, args)``, traced once per process for these shapes (a
+    trace on the meta device takes a tenth of a second; the curves repeat theirs)."""
+    from weightstream.compiler.cost import function_costs
+
+    key = (what, tuple((tuple(a.shape), a.dtype, a.requires_grad) for a in args))
+    if key not in _TRACED:
+        _TRACED[key] = function_costs(fn, args)
+    return _TRACED[key]
+
+
 def _attention_curve(device: torch.device, sizes: _Sizes, partial: dict) -> dict[str, float]:
-    from weightstream.compiler.cost import attention_size, function_costs
+    from weightstream.compiler.cost import attention_size
 
     def attention(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -578,7 +644,7 @@ def _attention_curve(device: torch.device, sizes: _Sizes, partial: dict) -> dict
 
         arg_sets = _instances(make, sizes.live_sets)
         args = arg_sets[0]
-        costs = function_costs(attention, args)
+        costs = _traced("attention", attention, args)
         flops = costs.flops  # 12 x heads x T^2 x head_dim, as cost.py counts attention
         t = _fwd_bwd_seconds(attention, arg_sets, device, sizes.curve_seconds)
         simple = _simple_seconds(costs, partial)
@@ -620,7 +686,7 @@ def _class_functions() -> dict[str, tuple[Callable, Callable[[int, torch.device]
 
 
 def _op_bandwidth(device: torch.device, sizes: _Sizes, partial: dict) -> dict:
-    from weightstream.compiler.cost import OP_CLASSES, SIMPLE, function_costs
+    from weightstream.compiler.cost import OP_CLASSES, SIMPLE
 
     out: dict[str, dict[str, float]] = {SIMPLE: {}}
     partial["op_bandwidth"] = out
@@ -634,7 +700,7 @@ def _op_bandwidth(device: torch.device, sizes: _Sizes, partial: dict) -> dict:
             return tuple(torch.randn(n, device=device, requires_grad=True) for _ in range(2))
 
         arg_sets = _instances(make, sizes.live_sets)
-        costs = function_costs(mul, arg_sets[0])
+        costs = _traced("mul", mul, arg_sets[0])
         t = _fwd_bwd_seconds(mul, arg_sets, device, sizes.curve_seconds)
         moved = costs.fwd_mem_bytes + costs.bwd_mem_bytes
         out[SIMPLE][str(3 * 4 * n)] = moved / max(t - _overhead_of(costs, partial), t / 10)
@@ -644,7 +710,7 @@ def _op_bandwidth(device: torch.device, sizes: _Sizes, partial: dict) -> dict:
         arg_sets = _instances(
             lambda make_args=make_args: make_args(sizes.class_numel, device), sizes.live_sets
         )
-        costs = function_costs(fn, arg_sets[0])
+        costs = _traced(cls, fn, arg_sets[0])
         t = _fwd_bwd_seconds(fn, arg_sets, device, sizes.curve_seconds)
         moved = sum(costs.fwd_mem.get(cls, {}).values()) + sum(costs.bwd_mem.get(cls, {}).values())
         key = str(max([*costs.fwd_mem.get(cls, {}), *costs.bwd_mem.get(cls, {})]))
@@ -656,7 +722,7 @@ def _copy_bandwidths(device: torch.device, sizes: _Sizes) -> tuple[float, list, 
     numel = sizes.copy_bytes // 4
     host_src = torch.ones(numel)
     host_dst = torch.empty(numel)
-    budget = 0.02 if sizes is _QUICK else 0.3
+    budget = 0.02 if sizes is _QUICK else 0.15
 
     def host_copy() -> float:
         t = _seconds(lambda: host_dst.copy_(host_src), torch.device("cpu"), budget)
@@ -742,14 +808,14 @@ class _TinyGroup(nn.Module):
 
 
 def _fwd_bwd_split(model, x, device: torch.device, budget: float) -> tuple[float, float]:
-    """(forward, backward) seconds of ``model(x).sum()``: the fastest of the steps
-    that fit in ``budget`` seconds (at least 3; Note [quiet timings]). The gradients are dropped after
+    """(forward, backward) seconds of ``model(x).sum()``: the first quartiles of the
+    steps that fit in ``budget`` seconds (at least MIN_BURSTS; Note [quiet timings]). The gradients are dropped after
     each step (not timed), as the trainer's ``zero_grad(set_to_none=True)`` does."""
     model(x).sum().backward()  # warm-up
     model.zero_grad(set_to_none=True)
     fwd, bwd = [], []
     deadline = time.perf_counter() + budget
-    while len(fwd) < 3 or time.perf_counter() < deadline:
+    while len(fwd) < MIN_BURSTS or time.perf_counter() < deadline:
         t0 = time.perf_counter()
         loss = model(x).sum()
         _sync(device)
@@ -759,7 +825,7 @@ def _fwd_bwd_split(model, x, device: torch.device, budget: float) -> tuple[float
         fwd.append(t1 - t0)
         bwd.append(time.perf_counter() - t1)
         model.zero_grad(set_to_none=True)
-    return min(fwd), min(bwd)
+    return _quiet(fwd), _quiet(bwd)
 
 
 SCALARS_PER_STEP = 4  # Trainer._log: loss, lr, loss_scale, samples_per_sec
@@ -830,7 +896,7 @@ def _step_overhead(model, x, device: torch.device, budget: float) -> float:
                 fn()
             times: dict = {plain: [], logged: []}
             deadline = time.perf_counter() + budget
-            while len(times[plain]) < 3 or time.perf_counter() < deadline:
+            while len(times[plain]) < MIN_BURSTS or time.perf_counter() < deadline:
                 for fn in (plain, logged):
                     t0 = time.perf_counter()
                     fn()
@@ -838,11 +904,11 @@ def _step_overhead(model, x, device: torch.device, budget: float) -> float:
                     times[fn].append(time.perf_counter() - t0)
         finally:
             writer.close()
-    return max(0.0, min(times[logged]) - min(times[plain]))
+    return max(0.0, _quiet(times[logged]) - _quiet(times[plain]))
 
 
 def _software_figures(device: torch.device, sizes: _Sizes, copy_bandwidth: float) -> dict:
-    """op_overhead_fwd_s, op_overhead_bwd_s, unit_overhead_s, stream_step_s,
+    """op_overhead_fwd_s, op_overhead_bwd_s, unit_overhead_s, param_overhead_s,
     stream_bandwidth, step_overhead_s, samples."""
     from weightstream.backend import compile as ws_compile
     from weightstream.compiler.cost import function_costs
@@ -854,8 +920,8 @@ def _software_figures(device: torch.device, sizes: _Sizes, copy_bandwidth: float
     streamed = ws_compile(
         streamed_model, "wse_ws", device=device, unit_classes=[_TinyBlock], prefetch_depth=1
     )
-    # The same blocks streamed as a single unit: what a streamed step costs
-    # whatever its units, apart from what each unit adds (Note [fixed costs]).
+    # The same blocks streamed as a single unit: the same parameter tensors in
+    # fewer units separates the two costs (Note [fixed costs]).
     single = ws_compile(
         nn.Sequential(_TinyGroup(_tiny_chain(sizes.tiny_units))),
         "wse_ws",
@@ -875,7 +941,8 @@ def _software_figures(device: torch.device, sizes: _Sizes, copy_bandwidth: float
     wide_bytes = 3 * sum(p.numel() * p.element_size() for p in wide_model.parameters())
     tiny_bytes = 3 * sum(p.numel() * p.element_size() for p in streamed_model.parameters())
     try:
-        fwd, bwd, units, fixed, steps, streams = [], [], [], [], [], []
+        fwd, bwd, units, per_param, steps, streams = [], [], [], [], [], []
+        tensors = len(list(streamed_model.parameters()))
         for _ in range(REPEATS):
             # Interleaved: eager and streamed see the same machine conditions.
             f, b = _fwd_bwd_split(eager, x, device, sizes.overhead_seconds)
@@ -885,14 +952,14 @@ def _software_figures(device: torch.device, sizes: _Sizes, copy_bandwidth: float
             bwd.append(b / costs.bwd_ops)
             # 2 fetches + gradients back of the tiny weights, at the copy bandwidth
             copies = tiny_bytes / copy_bandwidth
-            many = fs + bs - f - b - copies  # fixed + tiny_units x unit
-            one = f1 + b1 - f - b - copies  # fixed + 1 x unit
+            many = fs + bs - f - b - copies  # tiny_units x unit + tensors x param
+            one = f1 + b1 - f - b - copies  # 1 x unit + tensors x param
             unit = max(0.0, (many - one) / max(1, sizes.tiny_units - 1))
             units.append(unit)
-            fixed.append(max(0.0, one - unit))
+            per_param.append(max(0.0, one - unit) / tensors)
             fw, bw = _fwd_bwd_split(wide_eager, wide_x, device, sizes.overhead_seconds)
             fws, bws = _fwd_bwd_split(wide, wide_x, device, sizes.overhead_seconds)
-            per_bytes = (fws + bws - fw - bw) - sizes.tiny_units * unit - fixed[-1]
+            per_bytes = (fws + bws - fw - bw) - sizes.tiny_units * unit - tensors * per_param[-1]
             streams.append(wide_bytes / per_bytes if per_bytes > 0 else copy_bandwidth)
             steps.append(_step_overhead(eager, x, device, sizes.overhead_seconds))
     finally:
@@ -905,18 +972,104 @@ def _software_figures(device: torch.device, sizes: _Sizes, copy_bandwidth: float
         "op_overhead_fwd_s": min(fwd),
         "op_overhead_bwd_s": min(bwd),
         "unit_overhead_s": statistics.median(units),
-        "stream_step_s": statistics.median(fixed),
+        "param_overhead_s": statistics.median(per_param),
         "stream_bandwidth": statistics.median(streams),
         "step_overhead_s": statistics.median(steps),
         "samples": {
             "op_overhead_fwd": fwd,
             "op_overhead_bwd": bwd,
             "unit_overhead": units,
-            "stream_step": fixed,
+            "param_overhead": per_param,
             "stream_bandwidth": streams,
             "step_overhead": steps,
         },
     }
+
+
+class _ProxyBlock(nn.Module):
+    """A small decoder block with the operator mix of the zoo's (Note [in situ]).
+
+    ``gated=False``: GPT-2's (LayerNorm, fused qkv, causal attention, GELU MLP);
+    ``gated=True``: Llama's (RMS norm, rotary positions, SwiGLU MLP).
+    """
+
+    def __init__(self, d: int, heads: int, gated: bool):
+        super().__init__()
+        self.heads, self.gated = heads, gated
+        if gated:
+            self.norm1 = nn.Parameter(torch.ones(d))
+            self.norm2 = nn.Parameter(torch.ones(d))
+            self.gate = nn.Linear(d, 8 * d // 3, bias=False)
+        else:
+            self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d, bias=not gated)
+        self.proj = nn.Linear(d, d, bias=not gated)
+        hidden = 8 * d // 3 if gated else 4 * d
+        self.up = nn.Linear(d, hidden, bias=not gated)
+        self.down = nn.Linear(hidden, d, bias=not gated)
+
+    def _norm(self, x, norm):
+        if not self.gated:
+            return norm(x)
+        return norm * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(self._norm(x, self.norm1)).view(B, T, 3, self.heads, -1).unbind(2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if self.gated:  # rotary positions: rotate pairs of head dimensions
+            pos = torch.arange(T, dtype=x.dtype, device=x.device)[:, None]
+            angles = pos / (1 + torch.arange(q.shape[-1], device=x.device))
+            cos, sin = angles.cos(), angles.sin()
+            half = q.shape[-1] // 2
+
+            def rotate(t):
+                return t * cos + torch.cat((-t[..., half:], t[..., :half]), -1) * sin
+
+            q, k = rotate(q), rotate(k)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, D))
+        h = self._norm(x, self.norm2)
+        if self.gated:
+            return x + self.down(F.silu(self.gate(h)) * self.up(h))
+        return x + self.down(F.gelu(self.up(h), approximate="tanh"))
+
+
+def _in_situ_factor(partial: MachineProfile, sizes: _Sizes) -> tuple[float, list[float]]:
+    """Measured over estimated seconds of the proxy's streamed training step (Note [in situ])."""
+    from weightstream.backend import compile as ws_compile
+    from weightstream.compiler.cost import unit_costs
+    from weightstream.compiler.estimate import EstimateSettings, estimate
+
+    device = torch.device(partial.device)
+    batch, seq, d, heads = sizes.proxy
+    model = nn.Sequential(_ProxyBlock(d, heads, gated=False), _ProxyBlock(d, heads, gated=True))
+    x = torch.randn(batch, seq, d, device=device)
+    compiled = ws_compile(
+        model, "wse_ws", device=device, unit_classes=[_ProxyBlock], prefetch_depth=1
+    )
+    try:
+        costs = unit_costs(model, compiled.engine.prepare(x), (x,))
+        est = estimate(costs, partial, EstimateSettings(batch_size=batch, prefetch_depth=1))
+        # What the factor scales: each pass's work (compute, memory, operators) and
+        # the streaming bookkeeping; the rest of the modelled step (transfers not
+        # hidden) stays as it is. The proxy runs no update.
+        scaled = sum(u.fwd_work_s + u.bwd_work_s + u.stream_s for u in est.units)
+        scaled += est.outside_fwd_s + est.outside_bwd_s
+        rest = est.step_s - est.update_s - scaled
+        steps = []
+        for _ in range(2 + sizes.proxy_steps):
+            t0 = time.perf_counter()
+            compiled(x).sum().backward()
+            model.zero_grad(set_to_none=True)
+            _sync(device)
+            steps.append(time.perf_counter() - t0)
+    finally:
+        compiled.engine.close()
+    # The typical step (the median: these steps are long, none is a short burst).
+    measured = statistics.median(steps[2:])
+    factor = (measured - rest) / scaled if scaled > 0 else 1.0
+    return min(3.0, max(0.5, factor)), steps[2:]
 
 
 def update_key(spec: dict) -> str:
@@ -1028,7 +1181,7 @@ def measure(
         software["op_bandwidth"] = op_bandwidth  # the best figures price the attention's loss
         attention_curve = _best_curve(lambda: _attention_curve(device, sizes, software), sizes)
     del software["op_bandwidth"]
-    return MachineProfile(
+    profile = MachineProfile(
         device=str(device),
         device_name=device_name(device),
         torch_version=torch.__version__,
@@ -1049,6 +1202,10 @@ def measure(
         samples=samples,
         **software,
     )
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(0)
+        profile.in_situ_factor, samples["in_situ"] = _in_situ_factor(profile, sizes)
+    return profile
 
 
 def remeasure_software(profile: MachineProfile) -> MachineProfile:
@@ -1061,7 +1218,13 @@ def remeasure_software(profile: MachineProfile) -> MachineProfile:
     samples = {**profile.samples, **software.pop("samples")}
     data = {**profile.to_dict(), **software, "samples": samples, "update_costs": {}}
     data["runtime_digest"] = runtime_digest()
-    return MachineProfile.from_dict(data)
+    data["in_situ_factor"] = 1.0
+    remeasured = MachineProfile.from_dict(data)
+    # The proxy streams through the runtime: its factor is a software figure too.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(0)
+        remeasured.in_situ_factor, samples["in_situ"] = _in_situ_factor(remeasured, sizes)
+    return remeasured
 
 
 def _write_json_atomic(path: Path, data: dict) -> None:
