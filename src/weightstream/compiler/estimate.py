@@ -21,7 +21,8 @@ work = (compute + memory + overhead) x ``in_situ_factor``: the profile's figures
 time each kind of work alone, and a training step runs slower than the sum of
 its parts (cold operands, outputs on fresh memory, the prefetch thread beside
 the compute); the factor is measured on a proxy training step (Note [in situ]
-in ``machine.py``). The streaming bookkeeping below is scaled by it too.
+in ``machine.py``). The streaming bookkeeping and a measured update below are
+scaled by it too.
 
 Weight streaming adds, per unit:
 
@@ -48,7 +49,8 @@ update: the optimizer step after the backward (no overlap). With a measured
 ``UpdateCost`` (``machine.update_cost``: the trainer's whole update sequence,
 clipping, loss scaler and learning-rate scheduler included): fixed + trainable tensors x per tensor +
 trainable elements x per element, split per unit by its tensors and elements
-(the fixed part is the step's). Without one: trainable parameters x optimizer
+(the fixed part is the step's), x ``in_situ_factor`` (it runs after a forward
+and a backward, not alone). Without one: trainable parameters x optimizer
 bytes per parameter / host memory bandwidth (AdamW in fp32 streams 7 tensors of
 4 bytes per parameter: it reads param, grad, exp_avg, exp_avg_sq and writes
 param, exp_avg, exp_avg_sq: 28 bytes).
@@ -315,6 +317,7 @@ def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettin
             fs, bs = fwd.work_s + ft, bwd.work_s + bt
         if upd is not None:
             update = u.trainable_tensors * upd.per_tensor_s + u.trainable_numel * upd.per_element_s
+            update *= machine.in_situ_factor
         else:
             update = upd_bytes / ram_bw
         sides = {
@@ -348,7 +351,8 @@ def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettin
             )
         )
     out_fwd, out_bwd = _entry_work(costs.outside, machine, dtype)
-    update = sum(e.update_s for e in units) + (upd.fixed_s if upd is not None else 0.0)
+    fixed = upd.fixed_s * machine.in_situ_factor if upd is not None else 0.0
+    update = sum(e.update_s for e in units) + fixed
     step = (
         sum(e.share_s for e in units)
         + out_fwd.work_s

@@ -139,9 +139,10 @@ block: LayerNorm, fused qkv, causal attention, GELU MLP; a Llama block: RMS
 norm, rotary positions, SwiGLU), streamed through the runtime for a few
 training steps: the typical (median) step over the estimate of the same step
 from the figures above (``estimate.py``). The estimate multiplies each pass's
-work (compute, memory, operators) and the streaming bookkeeping by it;
-transfers, the optimizer update, the input and the loop's bookkeeping are
-timed in their own context and stay as they are. It is measured with the
+work (compute, memory, operators), the streaming bookkeeping and the
+optimizer update by it (an update measured alone, cold tensors and all, runs
+1.6-1.8x faster than the same update inside a run); transfers, the input and
+the loop's bookkeeping are timed in their own context and stay as they are. It is measured with the
 software figures (the proxy streams through the runtime).
 """
 
@@ -1084,7 +1085,7 @@ def _measure_update(spec: dict, quick: bool) -> UpdateCost:
     from weightstream.optim import configure_lr_scheduler, configure_optimizer
 
     device = torch.device(spec["device"])
-    budget = 0.005 if quick else 0.05
+    budget = 0.005 if quick else 0.1
     big = _QUICK.update_numel if quick else _FULL.update_numel
     sets = 2 if quick else 4
 
