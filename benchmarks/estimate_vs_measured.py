@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             f"fp32 peak {profile.matmul_flops['float32'] / 1e9:.0f} GFLOP/s, "
             f"{profile.op_overhead_fwd_s * 1e6:.1f}/{profile.op_overhead_bwd_s * 1e6:.1f} us "
             f"per operator (fwd/bwd), {profile.unit_overhead_s * 1e6:.0f} us per streamed unit "
-            f"+ {profile.param_overhead_s * 1e6:.0f} us per parameter tensor, in-situ factor "
+            f"+ {profile.param_overhead_s * 1e6:.0f} us per parameter tensor "
+            f"+ {profile.stream_call_s * 1e6:.0f} us per call, in-situ factor "
             f"{profile.in_situ_factor:.2f}"
         )
 

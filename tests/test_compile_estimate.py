@@ -433,6 +433,7 @@ def _overhead_profile() -> MachineProfile:
         op_overhead_bwd_s=5e-6,
         unit_overhead_s=1e-4,
         param_overhead_s=2e-5,
+        stream_call_s=5e-5,
         step_overhead_s=3e-4,
     )
 
@@ -500,13 +501,22 @@ def test_estimate_terms_of_work_overheads_update_and_input():
     # outside: operators only (3 x 10 us, 4 x 5 us) and 1 kB of simple bytes at 1e9 B/s
     assert est.outside_fwd_s == pytest.approx(3e-5 + 1000 / 1e9)
     assert est.outside_bwd_s == pytest.approx(2e-5)
+    # the streamed call's own cost, once a step whatever the units
+    assert est.stream_call_s == 5e-5
     step = (
-        u.fwd_s + u.bwd_s + u.stream_s + est.outside_fwd_s + est.outside_bwd_s + est.update_s + 3e-4
+        u.fwd_s
+        + u.bwd_s
+        + u.stream_s
+        + 5e-5
+        + est.outside_fwd_s
+        + est.outside_bwd_s
+        + est.update_s
+        + 3e-4
     ) + 2e-3
     assert est.step_s == pytest.approx(step)
     assert est.est_samples_per_sec == pytest.approx(4 / step)
     assert est.model_samples_per_sec == pytest.approx(4 / (step - 2e-3))
-    assert est.overhead_s == pytest.approx(1e-4 + 1e-4 + 1.4e-4 + 3e-5 + 2e-5 + 3e-4)
+    assert est.overhead_s == pytest.approx(1e-4 + 1e-4 + 1.4e-4 + 5e-5 + 3e-5 + 2e-5 + 3e-4)
     assert est.memory_s == pytest.approx(u.fwd_memory_s + u.bwd_memory_s + 1e-6)
     assert est.bound == "compute"
     # On the CPU the operators' bytes load host memory too.
@@ -551,7 +561,8 @@ def test_in_situ_factor_scales_work_streaming_and_update():
     assert (u2.fwd_transfer_s, u2.bwd_transfer_s) == (u1.fwd_transfer_s, u1.bwd_transfer_s)
     assert slow.input_s == one.input_s
     grown = sum(u1.fwd_work_s + u1.bwd_work_s + u1.stream_s for u1 in one.units)
-    grown += one.outside_fwd_s + one.outside_bwd_s + one.update_s
+    grown += one.outside_fwd_s + one.outside_bwd_s + one.update_s + one.stream_call_s
+    assert slow.stream_call_s == pytest.approx(1.5 * one.stream_call_s)
     assert slow.step_s == pytest.approx(one.step_s + 0.5 * grown)
 
 
@@ -566,6 +577,7 @@ def test_layer_pipelined_estimate_has_no_transfer_and_no_streaming():
         assert (p.fwd_s, p.bwd_s) == (p.fwd_work_s, p.bwd_work_s)
         assert w.stream_s == 1e-4
     assert lp.link_bytes == 0 and lp.transfer_s == 0.0
+    assert (ws.stream_call_s, lp.stream_call_s) == (5e-5, 0.0)
     assert lp.step_s < ws.step_s
 
 
@@ -690,7 +702,7 @@ def test_machine_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
     # The fixed costs and curves of the estimate (Note [fixed costs] in machine.py).
     assert first.op_overhead_fwd_s > 0 and first.op_overhead_bwd_s > 0
     assert first.unit_overhead_s >= 0 and first.step_overhead_s >= 0
-    assert first.param_overhead_s >= 0
+    assert first.param_overhead_s >= 0 and first.stream_call_s >= 0
     assert first.matmul_curve and first.attention_curve
     assert set(first.op_bandwidth) == {"simple", *OP_CLASSES}
     assert first.runtime_digest == machine_mod.runtime_digest()

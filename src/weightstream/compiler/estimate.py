@@ -40,7 +40,11 @@ Weight streaming adds, per unit:
   bookkeeping, the background hand-off, the stream-in autograd node), plus
   ``param_overhead_s`` per parameter tensor the unit streams (its view of the
   flat buffer, its slot swapped in and out, its saved weight rebuilt in
-  backward, its gradient routed back to the master).
+  backward, its gradient routed back to the master);
+
+and once per step, whatever the units, ``stream_call_s`` (the streamed call:
+the input moved to the device, the pass opened and closed, the first unit's
+prefetch handed to the background thread), scaled like the rest.
 
 Layer pipelined runs (``weight_streaming=False``) have no transfer and no
 stream term: a unit's share is its work.
@@ -62,8 +66,8 @@ workers, whose throughput the input analyzer compares with the model's).
 step overhead: the run loop's bookkeeping per step (``step_overhead_s``:
 reading the loss back, logging TensorBoard scalars; ``machine.py``).
 
-step = sum over units (forward share + backward share + stream) + outside work
-(forward + backward) + update + step overhead + input; est. samples/sec =
+step = sum over units (forward share + backward share + stream) + stream call +
+outside work (forward + backward) + update + step overhead + input; est. samples/sec =
 batch / step, and the model's own consumption rate is batch / (step - input).
 
 The physical limit (design.md, "Performance") is the larger of the compute
@@ -206,6 +210,7 @@ class Estimate:
     input_s: float = 0.0
     ops: int = 0  # aten operators per step
     op_bytes: int = 0  # bytes the non-matmul operators move per step
+    stream_call_s: float = 0.0  # the streamed call's own cost per step (weight streaming)
 
     @property
     def model_samples_per_sec(self) -> float:
@@ -353,8 +358,10 @@ def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettin
     out_fwd, out_bwd = _entry_work(costs.outside, machine, dtype)
     fixed = upd.fixed_s * machine.in_situ_factor if upd is not None else 0.0
     update = sum(e.update_s for e in units) + fixed
+    call = machine.in_situ_factor * machine.stream_call_s if ws and units else 0.0
     step = (
         sum(e.share_s for e in units)
+        + call
         + out_fwd.work_s
         + out_bwd.work_s
         + update
@@ -371,6 +378,7 @@ def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettin
     )
     overhead = (
         sum(e.fwd_overhead_s + e.bwd_overhead_s + e.stream_s for e in units)
+        + call
         + out_fwd.overhead_s
         + out_bwd.overhead_s
         + settings.step_overhead_s
@@ -436,4 +444,5 @@ def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettin
         input_s=settings.input_s,
         ops=costs.ops,
         op_bytes=op_bytes,
+        stream_call_s=call,
     )

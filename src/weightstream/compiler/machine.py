@@ -41,12 +41,16 @@ dominate small models; see Note [fixed costs]):
   small that their data work is nil: a chain of 8 tiny blocks (LayerNorm,
   Linear, GELU, Linear, residual add; 4 x 16 activations), operators counted
   by ``cost.function_costs`` on the same chain;
-* ``unit_overhead_s`` and ``param_overhead_s``: seconds per streaming unit
-  and per streamed parameter tensor, per training step (forward + backward):
-  the same chain streamed with each block a unit (``prefetch_depth=1``) and
-  streamed as one unit, each minus the eager chain and the units' copies at
-  the copy bandwidth; the 8 units cost 7 units more than the single one, and
-  the single one's cost less one unit is its 48 parameter tensors'. Streaming
+* ``unit_overhead_s``, ``param_overhead_s`` and ``stream_call_s``: seconds per
+  streaming unit, per streamed parameter tensor, and per streamed call (the
+  input moved to the device, the pass opened and closed, the first unit's
+  prefetch handed to the background thread), per training step (forward +
+  backward): the same chain streamed with each block a unit
+  (``prefetch_depth=1``), streamed as one unit, and half of it streamed as one
+  unit, each minus its eager twin and the units' copies at the copy
+  bandwidth; the 8 units cost 7 units more than the single one, the single
+  unit 24 parameter tensors more than the half one, and what is left of the
+  single unit's cost is the call's. Streaming
   costs per parameter (its view of the flat buffer, its slot swapped in and
   out, its saved weight rebuilt in backward, its gradient routed back to the
   master: 40-50 us a step on a 2.5 GHz Xeon) as much as per unit: a unit of 8
@@ -278,6 +282,7 @@ class MachineProfile:
     op_overhead_bwd_s: float = 0.0  # per aten operator in backward
     unit_overhead_s: float = 0.0  # per streamed unit per step (forward + backward)
     param_overhead_s: float = 0.0  # per streamed parameter tensor per step
+    stream_call_s: float = 0.0  # per step of a streamed model, whatever its units
     # bytes (2 fetches + gradients back) per second the streaming runtime moves
     stream_bandwidth: float = 0.0
     step_overhead_s: float = 0.0  # the run loop's bookkeeping per step (logging, loss read)
@@ -867,14 +872,30 @@ def tiny_training_steps(device: torch.device | str = "cpu"):
             writer.close()
 
 
-def _step_overhead(model, x, device: torch.device, budget: float) -> float:
-    """Seconds of the run loop's bookkeeping per step: a step of ``model`` with it
-    minus one without it (interleaved bursts, medians). The bookkeeping is what
-    ``runtime.trainer.Trainer`` does around the model each step: the loss divided
-    by the micro-batch count, summed on the host, read with ``.item()``, and
+def _step_overhead(
+    model, streamed, stream_cost: float, x, device: torch.device, budget: float
+) -> float:
+    """Seconds per step of what a run does around the model beyond its operators and
+    its units: a trainer-like step of ``streamed`` (the tiny chain streamed as one
+    unit) minus a bare eager step of its twin ``model``, minus ``stream_cost`` (what
+    its unit and parameter tensors cost). Interleaved bursts, first quartiles.
+
+    The trainer-like step is what ``runtime.trainer.Trainer`` does each step: the
+    compiled module's call (the input moved to the device, the pass opened and
+    closed, the first unit's prefetch handed to the background thread),
+    ``task_loss``'s cross-entropy on labels moved to the device and cast to
+    float32, the loss divided by the micro-batch count, summed on the host, read
+    with ``.item()``, a line of the loss log written and flushed, and
     SCALARS_PER_STEP TensorBoard scalars (whose writer thread competes with the
-    next step: that interference is part of the cost)."""
+    next step: that interference is part of the cost). Measured: 0.4-0.6 ms a
+    step on a 2.5 GHz Xeon, most of it the call and the loss's Python; a model
+    of one small unit (FC-MNIST, a 4 ms step) would otherwise miss a tenth of
+    its step."""
     from torch.utils.tensorboard import SummaryWriter
+
+    from weightstream.runtime.trainer import task_loss
+
+    batch = {"inputs": x, "labels": torch.zeros(x.shape[0], dtype=torch.long)}
 
     def plain() -> None:
         model(x).sum().backward()
@@ -882,35 +903,42 @@ def _step_overhead(model, x, device: torch.device, budget: float) -> float:
     step = 0
     with tempfile.TemporaryDirectory(prefix="weightstream-logprobe-") as tmp:
         writer = SummaryWriter(tmp)
+        log = open(Path(tmp) / "losses.jsonl", "a")  # closed below
 
-        def logged() -> None:
+        def trainer_like() -> None:
             nonlocal step
-            scaled = model(x).sum() / 1
+            loss, _, _ = task_loss("classification", streamed, batch)
+            scaled = loss / 1
             scaled.backward()
             value = (torch.zeros(()) + scaled.detach().cpu()).item()
             step += 1
+            log.write(json.dumps({"step": step, "loss": value}) + "\n")
+            log.flush()
             for i in range(SCALARS_PER_STEP):
                 writer.add_scalar(f"s{i}", value, step)
 
         try:
-            for fn in (plain, logged):
+            for fn in (plain, trainer_like):
                 fn()
-            times: dict = {plain: [], logged: []}
+            times: dict = {plain: [], trainer_like: []}
             deadline = time.perf_counter() + budget
             while len(times[plain]) < MIN_BURSTS or time.perf_counter() < deadline:
-                for fn in (plain, logged):
+                for fn in (plain, trainer_like):
                     t0 = time.perf_counter()
                     fn()
                     _sync(device)
                     times[fn].append(time.perf_counter() - t0)
+                    model.zero_grad(set_to_none=True)
+                    streamed.zero_grad(set_to_none=True)
         finally:
+            log.close()
             writer.close()
-    return max(0.0, _quiet(times[logged]) - _quiet(times[plain]))
+    return max(0.0, _quiet(times[trainer_like]) - _quiet(times[plain]) - stream_cost)
 
 
 def _software_figures(device: torch.device, sizes: _Sizes, copy_bandwidth: float) -> dict:
     """op_overhead_fwd_s, op_overhead_bwd_s, unit_overhead_s, param_overhead_s,
-    stream_bandwidth, step_overhead_s, samples."""
+    stream_call_s, stream_bandwidth, step_overhead_s, samples."""
     from weightstream.backend import compile as ws_compile
     from weightstream.compiler.cost import function_costs
 
@@ -921,15 +949,22 @@ def _software_figures(device: torch.device, sizes: _Sizes, copy_bandwidth: float
     streamed = ws_compile(
         streamed_model, "wse_ws", device=device, unit_classes=[_TinyBlock], prefetch_depth=1
     )
-    # The same blocks streamed as a single unit: the same parameter tensors in
-    # fewer units separates the two costs (Note [fixed costs]).
-    single = ws_compile(
-        nn.Sequential(_TinyGroup(_tiny_chain(sizes.tiny_units))),
-        "wse_ws",
-        device=device,
-        unit_classes=[_TinyGroup],
-        prefetch_depth=1,
-    )
+
+    # The same blocks streamed as a single unit, and half of them: the same
+    # parameter tensors in fewer units, and fewer tensors in one unit, separate
+    # the three costs (Note [fixed costs]).
+    def one_unit(blocks: int):
+        return ws_compile(
+            nn.Sequential(_TinyGroup(_tiny_chain(blocks))),
+            "wse_ws",
+            device=device,
+            unit_classes=[_TinyGroup],
+            prefetch_depth=1,
+        )
+
+    half_blocks = max(1, sizes.tiny_units // 2)
+    single, half = one_unit(sizes.tiny_units), one_unit(half_blocks)
+    half_eager = _tiny_chain(half_blocks).to(device)
     # Wide units: their weights dominate, so their streaming time over the
     # tiny units' is the price of the bytes (Note [fixed costs]).
     d = sizes.wide_features
@@ -942,30 +977,47 @@ def _software_figures(device: torch.device, sizes: _Sizes, copy_bandwidth: float
     wide_bytes = 3 * sum(p.numel() * p.element_size() for p in wide_model.parameters())
     tiny_bytes = 3 * sum(p.numel() * p.element_size() for p in streamed_model.parameters())
     try:
-        fwd, bwd, units, per_param, steps, streams = [], [], [], [], [], []
+        fwd, bwd, units, per_param, per_call, steps, streams = [], [], [], [], [], [], []
         tensors = len(list(streamed_model.parameters()))
+        half_tensors = len(list(half_eager.parameters()))
         for _ in range(REPEATS):
             # Interleaved: eager and streamed see the same machine conditions.
             f, b = _fwd_bwd_split(eager, x, device, sizes.overhead_seconds)
             fs, bs = _fwd_bwd_split(streamed, x, device, sizes.overhead_seconds)
             f1, b1 = _fwd_bwd_split(single, x, device, sizes.overhead_seconds)
+            fh, bh = _fwd_bwd_split(half_eager, x, device, sizes.overhead_seconds)
+            fh1, bh1 = _fwd_bwd_split(half, x, device, sizes.overhead_seconds)
             fwd.append(f / costs.fwd_ops)
             bwd.append(b / costs.bwd_ops)
             # 2 fetches + gradients back of the tiny weights, at the copy bandwidth
             copies = tiny_bytes / copy_bandwidth
-            many = fs + bs - f - b - copies  # tiny_units x unit + tensors x param
-            one = f1 + b1 - f - b - copies  # 1 x unit + tensors x param
+            many = fs + bs - f - b - copies  # call + tiny_units x unit + tensors x param
+            one = f1 + b1 - f - b - copies  # call + 1 x unit + tensors x param
+            one_half = fh1 + bh1 - fh - bh - copies * half_tensors / tensors
             unit = max(0.0, (many - one) / max(1, sizes.tiny_units - 1))
             units.append(unit)
-            per_param.append(max(0.0, one - unit) / tensors)
+            param = max(0.0, (one - one_half) / max(1, tensors - half_tensors))
+            per_param.append(param)
+            per_call.append(max(0.0, one - unit - tensors * param))
             fw, bw = _fwd_bwd_split(wide_eager, wide_x, device, sizes.overhead_seconds)
             fws, bws = _fwd_bwd_split(wide, wide_x, device, sizes.overhead_seconds)
-            per_bytes = (fws + bws - fw - bw) - sizes.tiny_units * unit - tensors * per_param[-1]
+            per_bytes = fws + bws - fw - bw - per_call[-1] - sizes.tiny_units * unit
+            per_bytes -= tensors * param
             streams.append(wide_bytes / per_bytes if per_bytes > 0 else copy_bandwidth)
-            steps.append(_step_overhead(eager, x, device, sizes.overhead_seconds))
+            steps.append(
+                _step_overhead(
+                    eager,
+                    single,
+                    per_call[-1] + unit + tensors * param,
+                    x,
+                    device,
+                    sizes.overhead_seconds,
+                )
+            )
     finally:
         streamed.engine.close()
         single.engine.close()
+        half.engine.close()
         wide.engine.close()
     # Direct timings: the fastest repetition; differences of two timings: the
     # median (a disturbed eager twin would make a difference too small).
@@ -974,6 +1026,7 @@ def _software_figures(device: torch.device, sizes: _Sizes, copy_bandwidth: float
         "op_overhead_bwd_s": min(bwd),
         "unit_overhead_s": statistics.median(units),
         "param_overhead_s": statistics.median(per_param),
+        "stream_call_s": statistics.median(per_call),
         "stream_bandwidth": statistics.median(streams),
         "step_overhead_s": statistics.median(steps),
         "samples": {
@@ -981,6 +1034,7 @@ def _software_figures(device: torch.device, sizes: _Sizes, copy_bandwidth: float
             "op_overhead_bwd": bwd,
             "unit_overhead": units,
             "param_overhead": per_param,
+            "stream_call": per_call,
             "stream_bandwidth": streams,
             "step_overhead": steps,
         },
@@ -1056,7 +1110,7 @@ def _in_situ_factor(partial: MachineProfile, sizes: _Sizes) -> tuple[float, list
         # the streaming bookkeeping; the rest of the modelled step (transfers not
         # hidden) stays as it is. The proxy runs no update.
         scaled = sum(u.fwd_work_s + u.bwd_work_s + u.stream_s for u in est.units)
-        scaled += est.outside_fwd_s + est.outside_bwd_s
+        scaled += est.outside_fwd_s + est.outside_bwd_s + est.stream_call_s
         rest = est.step_s - est.update_s - scaled
         steps = []
         for _ in range(2 + sizes.proxy_steps):
