@@ -980,7 +980,8 @@ def _software_figures(device: torch.device, sizes: _Sizes, copy_bandwidth: float
         fwd, bwd, units, per_param, per_call, steps, streams = [], [], [], [], [], [], []
         tensors = len(list(streamed_model.parameters()))
         half_tensors = len(list(half_eager.parameters()))
-        for _ in range(REPEATS):
+        # REPEATS times (once with quick sizes: tests want the figures, not their spread)
+        for _ in range(REPEATS if sizes.curve_repeats > 1 else 1):
             # Interleaved: eager and streamed see the same machine conditions.
             f, b = _fwd_bwd_split(eager, x, device, sizes.overhead_seconds)
             fs, bs = _fwd_bwd_split(streamed, x, device, sizes.overhead_seconds)
