@@ -63,8 +63,9 @@ dominate small models; see Note [fixed costs]):
   buffers, page faults
   and the background hand-off included, which a plain copy does not see;
 * ``step_overhead_s``: seconds per step of the run loop's bookkeeping (the
-  loss read back, 4 TensorBoard scalars and their writer thread's
-  interference): a step of the eager chain with it minus one without it;
+  trainer's loss function on labels, the loss summed and read back, a loss-log
+  line, 4 TensorBoard scalars and their writer thread's interference): a
+  trainer-like step of the eager chain minus a bare one;
 * ``in_situ_factor``: how much slower a training step runs than the sum of
   its parts timed alone (Note [in situ]);
 * optimizer update costs (``UpdateCost``), measured the first time a run asks
@@ -872,25 +873,18 @@ def tiny_training_steps(device: torch.device | str = "cpu"):
             writer.close()
 
 
-def _step_overhead(
-    model, streamed, stream_cost: float, x, device: torch.device, budget: float
-) -> float:
-    """Seconds per step of what a run does around the model beyond its operators and
-    its units: a trainer-like step of ``streamed`` (the tiny chain streamed as one
-    unit) minus a bare eager step of its twin ``model``, minus ``stream_cost`` (what
-    its unit and parameter tensors cost). Interleaved bursts, first quartiles.
+def _step_overhead(model, x, device: torch.device, budget: float) -> float:
+    """Seconds per step of what a run does around the model beyond its operators: a
+    trainer-like step of ``model`` minus a bare one (interleaved bursts, first
+    quartiles). Both are eager: the streamed call's own cost is ``stream_call_s``.
 
-    The trainer-like step is what ``runtime.trainer.Trainer`` does each step: the
-    compiled module's call (the input moved to the device, the pass opened and
-    closed, the first unit's prefetch handed to the background thread),
+    The trainer-like step is what ``runtime.trainer.Trainer`` does each step:
     ``task_loss``'s cross-entropy on labels moved to the device and cast to
     float32, the loss divided by the micro-batch count, summed on the host, read
     with ``.item()``, a line of the loss log written and flushed, and
     SCALARS_PER_STEP TensorBoard scalars (whose writer thread competes with the
-    next step: that interference is part of the cost). Measured: 0.4-0.6 ms a
-    step on a 2.5 GHz Xeon, most of it the call and the loss's Python; a model
-    of one small unit (FC-MNIST, a 4 ms step) would otherwise miss a tenth of
-    its step."""
+    next step: that interference is part of the cost). A model of one small unit
+    (FC-MNIST, a 4 ms step) spends a tenth of its step there."""
     from torch.utils.tensorboard import SummaryWriter
 
     from weightstream.runtime.trainer import task_loss
@@ -907,7 +901,7 @@ def _step_overhead(
 
         def trainer_like() -> None:
             nonlocal step
-            loss, _, _ = task_loss("classification", streamed, batch)
+            loss, _, _ = task_loss("classification", model, batch)
             scaled = loss / 1
             scaled.backward()
             value = (torch.zeros(()) + scaled.detach().cpu()).item()
@@ -929,11 +923,10 @@ def _step_overhead(
                     _sync(device)
                     times[fn].append(time.perf_counter() - t0)
                     model.zero_grad(set_to_none=True)
-                    streamed.zero_grad(set_to_none=True)
         finally:
             log.close()
             writer.close()
-    return max(0.0, _quiet(times[trainer_like]) - _quiet(times[plain]) - stream_cost)
+    return max(0.0, _quiet(times[trainer_like]) - _quiet(times[plain]))
 
 
 def _software_figures(device: torch.device, sizes: _Sizes, copy_bandwidth: float) -> dict:
@@ -1005,16 +998,7 @@ def _software_figures(device: torch.device, sizes: _Sizes, copy_bandwidth: float
             per_bytes = fws + bws - fw - bw - per_call[-1] - sizes.tiny_units * unit
             per_bytes -= tensors * param
             streams.append(wide_bytes / per_bytes if per_bytes > 0 else copy_bandwidth)
-            steps.append(
-                _step_overhead(
-                    eager,
-                    single,
-                    per_call[-1] + unit + tensors * param,
-                    x,
-                    device,
-                    sizes.overhead_seconds,
-                )
-            )
+            steps.append(_step_overhead(eager, x, device, sizes.overhead_seconds))
     finally:
         streamed.engine.close()
         single.engine.close()
