@@ -806,6 +806,12 @@ def test_update_cost_is_measured_once_per_setting_and_cached(tmp_path, monkeypat
     assert scheduled["schedule"] == schedule and scheduled["schedule"] is not schedule
     assert machine_mod.update_key(scheduled) != machine_mod.update_key(spec)
     assert machine_mod.update_cost(profile, scheduled).fixed_s >= 0  # timed with its scheduler
+    # the per-element cost is timed on a tensor the model's size (a power of two)
+    assert spec["numel"] is None
+    sized = machine_mod.update_spec("SGD", {"momentum": 0.9}, numel=235_146)
+    assert sized["numel"] == 2**18
+    assert machine_mod.update_spec("SGD", numel=10)["numel"] == 2**14
+    assert machine_mod.update_spec("SGD", numel=10**9)["numel"] == 2**22
     cost = machine_mod.update_cost(profile, spec)
     assert cost.per_tensor_s >= 0 and cost.per_element_s >= 0 and cost.fixed_s >= 0
     assert cost.seconds(2, 1000) == pytest.approx(

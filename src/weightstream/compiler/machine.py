@@ -71,11 +71,12 @@ dominate small models; see Note [fixed costs]):
 * optimizer update costs (``UpdateCost``), measured the first time a run asks
   for an optimizer setting and kept in ``update_costs``: the update sequence
   of the trainer (unscale, clip, step, scaler update, zero_grad, the
-  learning-rate scheduler's step) timed on 1
-  tensor of 16 elements, on 64 such tensors, and on 1 tensor of 2^20
-  elements, which gives a fixed cost, a cost per parameter tensor and a cost
-  per element; 4 such models are updated in turn, so that each update finds
-  its tensors cold, as after a forward and a backward.
+  learning-rate scheduler's step) timed on 1 tensor of 16 elements, on 64
+  such tensors, and on 1 tensor as large as the model's trainable parameters
+  (rounded up to a power of two; ``update_spec``), which gives a fixed cost, a
+  cost per parameter tensor and a cost per element; 4 such models are updated
+  in turn, so that each update finds its tensors cold, as after a forward and
+  a backward.
 
 Every timing is the first quartile of many short bursts, and each headline
 figure the best of 3 such timings (``samples`` keeps all three, so a report
@@ -1125,7 +1126,7 @@ def _measure_update(spec: dict, quick: bool) -> UpdateCost:
 
     device = torch.device(spec["device"])
     budget = 0.005 if quick else 0.1
-    big = _QUICK.update_numel if quick else _FULL.update_numel
+    big = _QUICK.update_numel if quick else spec.get("numel") or _FULL.update_numel
     sets = 2 if quick else 4
 
     def seconds(tensors: int, numel: int) -> float:
@@ -1343,6 +1344,7 @@ def update_spec(
     grad_scaler: dict | None = None,
     device: torch.device | str = "cpu",
     schedule=None,
+    numel: int | None = None,
 ) -> dict:
     """What an update's cost depends on: the optimizer and its numeric arguments
     (the learning rate's value does not change the cost and is left out),
@@ -1350,7 +1352,11 @@ def update_spec(
     parameters (the host in weight streaming) and the learning-rate schedule
     (``schedule``: the params file's ``learning_rate``, None for none), whose
     Python step runs once per step: a sequence of schedulers costs a few hundred
-    microseconds, several percent of a small model's step."""
+    microseconds, several percent of a small model's step. ``numel``: the
+    model's trainable elements; the cost per element is timed on a tensor of
+    that many, rounded up to a power of two in [2^14, 2^22] (None: 2^20), as
+    what fits the caches decides it: SGD with momentum updates a 0.2M-element
+    model at 2-3 ns an element and 4 sets of 1M elements at 5."""
     kwargs = {
         k: v
         for k, v in (kwargs or {}).items()
@@ -1364,7 +1370,13 @@ def update_spec(
         "grad_scaler": {k: v for k, v in (grad_scaler or {}).items() if v is not None},
         "device": str(torch.device(device)),
         "schedule": copy.deepcopy(schedule),
+        "numel": None if numel is None else _update_numel(numel),
     }
+
+
+def _update_numel(numel: int) -> int:
+    """``numel`` rounded up to a power of two in [2^14, 2^22] (see :func:`update_spec`)."""
+    return 2 ** min(22, max(14, math.ceil(math.log2(max(1, numel)))))
 
 
 def update_cost(
