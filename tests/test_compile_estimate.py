@@ -825,3 +825,24 @@ def test_update_cost_is_measured_once_per_setting_and_cached(tmp_path, monkeypat
             machine_mod, "_measure_update", lambda *a: (_ for _ in ()).throw(ValueError("x"))
         )
         assert machine_mod.update_cost(reloaded, {**spec, "optimizer_type": "Nope"}) is None
+
+
+def test_a_repetition_disturbed_by_other_processes_is_measured_again(monkeypatch):
+    shares = iter([0.6, 0.3, 0.1, 0.0])
+
+    class FakeLoad:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fraction = next(shares)
+            return False
+
+    monkeypatch.setattr(machine_mod, "OtherLoad", FakeLoad)
+    monkeypatch.setattr(machine_mod.time, "sleep", lambda s: None)
+    results = iter(["busy", "less busy", "calm", "never reached"])
+    assert machine_mod._calm(lambda: next(results)) == "calm"
+    # out of retries: the calmest attempt
+    shares = iter([0.9, 0.5, 0.7])
+    results = iter(["a", "b", "c"])
+    assert machine_mod._calm(lambda: next(results), retries=2) == "b"
