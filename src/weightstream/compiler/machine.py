@@ -851,8 +851,9 @@ class _TinyGroup(nn.Module):
 
 def _fwd_bwd_split(model, x, device: torch.device, budget: float) -> tuple[float, float]:
     """(forward, backward) seconds of ``model(x).sum()``: the first quartiles of the
-    steps that fit in ``budget`` seconds (at least MIN_BURSTS; Note [quiet timings]). The gradients are dropped after
-    each step (not timed), as the trainer's ``zero_grad(set_to_none=True)`` does."""
+    steps that fit in ``budget`` seconds (at least MIN_BURSTS; Note [quiet timings]).
+    The gradients are dropped after each step (not timed), as the trainer's
+    ``zero_grad(set_to_none=True)`` does."""
     model(x).sum().backward()  # warm-up
     model.zero_grad(set_to_none=True)
     fwd, bwd = [], []
