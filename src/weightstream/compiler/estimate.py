@@ -53,11 +53,11 @@ update: the optimizer step after the backward (no overlap). With a measured
 ``UpdateCost`` (``machine.update_cost``: the trainer's whole update sequence,
 clipping, loss scaler and learning-rate scheduler included): fixed + trainable
 tensors x per tensor + trainable elements x per element, split per unit by its
-tensors and elements (the fixed part is the step's), x ``in_situ_factor`` (it runs after a forward
-and a backward, not alone). Without one: trainable parameters x optimizer
-bytes per parameter / host memory bandwidth (AdamW in fp32 streams 7 tensors of
-4 bytes per parameter: it reads param, grad, exp_avg, exp_avg_sq and writes
-param, exp_avg, exp_avg_sq: 28 bytes).
+tensors and elements (the fixed part is the step's), x ``in_situ_factor`` (it
+runs after a forward and a backward, not alone). Without one: trainable
+parameters x optimizer bytes per parameter / host memory bandwidth (AdamW in
+fp32 streams 7 tensors of 4 bytes per parameter: it reads param, grad,
+exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq: 28 bytes).
 
 input: seconds the training process spends producing one batch (measured by
 the compile phase when the data loader has no worker processes; 0 with
