@@ -12,10 +12,12 @@ rounds, and the table shows every run and the min/median/max of
 measured / estimate per model, and of measured / physical limit.
 
 The machines are shared: next to each run is the share of the CPUs other
-processes used while it ran (``OtherLoad``). A run with more than
-``--max_other_load`` is run again (up to ``--retries`` times) and marked
-``*`` if it never ran undisturbed: on a CPU, another busy process stalls
-PyTorch's thread pool and the run measures the neighbour, not the model.
+processes used while it ran (``OtherLoad``). Before each run the benchmark
+waits (up to ``--wait_quiet`` seconds) for a moment when other processes use
+less than ``--max_other_load`` of the CPUs; a run with more than that is run
+again (up to ``--retries`` times) and marked ``*`` if it never ran
+undisturbed: on a CPU, another busy process stalls PyTorch's thread pool and
+the run measures the neighbour, not the model.
 
     .venv/bin/python benchmarks/estimate_vs_measured.py [--steps 40] [--repeats 3]
         [--remeasure once|each]   # measure the machine profile again first, or before
@@ -30,6 +32,7 @@ import io
 import json
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
@@ -72,6 +75,20 @@ def run_once(name: str, steps: int, work: Path) -> dict:
     }
 
 
+def wait_for_quiet(max_other_load: float, timeout: float, window: float = 2.0) -> float | None:
+    """Wait until other processes use less than ``max_other_load`` of the CPUs over
+    ``window`` seconds, or ``timeout`` seconds have passed; the last share seen
+    (None where /proc/stat is missing)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with OtherLoad() as load:
+            time.sleep(window)
+        if load.fraction is None or load.fraction < max_other_load:
+            return load.fraction
+        if time.monotonic() >= deadline:
+            return load.fraction
+
+
 def _stats(values: list[float]) -> str:
     return f"{min(values):6.2f} {statistics.median(values):6.2f} {max(values):6.2f}"
 
@@ -83,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset")
     ap.add_argument("--max_other_load", type=float, default=0.1)
     ap.add_argument("--retries", type=int, default=2)
+    ap.add_argument(
+        "--wait_quiet",
+        type=float,
+        default=60.0,
+        help="seconds to wait, before each run, for the other processes to go quiet",
+    )
     ap.add_argument(
         "--remeasure",
         choices=("never", "once", "each"),
@@ -103,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
             f"machine profile of {profile.measured_at} (other processes: {load}): "
             f"fp32 peak {profile.matmul_flops['float32'] / 1e9:.0f} GFLOP/s, "
             f"{profile.op_overhead_fwd_s * 1e6:.1f}/{profile.op_overhead_bwd_s * 1e6:.1f} us "
-            f"per operator (fwd/bwd), {profile.unit_overhead_s * 1e6:.0f} us per streamed unit"
+            f"per operator (fwd/bwd), {profile.unit_overhead_s * 1e6:.0f} us per streamed unit "
+            f"+ {profile.param_overhead_s * 1e6:.0f} us per parameter tensor "
+            f"+ {profile.stream_call_s * 1e6:.0f} us per call, in-situ factor "
+            f"{profile.in_situ_factor:.2f}"
         )
 
     print(profile_line(args.remeasure != "never"))
@@ -121,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(profile_line(True))
             for name in names:
                 for attempt in range(args.retries + 1):
+                    wait_for_quiet(args.max_other_load, args.wait_quiet)
                     res = run_once(name, args.steps, Path(tmp))
                     quiet = res["other_load"] is None or res["other_load"] <= args.max_other_load
                     if quiet or attempt == args.retries:

@@ -72,6 +72,7 @@ def test_linear_chain_flops_match_the_formula():
     costs = unit_costs(model, _plan(model, x), (x,), {})
     assert costs.backward_measured
     assert [u.name for u in costs.units] == ["layers.0", "layers.1", "layers.2"]
+    assert [u.tensors for u in costs.units] == [2, 2, 2]  # weight and bias, each streamed
     for u, (i, o) in zip(costs.units, itertools.pairwise(DIMS)):
         # forward: addmm = 2*B*in*out (the bias add is not a matmul FLOP)
         assert u.fwd_flops == 2 * B * i * o
@@ -431,6 +432,8 @@ def _overhead_profile() -> MachineProfile:
         op_overhead_fwd_s=1e-5,
         op_overhead_bwd_s=5e-6,
         unit_overhead_s=1e-4,
+        param_overhead_s=2e-5,
+        stream_call_s=5e-5,
         step_overhead_s=3e-4,
     )
 
@@ -460,6 +463,7 @@ def test_estimate_terms_of_work_overheads_update_and_input():
         fwd_flops=4_000_000,
         bwd_flops=8_000_000,
         trainable_tensors=2,
+        tensors=2,
         fwd_ops=10,
         bwd_ops=20,
         fwd_mem={"simple": {10_000: 200_000}, "gelu": {1000: 100_000}},
@@ -489,20 +493,30 @@ def test_estimate_terms_of_work_overheads_update_and_input():
     assert (u.fwd_transfer_s, u.bwd_transfer_s) == (pytest.approx(4e-5), pytest.approx(8e-5))
     assert u.fwd_s == pytest.approx(u.fwd_work_s + 4e-5)
     assert u.bwd_s == pytest.approx(u.bwd_work_s + 8e-5)
-    assert u.stream_s == 1e-4
+    # streaming bookkeeping: the unit, and its 2 parameter tensors
+    assert u.stream_s == pytest.approx(1e-4 + 2 * 2e-5)
     # update: 2 tensors x 1e-4 + 1000 elements x 1e-8, and the step's fixed 1 ms
     assert u.update_s == pytest.approx(2e-4 + 1e-5)
     assert est.update_s == pytest.approx(1e-3 + 2e-4 + 1e-5)
     # outside: operators only (3 x 10 us, 4 x 5 us) and 1 kB of simple bytes at 1e9 B/s
     assert est.outside_fwd_s == pytest.approx(3e-5 + 1000 / 1e9)
     assert est.outside_bwd_s == pytest.approx(2e-5)
+    # the streamed call's own cost, once a step whatever the units
+    assert est.stream_call_s == 5e-5
     step = (
-        u.fwd_s + u.bwd_s + 1e-4 + est.outside_fwd_s + est.outside_bwd_s + est.update_s + 3e-4
+        u.fwd_s
+        + u.bwd_s
+        + u.stream_s
+        + 5e-5
+        + est.outside_fwd_s
+        + est.outside_bwd_s
+        + est.update_s
+        + 3e-4
     ) + 2e-3
     assert est.step_s == pytest.approx(step)
     assert est.est_samples_per_sec == pytest.approx(4 / step)
     assert est.model_samples_per_sec == pytest.approx(4 / (step - 2e-3))
-    assert est.overhead_s == pytest.approx(1e-4 + 1e-4 + 1e-4 + 3e-5 + 2e-5 + 3e-4)
+    assert est.overhead_s == pytest.approx(1e-4 + 1e-4 + 1.4e-4 + 5e-5 + 3e-5 + 2e-5 + 3e-4)
     assert est.memory_s == pytest.approx(u.fwd_memory_s + u.bwd_memory_s + 1e-6)
     assert est.bound == "compute"
     # On the CPU the operators' bytes load host memory too.
@@ -511,6 +525,45 @@ def test_estimate_terms_of_work_overheads_update_and_input():
     assert est.limit_s == pytest.approx(
         max(12e6 / 1e9, (2 * (2 * 4000 + 4000) + 1000 * 28 + op_bytes) / 4e8)
     )
+
+
+def test_in_situ_factor_scales_work_streaming_and_update():
+    profile = _overhead_profile()
+    unit = UnitCost(
+        0,
+        "block",
+        1000,
+        1000,
+        4000,
+        4000,
+        fwd_flops=4e6,
+        bwd_flops=8e6,
+        tensors=2,
+        fwd_ops=10,
+        bwd_ops=20,
+        fwd_mem={"simple": {10_000: 200_000}},
+        fwd_matmul={20: 3_000_000},
+        bwd_matmul={20: 6_000_000},
+    )
+    outside = UnitCost(-1, OUTSIDE_NAME, fwd_ops=3, bwd_ops=4)
+    update = UpdateCost(spec={}, fixed_s=1e-3, per_tensor_s=1e-4, per_element_s=1e-8)
+    settings = EstimateSettings(batch_size=4, update=update, input_s=2e-3, step_overhead_s=3e-4)
+    costs = StepCosts([unit], outside)
+    one = estimate(costs, profile, settings)
+    profile.in_situ_factor = 1.5
+    slow = estimate(costs, profile, settings)
+    (u1,), (u2,) = one.units, slow.units
+    for name in ("fwd_compute_s", "bwd_compute_s", "fwd_memory_s", "fwd_overhead_s", "stream_s"):
+        assert getattr(u2, name) == pytest.approx(1.5 * getattr(u1, name)), name
+    assert slow.outside_fwd_s == pytest.approx(1.5 * one.outside_fwd_s)
+    assert slow.update_s == pytest.approx(1.5 * one.update_s)  # after a step, not alone
+    # measured in their own context: transfers, input, the loop's bookkeeping
+    assert (u2.fwd_transfer_s, u2.bwd_transfer_s) == (u1.fwd_transfer_s, u1.bwd_transfer_s)
+    assert slow.input_s == one.input_s
+    grown = sum(u1.fwd_work_s + u1.bwd_work_s + u1.stream_s for u1 in one.units)
+    grown += one.outside_fwd_s + one.outside_bwd_s + one.update_s + one.stream_call_s
+    assert slow.stream_call_s == pytest.approx(1.5 * one.stream_call_s)
+    assert slow.step_s == pytest.approx(one.step_s + 0.5 * grown)
 
 
 def test_layer_pipelined_estimate_has_no_transfer_and_no_streaming():
@@ -524,6 +577,7 @@ def test_layer_pipelined_estimate_has_no_transfer_and_no_streaming():
         assert (p.fwd_s, p.bwd_s) == (p.fwd_work_s, p.bwd_work_s)
         assert w.stream_s == 1e-4
     assert lp.link_bytes == 0 and lp.transfer_s == 0.0
+    assert (ws.stream_call_s, lp.stream_call_s) == (5e-5, 0.0)
     assert lp.step_s < ws.step_s
 
 
@@ -640,11 +694,20 @@ def test_machine_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert first.quick and first.matmul_flops["float32"] > 0
     assert first.copy_bandwidth > 0 and first.host_memory_bandwidth > 0
     assert first.disk_read_bandwidth > 0 and first.disk_write_bandwidth > 0
-    assert all(len(s) == 3 for s in first.samples.values())  # 3 repetitions each
+    # 3 repetitions of each hardware figure, 1 of the software ones with quick sizes;
+    # the timed steps of the in-situ proxy
+    software = {"op_overhead_fwd", "op_overhead_bwd", "unit_overhead", "param_overhead"}
+    software |= {"stream_call", "stream_bandwidth", "step_overhead"}
+    for k, s in first.samples.items():
+        if k != "in_situ":
+            assert len(s) == (1 if k in software else 3), k
+    assert len(first.samples["in_situ"]) == machine_mod._QUICK.proxy_steps
+    assert 0.5 <= first.in_situ_factor <= 3.0
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # probe file removed
     # The fixed costs and curves of the estimate (Note [fixed costs] in machine.py).
     assert first.op_overhead_fwd_s > 0 and first.op_overhead_bwd_s > 0
     assert first.unit_overhead_s >= 0 and first.step_overhead_s >= 0
+    assert first.param_overhead_s >= 0 and first.stream_call_s >= 0
     assert first.matmul_curve and first.attention_curve
     assert set(first.op_bandwidth) == {"simple", *OP_CLASSES}
     assert first.runtime_digest == machine_mod.runtime_digest()
@@ -724,6 +787,31 @@ def test_update_cost_is_measured_once_per_setting_and_cached(tmp_path, monkeypat
         "SGD", {"learning_rate": [{"scheduler": "Linear"}], "momentum": 0.9}
     )
     assert spec["kwargs"] == {"momentum": 0.9}  # the learning rate does not change the cost
+    assert spec["schedule"] is None  # ... but a schedule's step does: it is part of the spec
+    schedule = [
+        {
+            "scheduler": "Linear",
+            "initial_learning_rate": 0.0,
+            "end_learning_rate": 1.0,
+            "total_iters": 2,
+        },
+        {
+            "scheduler": "CosineDecay",
+            "initial_learning_rate": 1.0,
+            "end_learning_rate": 0.1,
+            "total_iters": 10,
+        },
+    ]
+    scheduled = machine_mod.update_spec("SGD", {"momentum": 0.9}, schedule=schedule)
+    assert scheduled["schedule"] == schedule and scheduled["schedule"] is not schedule
+    assert machine_mod.update_key(scheduled) != machine_mod.update_key(spec)
+    assert machine_mod.update_cost(profile, scheduled).fixed_s >= 0  # timed with its scheduler
+    # the per-element cost is timed on a tensor the model's size (a power of two)
+    assert spec["numel"] is None
+    sized = machine_mod.update_spec("SGD", {"momentum": 0.9}, numel=235_146)
+    assert sized["numel"] == 2**18
+    assert machine_mod.update_spec("SGD", numel=10)["numel"] == 2**14
+    assert machine_mod.update_spec("SGD", numel=10**9)["numel"] == 2**22
     cost = machine_mod.update_cost(profile, spec)
     assert cost.per_tensor_s >= 0 and cost.per_element_s >= 0 and cost.fixed_s >= 0
     assert cost.seconds(2, 1000) == pytest.approx(
@@ -737,3 +825,24 @@ def test_update_cost_is_measured_once_per_setting_and_cached(tmp_path, monkeypat
             machine_mod, "_measure_update", lambda *a: (_ for _ in ()).throw(ValueError("x"))
         )
         assert machine_mod.update_cost(reloaded, {**spec, "optimizer_type": "Nope"}) is None
+
+
+def test_a_repetition_disturbed_by_other_processes_is_measured_again(monkeypatch):
+    shares = iter([0.6, 0.3, 0.1, 0.0])
+
+    class FakeLoad:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fraction = next(shares)
+            return False
+
+    monkeypatch.setattr(machine_mod, "OtherLoad", FakeLoad)
+    monkeypatch.setattr(machine_mod.time, "sleep", lambda s: None)
+    results = iter(["busy", "less busy", "calm", "never reached"])
+    assert machine_mod._calm(lambda: next(results)) == "calm"
+    # out of retries: the calmest attempt
+    shares = iter([0.9, 0.5, 0.7])
+    results = iter(["a", "b", "c"])
+    assert machine_mod._calm(lambda: next(results), retries=2) == "b"

@@ -26,9 +26,9 @@ import sys
 import time
 from pathlib import Path
 
+import params_files as pf
 import pytest
 import torch
-import yaml
 
 from weightstream import checkpoint as ckpt
 from weightstream.cli.main import main
@@ -43,21 +43,8 @@ def _params(
     tmp_path: Path, model: str, max_steps: int = 6, input_overrides: dict | None = None
 ) -> Path:
     if model == "gpt2":
-        data = {
-            "data_processor": "TextCorpusProcessor",
-            "batch_size": 8,
-            "seq_len": 32,
-            "vocab_size": 256,
-            "shuffle_seed": 3,
-        }
-        model_section = {
-            "name": "gpt2",
-            "n_layer": 2,
-            "d_model": 32,
-            "n_head": 2,
-            "seq_len": 32,
-            "vocab_size": 256,
-        }
+        data = pf.text_input(8, 32, shuffle_seed=3)
+        model_section = pf.gpt2(2, 32, 32)
     else:
         data = {
             "data_processor": "DigitsProcessor",
@@ -67,21 +54,21 @@ def _params(
         }
         model_section = {"name": "fc_mnist"}
     data.update(input_overrides or {})
-    params = {
-        "train_input": data,
-        "model": model_section,
-        "optimizer": {"optimizer_type": "AdamW", "learning_rate": 2e-3, "weight_decay": 0.01},
-        "runconfig": {
-            "max_steps": max_steps,
-            "checkpoint_steps": 3,
-            "log_steps": 1,
-            "seed": 5,
-            "unit_size_target": 20_000,
-        },
-    }
-    path = tmp_path / f"{model}.yaml"
-    path.write_text(yaml.safe_dump(params))
-    return path
+    return pf.write(
+        tmp_path / f"{model}.yaml",
+        pf.params(
+            train_input=data,
+            model=model_section,
+            optimizer=pf.adamw(2e-3, weight_decay=0.01),
+            runconfig={
+                "max_steps": max_steps,
+                "checkpoint_steps": 3,
+                "log_steps": 1,
+                "seed": 5,
+                "unit_size_target": 20_000,
+            },
+        ),
+    )
 
 
 def _losses(model_dir: Path) -> list[float]:

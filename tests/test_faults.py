@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import h5py
+import params_files as pf
 import pytest
 import torch
 import yaml
@@ -34,36 +35,23 @@ pytest.importorskip("tensorboard")
 
 
 def _params(tmp_path: Path, optimizer: dict | None = None, **runconfig) -> Path:
-    section = {
-        "data_processor": "TextCorpusProcessor",
-        "batch_size": 4,
-        "seq_len": 16,
-        "vocab_size": 256,
-        "max_bytes": 2000,
-    }
-    params = {
-        "train_input": dict(section),
-        "eval_input": dict(section),
-        "model": {
-            "name": "gpt2",
-            "n_layer": 1,
-            "d_model": 16,
-            "n_head": 2,
-            "seq_len": 16,
-            "vocab_size": 256,
-        },
-        "optimizer": optimizer or {"optimizer_type": "AdamW", "learning_rate": 1e-3},
-        "runconfig": {
-            "max_steps": 3,
-            "checkpoint_steps": 1,
-            "seed": 5,
-            "unit_size_target": 2000,
-            **runconfig,
-        },
-    }
-    path = tmp_path / "params.yaml"
-    path.write_text(yaml.safe_dump(params))
-    return path
+    section = pf.text_input(4, 16, max_bytes=2000)
+    return pf.write(
+        tmp_path / "params.yaml",
+        pf.params(
+            train_input=dict(section),
+            eval_input=dict(section),
+            model=pf.gpt2(1, 16, 16),
+            optimizer=optimizer or pf.adamw(1e-3),
+            runconfig={
+                "max_steps": 3,
+                "checkpoint_steps": 1,
+                "seed": 5,
+                "unit_size_target": 2000,
+                **runconfig,
+            },
+        ),
+    )
 
 
 class _Records(logging.Handler):

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+import params_files as pf
 import pytest
 import torch
 import yaml
@@ -220,31 +221,11 @@ def test_save_load_round_trip(tmp_path_factory, state):
 
 
 def _params(data: dict | None = None, **runconfig) -> dict:
-    return {
-        "train_input": data
-        or {
-            "data_processor": "TextCorpusProcessor",
-            "batch_size": 4,
-            "seq_len": 16,
-            "vocab_size": 256,
-            "max_bytes": 2000,
-        },
-        "model": {
-            "name": "gpt2",
-            "n_layer": 1,
-            "d_model": 16,
-            "n_head": 2,
-            "seq_len": 16,
-            "vocab_size": 256,
-            "dropout": 0.0,
-        },
-        "optimizer": {
-            "optimizer_type": "AdamW",
-            "learning_rate": 1e-3,
-            "weight_decay": 0.01,
-            "max_gradient_norm": 1.0,
-        },
-        "runconfig": {
+    return pf.params(
+        train_input=data or pf.text_input(4, 16, max_bytes=2000),
+        model=pf.gpt2(1, 16, 16, dropout=0.0),
+        optimizer=pf.adamw(1e-3, weight_decay=0.01, max_gradient_norm=1.0),
+        runconfig={
             "max_steps": 2,
             "checkpoint_steps": 2,
             "log_steps": 1,
@@ -252,7 +233,7 @@ def _params(data: dict | None = None, **runconfig) -> dict:
             "unit_size_target": 2000,
             **runconfig,
         },
-    }
+    )
 
 
 class _Errors(logging.Handler):

@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
+import params_files as pf
 import pytest
-import yaml
 from trees import assert_same_tree
 
 from weightstream import checkpoint as ckpt
@@ -62,58 +62,30 @@ RUN = (sys.executable, "-m", "weightstream", "run", "CPU")
 
 
 def _params(path: Path, max_steps: int) -> Path:
-    params = {
-        "train_input": {
-            "data_processor": "TextCorpusProcessor",
-            "batch_size": 4,
-            "seq_len": 16,
-            "vocab_size": 256,
-            "shuffle_seed": 3,
+    return pf.write(
+        path,
+        pf.params(
             # 1900 bytes of training text: 111 windows, 27 batches, an epoch of 13
             # steps (with grad_accum_steps 2), so runs cross epoch boundaries.
-            "max_bytes": 2000,
-        },
-        "model": {
-            "name": "gpt2",
-            "n_layer": 2,
-            "d_model": 16,
-            "n_head": 2,
-            "seq_len": 16,
-            "vocab_size": 256,
-            "dropout": 0.1,  # draws from torch's RNG every step
-        },
-        "optimizer": {
-            "optimizer_type": "AdamW",
-            "learning_rate": [
-                {
-                    "scheduler": "Linear",
-                    "initial_learning_rate": 0.0,
-                    "end_learning_rate": 3e-3,
-                    "total_iters": 4,
-                },
-                {
-                    "scheduler": "CosineDecay",
-                    "initial_learning_rate": 3e-3,
-                    "end_learning_rate": 1e-4,
-                    "total_iters": 200,
-                },
-            ],
-            "weight_decay": 0.01,
-            "max_gradient_norm": 1.0,
-            "loss_scaling_factor": "dynamic",
-            "grad_accum_steps": 2,
-        },
-        "runconfig": {
-            "max_steps": max_steps,
-            "checkpoint_steps": CHECKPOINT_STEPS,
-            "log_steps": 1,  # a line per step on stdout: timed kills watch it
-            "seed": 11,
-            "execution_mode": "weight_streaming",
-            "unit_size_target": 2000,
-        },
-    }
-    path.write_text(yaml.safe_dump(params))
-    return path
+            train_input=pf.text_input(4, 16, shuffle_seed=3, max_bytes=2000),
+            model=pf.gpt2(2, 16, 16, dropout=0.1),  # dropout draws from torch's RNG every step
+            optimizer=pf.adamw(
+                pf.warmup_cosine(3e-3, 4, 200),
+                weight_decay=0.01,
+                max_gradient_norm=1.0,
+                loss_scaling_factor="dynamic",
+                grad_accum_steps=2,
+            ),
+            runconfig={
+                "max_steps": max_steps,
+                "checkpoint_steps": CHECKPOINT_STEPS,
+                "log_steps": 1,  # a line per step on stdout: timed kills watch it
+                "seed": 11,
+                "execution_mode": "weight_streaming",
+                "unit_size_target": 2000,
+            },
+        ),
+    )
 
 
 # ---------------------------------------------------------------------------

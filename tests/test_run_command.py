@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import params_files as pf
 import pytest
 import torch
 import yaml
@@ -17,59 +18,26 @@ pytest.importorskip("tensorboard")
 
 
 def _params(tmp_path: Path, **runconfig) -> Path:
-    params = {
-        "train_input": {
-            "data_processor": "TextCorpusProcessor",
-            "batch_size": 4,
-            "seq_len": 32,
-            "vocab_size": 256,
-            "shuffle_seed": 3,
-        },
-        "eval_input": {
-            "data_processor": "TextCorpusProcessor",
-            "batch_size": 4,
-            "seq_len": 32,
-            "vocab_size": 256,
-        },
-        "model": {
-            "name": "gpt2",
-            "n_layer": 2,
-            "d_model": 32,
-            "n_head": 2,
-            "seq_len": 32,
-            "vocab_size": 256,
-        },
-        "optimizer": {
-            "optimizer_type": "AdamW",
-            "learning_rate": [
-                {
-                    "scheduler": "Linear",
-                    "initial_learning_rate": 0.0,
-                    "end_learning_rate": 3e-3,
-                    "total_iters": 4,
-                },
-                {
-                    "scheduler": "CosineDecay",
-                    "initial_learning_rate": 3e-3,
-                    "end_learning_rate": 1e-4,
-                    "total_iters": 100,
-                },
-            ],
-            "weight_decay": 0.01,
-            "max_gradient_norm": 1.0,
-        },
-        "runconfig": {
-            "max_steps": 8,
-            "checkpoint_steps": 4,
-            "log_steps": 2,
-            "seed": 7,
-            "unit_size_target": 20_000,
-            **runconfig,
-        },
-    }
-    path = tmp_path / "params.yaml"
-    path.write_text(yaml.safe_dump(params))
-    return path
+    section = pf.text_input(4, 32)
+    return pf.write(
+        tmp_path / "params.yaml",
+        pf.params(
+            train_input={**section, "shuffle_seed": 3},
+            eval_input=section,
+            model=pf.gpt2(2, 32, 32),
+            optimizer=pf.adamw(
+                pf.warmup_cosine(3e-3, 4, 100), weight_decay=0.01, max_gradient_norm=1.0
+            ),
+            runconfig={
+                "max_steps": 8,
+                "checkpoint_steps": 4,
+                "log_steps": 2,
+                "seed": 7,
+                "unit_size_target": 20_000,
+                **runconfig,
+            },
+        ),
+    )
 
 
 def _scalars(event_dir: Path, tag: str) -> list[tuple[int, float]]:

@@ -24,8 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+import params_files as pf
 import pytest
-import yaml
 
 from weightstream import checkpoint as ckpt
 from weightstream.runtime.trainer import LOSS_LOG, LossLog
@@ -43,57 +43,29 @@ RUN = (sys.executable, "-m", "weightstream", "run", "CPU")
 
 
 def _params(path: Path) -> Path:
-    params = {
-        "train_input": {
-            "data_processor": "TextCorpusProcessor",
-            "batch_size": 4,
-            "seq_len": 32,
-            "vocab_size": 256,
-            "shuffle_seed": 1,
+    return pf.write(
+        path,
+        pf.params(
             # About 1,400 batches per epoch: the run crosses an epoch boundary.
-            "max_bytes": 200_000,
-        },
-        "model": {
-            "name": "gpt2",
-            "n_layer": 2,
-            "d_model": 32,
-            "n_head": 2,
-            "seq_len": 32,
-            "vocab_size": 256,
-            "dropout": 0.1,
-        },
-        "optimizer": {
-            "optimizer_type": "AdamW",
-            "learning_rate": [
-                {
-                    "scheduler": "Linear",
-                    "initial_learning_rate": 0.0,
-                    "end_learning_rate": 1e-3,
-                    "total_iters": 100,
-                },
-                {
-                    "scheduler": "CosineDecay",
-                    "initial_learning_rate": 1e-3,
-                    "end_learning_rate": 1e-4,
-                    "total_iters": STEPS - 100,
-                },
-            ],
-            "weight_decay": 0.01,
-            "max_gradient_norm": 1.0,
-            "loss_scaling_factor": "dynamic",
-        },
-        "runconfig": {
-            "max_steps": STEPS,
-            "checkpoint_steps": CHECKPOINT_STEPS,
-            "max_checkpoints": 5,
-            "log_steps": 500,
-            "seed": 1,
-            "execution_mode": "weight_streaming",
-            "unit_size_target": 4000,
-        },
-    }
-    path.write_text(yaml.safe_dump(params))
-    return path
+            train_input=pf.text_input(4, 32, shuffle_seed=1, max_bytes=200_000),
+            model=pf.gpt2(2, 32, 32, dropout=0.1),
+            optimizer=pf.adamw(
+                pf.warmup_cosine(1e-3, 100, STEPS - 100),
+                weight_decay=0.01,
+                max_gradient_norm=1.0,
+                loss_scaling_factor="dynamic",
+            ),
+            runconfig={
+                "max_steps": STEPS,
+                "checkpoint_steps": CHECKPOINT_STEPS,
+                "max_checkpoints": 5,
+                "log_steps": 500,
+                "seed": 1,
+                "execution_mode": "weight_streaming",
+                "unit_size_target": 4000,
+            },
+        ),
+    )
 
 
 def _status(pid: int) -> tuple[int, int, int] | None:

@@ -50,16 +50,22 @@ def quick_profile() -> bool:
     return os.environ.get(ENV_QUICK) == "1"
 
 
-def _update_spec_of(params, device: torch.device, weight_streaming: bool) -> dict:
+def _update_spec_of(
+    params, device: torch.device, weight_streaming: bool, numel: int | None = None
+) -> dict:
     opt = params.optimizer
+    kwargs = opt.optimizer_kwargs()
     return update_spec(
         opt.optimizer_type,
-        opt.optimizer_kwargs(),
+        kwargs,
         max_gradient_norm=opt.max_gradient_norm,
         max_gradient_value=opt.max_gradient_value,
         grad_scaler=opt.grad_scaler_kwargs(),
         # Weight streaming updates the host masters; layer pipelined, the device copies.
         device="cpu" if weight_streaming else device,
+        # The run steps a scheduler whenever it has a learning rate (cli/run.py).
+        schedule=kwargs.get("learning_rate"),
+        numel=numel,
     )
 
 
@@ -181,7 +187,7 @@ def estimate_from_params(
         plan = build_plan(model, StreamingConfig(granularity="module"))
     machine = load_or_measure(device, quick=quick_profile())
     batch_size = _batch_size_of(batch)
-    settings = estimate_settings(params, device, batch_size, machine, input_s)
+    settings = estimate_settings(params, device, batch_size, machine, input_s, model)
     _, est = estimate_for(
         model, plan, args, batch_size, task=task, machine=machine, settings=settings
     )
@@ -189,9 +195,18 @@ def estimate_from_params(
 
 
 def estimate_settings(
-    params, device: torch.device, batch_size: int, machine: MachineProfile, input_s: float
+    params,
+    device: torch.device,
+    batch_size: int,
+    machine: MachineProfile,
+    input_s: float,
+    model: torch.nn.Module | None = None,
 ) -> EstimateSettings:
-    """The estimate settings of a params file's run (the update cost measured if new)."""
+    """The estimate settings of a params file's run (the update cost measured if new,
+    on tensors as large as ``model``'s trainable parameters when given)."""
+    numel = None
+    if model is not None:
+        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     rc = params.runconfig
     ws = rc.execution_mode == "weight_streaming"
     m = params.model
@@ -202,7 +217,7 @@ def estimate_settings(
         compute_dtype=compute if compute != "cbfloat16" else "float32",
         transfer_dtype=None if compute in ("float32", "cbfloat16") or not ws else compute,
         weight_streaming=ws,
-        update=update_cost(machine, _update_spec_of(params, device, ws)),
+        update=update_cost(machine, _update_spec_of(params, device, ws, numel)),
         input_s=input_s,
         step_overhead_s=machine.step_overhead_s,
     )
@@ -229,7 +244,7 @@ def run(run, compiled, args: tuple, batch_size: int) -> dict:
     quick = quick_profile()
     machine = load_or_measure(run.device, quick=quick)
     input_s = input_seconds_per_batch(run.params.train_input.to_dict(), run.device, quick)
-    settings_e = estimate_settings(run.params, run.device, batch_size, machine, input_s)
+    settings_e = estimate_settings(run.params, run.device, batch_size, machine, input_s, model)
     costs, est = estimate_for(
         model, plan, args, batch_size, task=run.task, machine=machine, settings=settings_e
     )

@@ -95,6 +95,7 @@ class UnitCost:
     activation_bytes: int = 0  # saved for backward while its window was open
     pinned: bool = False
     trainable_tensors: int = 0  # parameter tensors the optimizer updates
+    tensors: int = 0  # parameter tensors fetched with the unit (each costs streaming work)
     fwd_ops: int = 0  # aten operators run in forward (views included)
     bwd_ops: int = 0
     # bytes read + written by non-matmul operators: operator class (OP_CLASSES,
@@ -600,6 +601,7 @@ def unit_costs(
                 trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
                 pinned=u.pinned,
                 trainable_tensors=len(trainable),
+                tensors=len(u.params),
                 **op_fields(u.index),
             )
         )

@@ -17,7 +17,12 @@ Per entry (a streaming unit, or everything outside the units) and pass
   (``op_overhead_fwd_s`` / ``op_overhead_bwd_s``; Note [fixed costs] in
   ``machine.py``).
 
-work = compute + memory + overhead.
+work = (compute + memory + overhead) x ``in_situ_factor``: the profile's figures
+time each kind of work alone, and a training step runs slower than the sum of
+its parts (cold operands, outputs on fresh memory, the prefetch thread beside
+the compute); the factor is measured on a proxy training step (Note [in situ]
+in ``machine.py``). The streaming bookkeeping and a measured update below are
+scaled by it too.
 
 Weight streaming adds, per unit:
 
@@ -32,19 +37,27 @@ Weight streaming adds, per unit:
   unit of each pass (forward: the first; backward: the last) also waits for
   its own fetch, which nothing hides; with 0, work + its own transfer;
 * stream: ``unit_overhead_s`` per unit per step (hooks, the two fetches'
-  bookkeeping, the background hand-off, the stream-in autograd node).
+  bookkeeping, the background hand-off, the stream-in autograd node), plus
+  ``param_overhead_s`` per parameter tensor the unit streams (its view of the
+  flat buffer, its slot swapped in and out, its saved weight rebuilt in
+  backward, its gradient routed back to the master);
+
+and once per step, whatever the units, ``stream_call_s`` (the streamed call:
+the input moved to the device, the pass opened and closed, the first unit's
+prefetch handed to the background thread), scaled like the rest.
 
 Layer pipelined runs (``weight_streaming=False``) have no transfer and no
 stream term: a unit's share is its work.
 
 update: the optimizer step after the backward (no overlap). With a measured
 ``UpdateCost`` (``machine.update_cost``: the trainer's whole update sequence,
-clipping and loss scaler included): fixed + trainable tensors x per tensor +
-trainable elements x per element, split per unit by its tensors and elements
-(the fixed part is the step's). Without one: trainable parameters x optimizer
-bytes per parameter / host memory bandwidth (AdamW in fp32 streams 7 tensors of
-4 bytes per parameter: it reads param, grad, exp_avg, exp_avg_sq and writes
-param, exp_avg, exp_avg_sq: 28 bytes).
+clipping, loss scaler and learning-rate scheduler included): fixed + trainable
+tensors x per tensor + trainable elements x per element, split per unit by its
+tensors and elements (the fixed part is the step's), x ``in_situ_factor`` (it
+runs after a forward and a backward, not alone). Without one: trainable
+parameters x optimizer bytes per parameter / host memory bandwidth (AdamW in
+fp32 streams 7 tensors of 4 bytes per parameter: it reads param, grad,
+exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq: 28 bytes).
 
 input: seconds the training process spends producing one batch (measured by
 the compile phase when the data loader has no worker processes; 0 with
@@ -53,8 +66,8 @@ workers, whose throughput the input analyzer compares with the model's).
 step overhead: the run loop's bookkeeping per step (``step_overhead_s``:
 reading the loss back, logging TensorBoard scalars; ``machine.py``).
 
-step = sum over units (forward share + backward share + stream) + outside work
-(forward + backward) + update + step overhead + input; est. samples/sec =
+step = sum over units (forward share + backward share + stream) + stream call +
+outside work (forward + backward) + update + step overhead + input; est. samples/sec =
 batch / step, and the model's own consumption rate is batch / (step - input).
 
 The physical limit (design.md, "Performance") is the larger of the compute
@@ -197,6 +210,7 @@ class Estimate:
     input_s: float = 0.0
     ops: int = 0  # aten operators per step
     op_bytes: int = 0  # bytes the non-matmul operators move per step
+    stream_call_s: float = 0.0  # the streamed call's own cost per step (weight streaming)
 
     @property
     def model_samples_per_sec(self) -> float:
@@ -247,7 +261,8 @@ def pass_work(
     for cls, by_size in mem.items():
         for nbytes, total in by_size.items():
             memory += total / machine.op_throughput(cls, int(nbytes))
-    return PassWork(compute, memory, ops * op_overhead_s)
+    f = machine.in_situ_factor
+    return PassWork(f * compute, f * memory, f * ops * op_overhead_s)
 
 
 def _entry_work(e: UnitCost, machine: MachineProfile, dtype: str) -> tuple[PassWork, PassWork]:
@@ -307,6 +322,7 @@ def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettin
             fs, bs = fwd.work_s + ft, bwd.work_s + bt
         if upd is not None:
             update = u.trainable_tensors * upd.per_tensor_s + u.trainable_numel * upd.per_element_s
+            update *= machine.in_situ_factor
         else:
             update = upd_bytes / ram_bw
         sides = {
@@ -331,13 +347,21 @@ def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettin
                 bwd_memory_s=bwd.memory_s,
                 fwd_overhead_s=fwd.overhead_s,
                 bwd_overhead_s=bwd.overhead_s,
-                stream_s=machine.unit_overhead_s if ws else 0.0,
+                stream_s=(
+                    machine.in_situ_factor
+                    * (machine.unit_overhead_s + u.tensors * machine.param_overhead_s)
+                    if ws
+                    else 0.0
+                ),
             )
         )
     out_fwd, out_bwd = _entry_work(costs.outside, machine, dtype)
-    update = sum(e.update_s for e in units) + (upd.fixed_s if upd is not None else 0.0)
+    fixed = upd.fixed_s * machine.in_situ_factor if upd is not None else 0.0
+    update = sum(e.update_s for e in units) + fixed
+    call = machine.in_situ_factor * machine.stream_call_s if ws and units else 0.0
     step = (
         sum(e.share_s for e in units)
+        + call
         + out_fwd.work_s
         + out_bwd.work_s
         + update
@@ -354,6 +378,7 @@ def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettin
     )
     overhead = (
         sum(e.fwd_overhead_s + e.bwd_overhead_s + e.stream_s for e in units)
+        + call
         + out_fwd.overhead_s
         + out_bwd.overhead_s
         + settings.step_overhead_s
@@ -419,4 +444,5 @@ def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettin
         input_s=settings.input_s,
         ops=costs.ops,
         op_bytes=op_bytes,
+        stream_call_s=call,
     )

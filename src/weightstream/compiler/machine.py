@@ -3,9 +3,9 @@
 Hardware figures (throughputs of the compute device and its host):
 
 * matmul peak (FLOP/s) per dtype: ``torch.mm`` of square matrices on the
-  compute device, sized (and repeated) to take about 0.2 s;
+  compute device, sized (and repeated) to take about 0.1 s;
 * matmul throughput by size (float32): ``n x n x n`` products for n from 16
-  to 1024, timed as in a training pass (each of its own operands, outputs
+  to 512, timed as in a training pass (each of its own operands, outputs
   kept alive: 10-20% slower than a loop over the same hot matrices); a
   product of effective size n (``cost.matmul_size``: the geometric mean of
   its two smallest dimensions) runs at the throughput interpolated at n
@@ -13,7 +13,7 @@ Hardware figures (throughputs of the compute device and its host):
 * attention throughput by size: a causal scaled dot-product attention,
   forward + backward, FLOPs counted on its math decomposition as ``cost.py``
   counts them (12 x heads x T^2 x head_dim), for (T, head_dim) from (64, 16) to
-  (1024, 64), keyed by the effective size cube root of T * T * head_dim;
+  (512, 64), keyed by the effective size cube root of T * T * head_dim;
 * operator throughput (bytes read + written per second) of non-matmul
   operators: the "simple" class (elementwise arithmetic: ``x * y``, forward
   and backward) at three operator sizes, and each class of
@@ -41,37 +41,82 @@ dominate small models; see Note [fixed costs]):
   small that their data work is nil: a chain of 8 tiny blocks (LayerNorm,
   Linear, GELU, Linear, residual add; 4 x 16 activations), operators counted
   by ``cost.function_costs`` on the same chain;
-* ``unit_overhead_s``: seconds per streaming unit per training step (forward
-  + backward): the same chain streamed with each block a unit
-  (``prefetch_depth=1``), minus the eager chain, minus the units' copies at
-  the copy bandwidth, divided by the 8 units;
+* ``unit_overhead_s``, ``param_overhead_s`` and ``stream_call_s``: seconds per
+  streaming unit, per streamed parameter tensor, and per streamed call (the
+  input moved to the device, the pass opened and closed, the first unit's
+  prefetch handed to the background thread), per training step (forward +
+  backward): the same chain streamed with each block a unit
+  (``prefetch_depth=1``), streamed as one unit, and half of it streamed as one
+  unit, each minus its eager twin and the units' copies at the copy
+  bandwidth; the 8 units cost 7 units more than the single one, the single
+  unit 24 parameter tensors more than the half one, and what is left of the
+  single unit's cost is the call's. Streaming
+  costs per parameter (its view of the flat buffer, its slot swapped in and
+  out, its saved weight rebuilt in backward, its gradient routed back to the
+  master: 40-50 us a step on a 2.5 GHz Xeon) as much as per unit: a unit of 8
+  blocks costs 2.5x a unit of 1, and a one-unit model like FC-MNIST (6
+  tensors) far less than a unit of a transformer (12 per block);
 * ``stream_bandwidth``: bytes per second the streaming runtime moves (two
   fetches and the gradients back per unit and step): a chain of 8 blocks of
   512 features (2 MiB of weights each) streamed, minus its eager twin, minus
-  8 x ``unit_overhead_s``, over the bytes moved; fresh buffers, page faults
+  what its units and parameter tensors cost, over the bytes moved; fresh
+  buffers, page faults
   and the background hand-off included, which a plain copy does not see;
 * ``step_overhead_s``: seconds per step of the run loop's bookkeeping (the
-  loss read back, 4 TensorBoard scalars and their writer thread's
-  interference): a step of the eager chain with it minus one without it;
+  trainer's loss function on labels, the loss summed and read back, a loss-log
+  line, 4 TensorBoard scalars and their writer thread's interference): a
+  trainer-like step of the eager chain minus a bare one;
+* ``in_situ_factor``: how much slower a training step runs than the sum of
+  its parts timed alone (Note [in situ]);
 * optimizer update costs (``UpdateCost``), measured the first time a run asks
   for an optimizer setting and kept in ``update_costs``: the update sequence
-  of the trainer (unscale, clip, step, scaler update, zero_grad) timed on 1
-  tensor of 16 elements, on 64 such tensors, and on 1 tensor of 2^20
-  elements, which gives a fixed cost, a cost per parameter tensor and a cost
-  per element; 4 such models are updated in turn, so that each update finds
-  its tensors cold, as after a forward and a backward.
+  of the trainer (unscale, clip, step, scaler update, zero_grad, the
+  learning-rate scheduler's step) timed on 1 tensor of 16 elements, on 64
+  such tensors, and on 1 tensor as large as the model's trainable parameters
+  (rounded up to a power of two; ``update_spec``), which gives a fixed cost, a
+  cost per parameter tensor and a cost per element; 4 such models are updated
+  in turn, so that each update finds its tensors cold, as after a forward and
+  a backward.
 
-Every timing is the median of several short bursts (a run on a shared machine
-sees the typical burst, not the fastest one; the median ignores the rare
-burst that another process disturbed), and each headline figure is the
-median of 3 such timings (``samples`` keeps all three, so a report can show
-min/median/max), each point of a curve the median of 3 measurements of the
-curve (1 with ``quick``). The profile is cached as JSON under
+Every timing is the first quartile of many short bursts, and each headline
+figure the best of 3 such timings (``samples`` keeps all three, so a report
+can show min/median/max), each point of a curve the best of 3 measurements of
+the curve (1 with ``quick``); a figure that is the difference of two timings
+(the software figures below) is the median of its 3 differences. See Note
+[quiet timings]. The profile is cached as JSON under
 ``$WEIGHTSTREAM_CACHE_DIR`` (default ``~/.cache/weightstream``), in a file
-named by a hash of the device name, the torch version and the thread count,
-so a different machine, torch or thread setting measures again. The software
-figures also carry a digest of this library's runtime sources
-(``runtime_digest``): when the runtime changes they alone are measured again.
+named by a hash of the device name, the torch version, the thread count and
+the profile's schema, so a different machine, torch or thread setting
+measures again. The software figures also carry a digest of this library's
+runtime sources (``runtime_digest``): when the runtime changes they alone are
+measured again.
+
+Note [quiet timings]
+--------------------
+The profile is measured once and prices every later estimate, so it must
+describe the machine, not the neighbours that happened to run while it was
+measured. On a shared CPU another busy process does not slow PyTorch a little:
+an operator split over the thread pool waits for whichever worker the
+scheduler took away, and a burst that meets such a wait runs 2x to 500x slower
+(measured: a 64 x 64 product at 60 GFLOP/s undisturbed and 0.1 GFLOP/s in
+the worst bursts, with other processes using 78% of 2 CPUs). A median is
+right only while fewer than half the bursts are disturbed. The fastest burst
+is not the answer either: with nothing else running, a 256^3 product on both
+cores of this kind of virtual machine runs at 125 GFLOP/s in most bursts and
+at 210 in a few (the second virtual CPU is not always there when the first
+one wants it), and a training run sees the typical burst. So a timing is the
+first quartile of its bursts: the typical undisturbed burst while up to three
+quarters of them are disturbed. Bursts are as short as the clock allows (one
+call, or enough calls for _BURST_SECONDS): the shorter the burst, the likelier
+it runs between two interruptions. Measuring for a fixed budget rather than a
+fixed count also bounds the profile's duration on a busy machine. A longer
+disturbance (another process busy for a second) spoils every burst of a
+repetition: a repetition measured while other processes used more than CALM
+of the CPUs is measured again after a pause, up to CALM_RETRIES times
+(``_calm``), and each figure is the best of its repetitions. What such
+timings do not capture is deliberate: a training run disturbed by other
+processes is slower than estimated by as much as it was disturbed
+(``OtherLoad`` says how much).
 
 Note [fixed costs]
 ------------------
@@ -83,11 +128,39 @@ optimizer loops over parameter tensors. FLOPs at the matmul peak see none of
 it (a 3-layer MLP on 64 samples estimates 8x too fast without these terms).
 The constants are measured on purpose-built tiny workloads, so that the data
 work is negligible and the time is the overhead alone.
+
+Note [in situ]
+--------------
+Every figure above times one kind of work alone, and a training step is
+slower than the sum of its parts so timed. Inside a step the operands of an
+operator were written long before and left the caches, its output often
+lands on memory the allocator has just taken from the kernel (a page fault
+per 4 KiB: fresh memory is written at 3 GB/s against 14 GB/s for reused
+memory on a 2.5 GHz Xeon VM), the backward runs with every activation alive,
+and the prefetch thread allocates and copies beside the compute. Measured per
+operator in a streamed training step on such a machine (2 threads, nothing
+else running): products at 1.2x to 2x their alone-timed figures (backward
+ones with large outputs the slowest), broadcast and reduction elementwise
+operators at 2x to 7x, attention and GELU at 1x; the whole step 25-40%
+slower than the sum. None of this is a property of one operator: it is how
+the machine runs a training step. ``in_situ_factor`` measures it on a proxy,
+two small decoder blocks with the operator mix of the model zoo's (a GPT-2
+block: LayerNorm, fused qkv, causal attention, GELU MLP; a Llama block: RMS
+norm, rotary positions, SwiGLU), streamed through the runtime for a few
+training steps: the first quartile of the steps over the estimate of the
+same step from the figures above (``estimate.py``). The estimate multiplies
+each pass's work (compute, memory, operators), the streaming bookkeeping and
+the optimizer update by it (an update measured alone, cold tensors and all,
+runs 1.6-1.8x faster than the same update inside a run); transfers, the input
+and the loop's bookkeeping are timed in their own context and stay as they
+are. It is measured with the software figures (the proxy streams through the
+runtime).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import hashlib
 import itertools
@@ -107,9 +180,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SCHEMA = 2
+SCHEMA = 3
 REPEATS = 3
-BURSTS = 7  # a timing is the median of this many bursts
+MIN_BURSTS = 8  # a timing is the first quartile of at least this many bursts
+QUANTILE = 0.25  # ... of its bursts (Note [quiet timings])
+_BURST_SECONDS = 50e-6  # shortest burst: well above the clock's resolution and its cost
 ENV_CACHE_DIR = "WEIGHTSTREAM_CACHE_DIR"
 _DTYPES = ("float32", "bfloat16", "float16")
 # The package files whose code the software figures time (Note [fixed costs]).
@@ -133,24 +208,28 @@ class _Sizes:
     wide_features: int  # features of the wide chain's blocks (2 x d^2 weights each)
     live_sets: int  # most argument sets of one timed training-like pass
     update_numel: int  # elements of the large tensor of the update measurement
+    proxy: tuple[int, int, int, int]  # (batch, seq_len, d_model, heads) of the in-situ proxy
+    proxy_steps: int  # timed training steps of the proxy (after 2 untimed ones)
 
 
 _FULL = _Sizes(
-    matmul_seconds=0.2,
+    matmul_seconds=0.1,
     matmul_max_n=4096,
-    copy_bytes=128 * 2**20,
-    disk_bytes=256 * 2**20,
-    curve_seconds=0.04,
+    copy_bytes=64 * 2**20,
+    disk_bytes=64 * 2**20,
+    curve_seconds=0.03,
     curve_repeats=3,
-    matmul_curve=(16, 32, 64, 128, 256, 512, 1024),
-    attention=((64, 16), (128, 32), (256, 64), (1024, 64)),
+    matmul_curve=(16, 32, 64, 128, 256, 512),
+    attention=((64, 16), (128, 32), (256, 64), (512, 64)),
     simple_numel=(2**14, 2**18, 2**22),
     class_numel=2**18,
-    overhead_seconds=0.1,
+    overhead_seconds=0.06,
     tiny_units=8,
     wide_features=512,
     live_sets=8,
     update_numel=2**20,
+    proxy=(8, 128, 128, 4),
+    proxy_steps=10,
 )
 _QUICK = _Sizes(
     matmul_seconds=0.01,
@@ -168,6 +247,8 @@ _QUICK = _Sizes(
     wide_features=32,
     live_sets=2,
     update_numel=2**12,
+    proxy=(2, 8, 16, 2),
+    proxy_steps=2,
 )
 
 
@@ -207,9 +288,13 @@ class MachineProfile:
     op_overhead_fwd_s: float = 0.0  # per aten operator in forward (autograd recording)
     op_overhead_bwd_s: float = 0.0  # per aten operator in backward
     unit_overhead_s: float = 0.0  # per streamed unit per step (forward + backward)
+    param_overhead_s: float = 0.0  # per streamed parameter tensor per step
+    stream_call_s: float = 0.0  # per step of a streamed model, whatever its units
     # bytes (2 fetches + gradients back) per second the streaming runtime moves
     stream_bandwidth: float = 0.0
     step_overhead_s: float = 0.0  # the run loop's bookkeeping per step (logging, loss read)
+    # a training step's work and fixed costs in situ over the same timed alone (Note [in situ])
+    in_situ_factor: float = 1.0
     update_costs: dict[str, dict] = field(default_factory=dict)  # update_key -> UpdateCost
     runtime_digest: str = ""  # of the sources the software figures timed
     # share of the CPUs other processes used while this was measured (OtherLoad)
@@ -339,7 +424,16 @@ def default_cache_dir() -> Path:
 
 def profile_key(device: torch.device | str, quick: bool = False) -> str:
     device = torch.device(device)
-    ident = [device.type, device_name(device), torch.__version__, torch.get_num_threads(), quick]
+    # The schema too: checkouts of different versions sharing one cache directory
+    # keep a profile each instead of measuring again over each other's.
+    ident = [
+        device.type,
+        device_name(device),
+        torch.__version__,
+        torch.get_num_threads(),
+        quick,
+        SCHEMA,
+    ]
     return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
 
 
@@ -357,22 +451,34 @@ def _sync(device: torch.device) -> None:
 
 
 def _seconds(fn: Callable[[], object], device: torch.device, budget: float) -> float:
-    """Seconds per call of ``fn``: the median of BURSTS bursts that together fill ``budget``."""
+    """Seconds per call of ``fn``: the first quartile of the short bursts that fill
+    ``budget`` (at least MIN_BURSTS; see Note [quiet timings])."""
     fn()  # warm-up (allocations, kernel selection)
     _sync(device)
     t0 = time.perf_counter()
     fn()
     _sync(device)
     one = max(time.perf_counter() - t0, 1e-7)
-    iters = max(1, int(budget / BURSTS / one))
+    # As short as the clock allows: a short burst is more likely to run undisturbed.
+    iters = max(1, math.ceil(_BURST_SECONDS / one))
+    # A call longer than the budget allows MIN_BURSTS of gets 3 bursts: the budget
+    # bounds the profile's duration.
+    least = MIN_BURSTS if one * MIN_BURSTS <= budget else 3
     bursts = []
-    for _ in range(BURSTS):
+    deadline = time.perf_counter() + budget
+    while len(bursts) < least or time.perf_counter() < deadline:
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
         _sync(device)
         bursts.append((time.perf_counter() - t0) / iters)
-    return statistics.median(bursts)
+    return _quiet(bursts)
+
+
+def _quiet(times: list[float]) -> float:
+    """The QUANTILE of ``times`` (Note [quiet timings])."""
+    ordered = sorted(times)
+    return ordered[int(QUANTILE * (len(ordered) - 1))]
 
 
 class OtherLoad:
@@ -414,15 +520,45 @@ class OtherLoad:
         return False
 
 
-def _median_curve(measure_curve: Callable[[], dict[str, float]], sizes) -> dict[str, float]:
-    """Each point of a curve: the median of ``sizes.curve_repeats`` measurements of it."""
-    curves = [measure_curve() for _ in range(sizes.curve_repeats)]
-    return {k: statistics.median(c[k] for c in curves) for k in curves[0]}
+CALM = 0.2  # share of the CPUs other processes may use while a repetition is measured
+CALM_RETRIES = 3  # a repetition measured with more is measured again, at most this often
 
 
-def _median3(fn) -> tuple[float, list[float]]:
-    samples = [fn() for _ in range(REPEATS)]
-    return statistics.median(samples), samples
+def _calm(measure: Callable[[], object], retries: int = CALM_RETRIES):
+    """``measure()``; measured again, after a pause, while other processes used more
+    than CALM of the CPUs during it (at most ``retries`` times): the calmest attempt.
+
+    The first quartile of a repetition's bursts ignores short interruptions, not
+    a second in which another process keeps a core busy: measured with others at
+    28% of the CPUs, every repetition of a 128^3 product ran at 1 GFLOP/s against
+    180 (Note [quiet timings])."""
+    calmest = None
+    for attempt in range(retries + 1):
+        with OtherLoad() as load:
+            result = measure()
+        share = load.fraction or 0.0
+        if calmest is None or share < calmest[0]:
+            calmest = (share, result)
+        if share <= CALM:
+            break
+        time.sleep(0.25 * (attempt + 1))
+    return calmest[1]
+
+
+def _retries(sizes: _Sizes) -> int:
+    return 0 if sizes is _QUICK else CALM_RETRIES  # tests want the figures, not calm
+
+
+def _best_curve(measure_curve: Callable[[], dict[str, float]], sizes) -> dict[str, float]:
+    """Each point of a throughput curve: the best of ``sizes.curve_repeats`` measurements."""
+    curves = [_calm(measure_curve, _retries(sizes)) for _ in range(sizes.curve_repeats)]
+    return {k: max(c[k] for c in curves) for k in curves[0]}
+
+
+def _best3(fn, sizes: _Sizes) -> tuple[float, list[float]]:
+    """The best (highest) of REPEATS throughput measurements, and all of them."""
+    samples = [_calm(fn, _retries(sizes)) for _ in range(REPEATS)]
+    return max(samples), samples
 
 
 # ---- hardware measurements -----------------------------------------------------------
@@ -452,7 +588,7 @@ def _matmul_flops(device: torch.device, dtype: torch.dtype, sizes: _Sizes) -> tu
     def one() -> float:
         return 2 * n**3 / seconds_per_product(n, sizes.matmul_seconds)
 
-    return _median3(one)
+    return _best3(one, sizes)
 
 
 def _dispatch_seconds(device: torch.device, budget: float) -> float:
@@ -521,8 +657,22 @@ def _overhead_of(costs, profile_partial: dict) -> float:
     )
 
 
+_TRACED: dict[tuple, object] = {}  # (what, argument shapes) -> cost.function_costs of it
+
+
+def _traced(what: str, fn: Callable, args: tuple):
+    """``cost.function_costs(fn, args)``, traced once per process for these shapes (a
+    trace on the meta device takes a tenth of a second; the curves repeat theirs)."""
+    from weightstream.compiler.cost import function_costs
+
+    key = (what, tuple((tuple(a.shape), a.dtype, a.requires_grad) for a in args))
+    if key not in _TRACED:
+        _TRACED[key] = function_costs(fn, args)
+    return _TRACED[key]
+
+
 def _attention_curve(device: torch.device, sizes: _Sizes, partial: dict) -> dict[str, float]:
-    from weightstream.compiler.cost import attention_size, function_costs
+    from weightstream.compiler.cost import attention_size
 
     def attention(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -536,7 +686,7 @@ def _attention_curve(device: torch.device, sizes: _Sizes, partial: dict) -> dict
 
         arg_sets = _instances(make, sizes.live_sets)
         args = arg_sets[0]
-        costs = function_costs(attention, args)
+        costs = _traced("attention", attention, args)
         flops = costs.flops  # 12 x heads x T^2 x head_dim, as cost.py counts attention
         t = _fwd_bwd_seconds(attention, arg_sets, device, sizes.curve_seconds)
         simple = _simple_seconds(costs, partial)
@@ -578,7 +728,7 @@ def _class_functions() -> dict[str, tuple[Callable, Callable[[int, torch.device]
 
 
 def _op_bandwidth(device: torch.device, sizes: _Sizes, partial: dict) -> dict:
-    from weightstream.compiler.cost import OP_CLASSES, SIMPLE, function_costs
+    from weightstream.compiler.cost import OP_CLASSES, SIMPLE
 
     out: dict[str, dict[str, float]] = {SIMPLE: {}}
     partial["op_bandwidth"] = out
@@ -592,7 +742,7 @@ def _op_bandwidth(device: torch.device, sizes: _Sizes, partial: dict) -> dict:
             return tuple(torch.randn(n, device=device, requires_grad=True) for _ in range(2))
 
         arg_sets = _instances(make, sizes.live_sets)
-        costs = function_costs(mul, arg_sets[0])
+        costs = _traced("mul", mul, arg_sets[0])
         t = _fwd_bwd_seconds(mul, arg_sets, device, sizes.curve_seconds)
         moved = costs.fwd_mem_bytes + costs.bwd_mem_bytes
         out[SIMPLE][str(3 * 4 * n)] = moved / max(t - _overhead_of(costs, partial), t / 10)
@@ -602,7 +752,7 @@ def _op_bandwidth(device: torch.device, sizes: _Sizes, partial: dict) -> dict:
         arg_sets = _instances(
             lambda make_args=make_args: make_args(sizes.class_numel, device), sizes.live_sets
         )
-        costs = function_costs(fn, arg_sets[0])
+        costs = _traced(cls, fn, arg_sets[0])
         t = _fwd_bwd_seconds(fn, arg_sets, device, sizes.curve_seconds)
         moved = sum(costs.fwd_mem.get(cls, {}).values()) + sum(costs.bwd_mem.get(cls, {}).values())
         key = str(max([*costs.fwd_mem.get(cls, {}), *costs.bwd_mem.get(cls, {})]))
@@ -614,13 +764,13 @@ def _copy_bandwidths(device: torch.device, sizes: _Sizes) -> tuple[float, list, 
     numel = sizes.copy_bytes // 4
     host_src = torch.ones(numel)
     host_dst = torch.empty(numel)
-    budget = 0.02 if sizes is _QUICK else 0.3
+    budget = 0.02 if sizes is _QUICK else 0.15
 
     def host_copy() -> float:
         t = _seconds(lambda: host_dst.copy_(host_src), torch.device("cpu"), budget)
         return 2 * sizes.copy_bytes / t  # read + write
 
-    host_bw, host_samples = _median3(host_copy)
+    host_bw, host_samples = _best3(host_copy, sizes)
     if device.type == "cpu":
         # The compute device is the host: a device copy is a host copy, and
         # the bytes it delivers are half the bytes it moves.
@@ -632,7 +782,7 @@ def _copy_bandwidths(device: torch.device, sizes: _Sizes) -> tuple[float, list, 
         t = _seconds(lambda: dev_dst.copy_(pinned, non_blocking=True), device, budget)
         return sizes.copy_bytes / t
 
-    link_bw, link_samples = _median3(h2d)
+    link_bw, link_samples = _best3(h2d, sizes)
     return link_bw, link_samples, host_bw, host_samples
 
 
@@ -688,15 +838,27 @@ def _tiny_chain(units: int = _FULL.tiny_units, d: int = 16) -> nn.Sequential:
     return nn.Sequential(*[_TinyBlock(d) for _ in range(units)])
 
 
+class _TinyGroup(nn.Module):
+    """Tiny blocks in one module: streamed as one unit (``unit_classes=[_TinyGroup]``)."""
+
+    def __init__(self, blocks: nn.Sequential):
+        super().__init__()
+        self.blocks = blocks
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
 def _fwd_bwd_split(model, x, device: torch.device, budget: float) -> tuple[float, float]:
-    """(forward, backward) seconds of ``model(x).sum()``: the medians of the steps
-    that fit in ``budget`` seconds (at least 3). The gradients are dropped after
-    each step (not timed), as the trainer's ``zero_grad(set_to_none=True)`` does."""
+    """(forward, backward) seconds of ``model(x).sum()``: the first quartiles of the
+    steps that fit in ``budget`` seconds (at least MIN_BURSTS; Note [quiet timings]).
+    The gradients are dropped after each step (not timed), as the trainer's
+    ``zero_grad(set_to_none=True)`` does."""
     model(x).sum().backward()  # warm-up
     model.zero_grad(set_to_none=True)
     fwd, bwd = [], []
     deadline = time.perf_counter() + budget
-    while len(fwd) < 3 or time.perf_counter() < deadline:
+    while len(fwd) < MIN_BURSTS or time.perf_counter() < deadline:
         t0 = time.perf_counter()
         loss = model(x).sum()
         _sync(device)
@@ -706,7 +868,7 @@ def _fwd_bwd_split(model, x, device: torch.device, budget: float) -> tuple[float
         fwd.append(t1 - t0)
         bwd.append(time.perf_counter() - t1)
         model.zero_grad(set_to_none=True)
-    return statistics.median(fwd), statistics.median(bwd)
+    return _quiet(fwd), _quiet(bwd)
 
 
 SCALARS_PER_STEP = 4  # Trainer._log: loss, lr, loss_scale, samples_per_sec
@@ -748,13 +910,22 @@ def tiny_training_steps(device: torch.device | str = "cpu"):
 
 
 def _step_overhead(model, x, device: torch.device, budget: float) -> float:
-    """Seconds of the run loop's bookkeeping per step: a step of ``model`` with it
-    minus one without it (interleaved bursts, medians). The bookkeeping is what
-    ``runtime.trainer.Trainer`` does around the model each step: the loss divided
-    by the micro-batch count, summed on the host, read with ``.item()``, and
+    """Seconds per step of what a run does around the model beyond its operators: a
+    trainer-like step of ``model`` minus a bare one (interleaved bursts, first
+    quartiles). Both are eager: the streamed call's own cost is ``stream_call_s``.
+
+    The trainer-like step is what ``runtime.trainer.Trainer`` does each step:
+    ``task_loss``'s cross-entropy on labels moved to the device and cast to
+    float32, the loss divided by the micro-batch count, summed on the host, read
+    with ``.item()``, a line of the loss log written and flushed, and
     SCALARS_PER_STEP TensorBoard scalars (whose writer thread competes with the
-    next step: that interference is part of the cost)."""
+    next step: that interference is part of the cost). A model of one small unit
+    (FC-MNIST, a 4 ms step) spends a tenth of its step there."""
     from torch.utils.tensorboard import SummaryWriter
+
+    from weightstream.runtime.trainer import task_loss
+
+    batch = {"inputs": x, "labels": torch.zeros(x.shape[0], dtype=torch.long)}
 
     def plain() -> None:
         model(x).sum().backward()
@@ -762,34 +933,41 @@ def _step_overhead(model, x, device: torch.device, budget: float) -> float:
     step = 0
     with tempfile.TemporaryDirectory(prefix="weightstream-logprobe-") as tmp:
         writer = SummaryWriter(tmp)
+        log = open(Path(tmp) / "losses.jsonl", "a")  # closed below
 
-        def logged() -> None:
+        def trainer_like() -> None:
             nonlocal step
-            scaled = model(x).sum() / 1
+            loss, _, _ = task_loss("classification", model, batch)
+            scaled = loss / 1
             scaled.backward()
             value = (torch.zeros(()) + scaled.detach().cpu()).item()
             step += 1
+            log.write(json.dumps({"step": step, "loss": value}) + "\n")
+            log.flush()
             for i in range(SCALARS_PER_STEP):
                 writer.add_scalar(f"s{i}", value, step)
 
         try:
-            for fn in (plain, logged):
+            for fn in (plain, trainer_like):
                 fn()
-            times: dict = {plain: [], logged: []}
+            times: dict = {plain: [], trainer_like: []}
             deadline = time.perf_counter() + budget
-            while len(times[plain]) < 3 or time.perf_counter() < deadline:
-                for fn in (plain, logged):
+            while len(times[plain]) < MIN_BURSTS or time.perf_counter() < deadline:
+                for fn in (plain, trainer_like):
                     t0 = time.perf_counter()
                     fn()
                     _sync(device)
                     times[fn].append(time.perf_counter() - t0)
+                    model.zero_grad(set_to_none=True)
         finally:
+            log.close()
             writer.close()
-    return max(0.0, statistics.median(times[logged]) - statistics.median(times[plain]))
+    return max(0.0, _quiet(times[trainer_like]) - _quiet(times[plain]))
 
 
 def _software_figures(device: torch.device, sizes: _Sizes, copy_bandwidth: float) -> dict:
-    """op_overhead_fwd_s, op_overhead_bwd_s, unit_overhead_s, step_overhead_s, samples."""
+    """op_overhead_fwd_s, op_overhead_bwd_s, unit_overhead_s, param_overhead_s,
+    stream_call_s, stream_bandwidth, step_overhead_s, samples."""
     from weightstream.backend import compile as ws_compile
     from weightstream.compiler.cost import function_costs
 
@@ -800,6 +978,22 @@ def _software_figures(device: torch.device, sizes: _Sizes, copy_bandwidth: float
     streamed = ws_compile(
         streamed_model, "wse_ws", device=device, unit_classes=[_TinyBlock], prefetch_depth=1
     )
+
+    # The same blocks streamed as a single unit, and half of them: the same
+    # parameter tensors in fewer units, and fewer tensors in one unit, separate
+    # the three costs (Note [fixed costs]).
+    def one_unit(blocks: int):
+        return ws_compile(
+            nn.Sequential(_TinyGroup(_tiny_chain(blocks))),
+            "wse_ws",
+            device=device,
+            unit_classes=[_TinyGroup],
+            prefetch_depth=1,
+        )
+
+    half_blocks = max(1, sizes.tiny_units // 2)
+    single, half = one_unit(sizes.tiny_units), one_unit(half_blocks)
+    half_eager = _tiny_chain(half_blocks).to(device)
     # Wide units: their weights dominate, so their streaming time over the
     # tiny units' is the price of the bytes (Note [fixed costs]).
     d = sizes.wide_features
@@ -812,39 +1006,151 @@ def _software_figures(device: torch.device, sizes: _Sizes, copy_bandwidth: float
     wide_bytes = 3 * sum(p.numel() * p.element_size() for p in wide_model.parameters())
     tiny_bytes = 3 * sum(p.numel() * p.element_size() for p in streamed_model.parameters())
     try:
-        fwd, bwd, units, steps, streams = [], [], [], [], []
-        for _ in range(REPEATS):
+        fwd, bwd, units, per_param, per_call, steps, streams = [], [], [], [], [], [], []
+        tensors = len(list(streamed_model.parameters()))
+        half_tensors = len(list(half_eager.parameters()))
+
+        def repetition() -> tuple:
             # Interleaved: eager and streamed see the same machine conditions.
-            f, b = _fwd_bwd_split(eager, x, device, sizes.overhead_seconds)
-            fs, bs = _fwd_bwd_split(streamed, x, device, sizes.overhead_seconds)
+            budget = sizes.overhead_seconds
+            models = [eager, streamed, single, half_eager, half]
+            splits = [_fwd_bwd_split(m, x, device, budget) for m in models]
+            splits += [_fwd_bwd_split(m, wide_x, device, budget) for m in (wide_eager, wide)]
+            return (*splits, _step_overhead(eager, x, device, budget))
+
+        # REPEATS times (once with quick sizes: tests want the figures, not their spread)
+        for _ in range(REPEATS if sizes.curve_repeats > 1 else 1):
+            timed = _calm(repetition, _retries(sizes))
+            (f, b), (fs, bs), (f1, b1), (fh, bh), (fh1, bh1), (fw, bw), (fws, bws), step = timed
             fwd.append(f / costs.fwd_ops)
             bwd.append(b / costs.bwd_ops)
             # 2 fetches + gradients back of the tiny weights, at the copy bandwidth
             copies = tiny_bytes / copy_bandwidth
-            unit = max(0.0, (fs + bs - f - b - copies) / sizes.tiny_units)
+            many = fs + bs - f - b - copies  # call + tiny_units x unit + tensors x param
+            one = f1 + b1 - f - b - copies  # call + 1 x unit + tensors x param
+            one_half = fh1 + bh1 - fh - bh - copies * half_tensors / tensors
+            unit = max(0.0, (many - one) / max(1, sizes.tiny_units - 1))
             units.append(unit)
-            fw, bw = _fwd_bwd_split(wide_eager, wide_x, device, sizes.overhead_seconds)
-            fws, bws = _fwd_bwd_split(wide, wide_x, device, sizes.overhead_seconds)
-            per_bytes = (fws + bws - fw - bw) - sizes.tiny_units * unit
+            param = max(0.0, (one - one_half) / max(1, tensors - half_tensors))
+            per_param.append(param)
+            per_call.append(max(0.0, one - unit - tensors * param))
+            per_bytes = fws + bws - fw - bw - per_call[-1] - sizes.tiny_units * unit
+            per_bytes -= tensors * param
             streams.append(wide_bytes / per_bytes if per_bytes > 0 else copy_bandwidth)
-            steps.append(_step_overhead(eager, x, device, sizes.overhead_seconds))
+            steps.append(step)
     finally:
         streamed.engine.close()
+        single.engine.close()
+        half.engine.close()
         wide.engine.close()
+    # Direct timings: the fastest repetition; differences of two timings: the
+    # median (a disturbed eager twin would make a difference too small).
     return {
-        "op_overhead_fwd_s": statistics.median(fwd),
-        "op_overhead_bwd_s": statistics.median(bwd),
+        "op_overhead_fwd_s": min(fwd),
+        "op_overhead_bwd_s": min(bwd),
         "unit_overhead_s": statistics.median(units),
+        "param_overhead_s": statistics.median(per_param),
+        "stream_call_s": statistics.median(per_call),
         "stream_bandwidth": statistics.median(streams),
         "step_overhead_s": statistics.median(steps),
         "samples": {
             "op_overhead_fwd": fwd,
             "op_overhead_bwd": bwd,
             "unit_overhead": units,
+            "param_overhead": per_param,
+            "stream_call": per_call,
             "stream_bandwidth": streams,
             "step_overhead": steps,
         },
     }
+
+
+class _ProxyBlock(nn.Module):
+    """A small decoder block with the operator mix of the zoo's (Note [in situ]).
+
+    ``gated=False``: GPT-2's (LayerNorm, fused qkv, causal attention, GELU MLP);
+    ``gated=True``: Llama's (RMS norm, rotary positions, SwiGLU MLP).
+    """
+
+    def __init__(self, d: int, heads: int, gated: bool):
+        super().__init__()
+        self.heads, self.gated = heads, gated
+        if gated:
+            self.norm1 = nn.Parameter(torch.ones(d))
+            self.norm2 = nn.Parameter(torch.ones(d))
+            self.gate = nn.Linear(d, 8 * d // 3, bias=False)
+        else:
+            self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d, bias=not gated)
+        self.proj = nn.Linear(d, d, bias=not gated)
+        hidden = 8 * d // 3 if gated else 4 * d
+        self.up = nn.Linear(d, hidden, bias=not gated)
+        self.down = nn.Linear(hidden, d, bias=not gated)
+
+    def _norm(self, x, norm):
+        if not self.gated:
+            return norm(x)
+        return norm * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(self._norm(x, self.norm1)).view(B, T, 3, self.heads, -1).unbind(2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if self.gated:  # rotary positions: rotate pairs of head dimensions
+            pos = torch.arange(T, dtype=x.dtype, device=x.device)[:, None]
+            angles = pos / (1 + torch.arange(q.shape[-1], device=x.device))
+            cos, sin = angles.cos(), angles.sin()
+            half = q.shape[-1] // 2
+
+            def rotate(t):
+                return t * cos + torch.cat((-t[..., half:], t[..., :half]), -1) * sin
+
+            q, k = rotate(q), rotate(k)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, D))
+        h = self._norm(x, self.norm2)
+        if self.gated:
+            return x + self.down(F.silu(self.gate(h)) * self.up(h))
+        return x + self.down(F.gelu(self.up(h), approximate="tanh"))
+
+
+def _in_situ_factor(partial: MachineProfile, sizes: _Sizes) -> tuple[float, list[float]]:
+    """Measured over estimated seconds of the proxy's streamed training step (Note [in situ])."""
+    from weightstream.backend import compile as ws_compile
+    from weightstream.compiler.cost import unit_costs
+    from weightstream.compiler.estimate import EstimateSettings, estimate
+
+    device = torch.device(partial.device)
+    batch, seq, d, heads = sizes.proxy
+    model = nn.Sequential(_ProxyBlock(d, heads, gated=False), _ProxyBlock(d, heads, gated=True))
+    x = torch.randn(batch, seq, d, device=device)
+    compiled = ws_compile(
+        model, "wse_ws", device=device, unit_classes=[_ProxyBlock], prefetch_depth=1
+    )
+    try:
+        costs = unit_costs(model, compiled.engine.prepare(x), (x,))
+        est = estimate(costs, partial, EstimateSettings(batch_size=batch, prefetch_depth=1))
+        # What the factor scales: each pass's work (compute, memory, operators) and
+        # the streaming bookkeeping; the rest of the modelled step (transfers not
+        # hidden) stays as it is. The proxy runs no update.
+        scaled = sum(u.fwd_work_s + u.bwd_work_s + u.stream_s for u in est.units)
+        scaled += est.outside_fwd_s + est.outside_bwd_s + est.stream_call_s
+        rest = est.step_s - est.update_s - scaled
+        steps = []
+        for _ in range(2 + sizes.proxy_steps):
+            t0 = time.perf_counter()
+            compiled(x).sum().backward()
+            model.zero_grad(set_to_none=True)
+            _sync(device)
+            steps.append(time.perf_counter() - t0)
+    finally:
+        compiled.engine.close()
+    # The first quartile, as every timing here (Note [quiet timings]): steps drift
+    # as other processes wake up (34 ms for the first, 53 for the last of one
+    # measurement on a machine that had been quiet when it began).
+    measured = _quiet(steps[2:])
+    factor = (measured - rest) / scaled if scaled > 0 else 1.0
+    return min(3.0, max(0.5, factor)), steps[2:]
 
 
 def update_key(spec: dict) -> str:
@@ -856,11 +1162,11 @@ def update_key(spec: dict) -> str:
 def _measure_update(spec: dict, quick: bool) -> UpdateCost:
     """Time the trainer's update sequence for ``spec`` (see :func:`update_cost`)."""
     from weightstream.amp import GradScaler
-    from weightstream.optim import configure_optimizer
+    from weightstream.optim import configure_lr_scheduler, configure_optimizer
 
     device = torch.device(spec["device"])
-    budget = 0.005 if quick else 0.05
-    big = _QUICK.update_numel if quick else _FULL.update_numel
+    budget = 0.005 if quick else 0.1
+    big = _QUICK.update_numel if quick else spec.get("numel") or _FULL.update_numel
     sets = 2 if quick else 4
 
     def seconds(tensors: int, numel: int) -> float:
@@ -874,9 +1180,11 @@ def _measure_update(spec: dict, quick: bool) -> UpdateCost:
             opt = configure_optimizer(
                 spec["optimizer_type"], params=params, learning_rate=1e-3, **spec["kwargs"]
             )
-            updates.append((params, grads, opt, GradScaler(**spec["grad_scaler"])))
+            schedule = spec.get("schedule")
+            sched = None if schedule is None else configure_lr_scheduler(opt, schedule)
+            updates.append((params, grads, opt, GradScaler(**spec["grad_scaler"]), sched))
 
-        def update(params, grads, opt, scaler):
+        def update(params, grads, opt, scaler, sched):
             # The update part of Trainer._optimizer_step, in its order.
             for p, g in zip(params, grads):
                 p.grad = g
@@ -888,6 +1196,8 @@ def _measure_update(spec: dict, quick: bool) -> UpdateCost:
             scaler.step(opt)
             scaler.update()
             opt.zero_grad(set_to_none=True)
+            if sched is not None:
+                sched.step()
 
         def all_sets():
             for u in updates:
@@ -942,18 +1252,20 @@ def measure(
                     Path(disk_dir), sizes.disk_bytes
                 )
             floor = _dispatch_seconds(device, sizes.curve_seconds)
-            matmul_curve = _median_curve(lambda: _matmul_curve(device, sizes, floor), sizes)
+            matmul_curve = _best_curve(lambda: _matmul_curve(device, sizes, floor), sizes)
         software = _software_figures(device, sizes, link)
         samples.update(software.pop("samples"))
-        tables = [_op_bandwidth(device, sizes, software) for _ in range(sizes.curve_repeats)]
+        tables = [
+            _calm(lambda: _op_bandwidth(device, sizes, software), _retries(sizes))
+            for _ in range(sizes.curve_repeats)
+        ]
         op_bandwidth = {
-            cls: {k: statistics.median(t[cls][k] for t in tables) for k in tables[0][cls]}
-            for cls in tables[0]
+            cls: {k: max(t[cls][k] for t in tables) for k in tables[0][cls]} for cls in tables[0]
         }
-        software["op_bandwidth"] = op_bandwidth  # the medians price the attention's loss
-        attention_curve = _median_curve(lambda: _attention_curve(device, sizes, software), sizes)
+        software["op_bandwidth"] = op_bandwidth  # the best figures price the attention's loss
+        attention_curve = _best_curve(lambda: _attention_curve(device, sizes, software), sizes)
     del software["op_bandwidth"]
-    return MachineProfile(
+    profile = MachineProfile(
         device=str(device),
         device_name=device_name(device),
         torch_version=torch.__version__,
@@ -974,6 +1286,12 @@ def measure(
         samples=samples,
         **software,
     )
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(0)
+        profile.in_situ_factor, samples["in_situ"] = _calm(
+            lambda: _in_situ_factor(profile, sizes), _retries(sizes)
+        )
+    return profile
 
 
 def remeasure_software(profile: MachineProfile) -> MachineProfile:
@@ -986,7 +1304,15 @@ def remeasure_software(profile: MachineProfile) -> MachineProfile:
     samples = {**profile.samples, **software.pop("samples")}
     data = {**profile.to_dict(), **software, "samples": samples, "update_costs": {}}
     data["runtime_digest"] = runtime_digest()
-    return MachineProfile.from_dict(data)
+    data["in_situ_factor"] = 1.0
+    remeasured = MachineProfile.from_dict(data)
+    # The proxy streams through the runtime: its factor is a software figure too.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(0)
+        remeasured.in_situ_factor, samples["in_situ"] = _calm(
+            lambda: _in_situ_factor(remeasured, sizes), _retries(sizes)
+        )
+    return remeasured
 
 
 def _write_json_atomic(path: Path, data: dict) -> None:
@@ -1064,11 +1390,20 @@ def update_spec(
     max_gradient_value: float | None = None,
     grad_scaler: dict | None = None,
     device: torch.device | str = "cpu",
+    schedule=None,
+    numel: int | None = None,
 ) -> dict:
     """What an update's cost depends on: the optimizer and its numeric arguments
-    (the learning rate and its schedule do not change the cost and are left out),
-    gradient clipping, the loss scaler's settings and the device holding the
-    parameters (the host in weight streaming)."""
+    (the learning rate's value does not change the cost and is left out),
+    gradient clipping, the loss scaler's settings, the device holding the
+    parameters (the host in weight streaming) and the learning-rate schedule
+    (``schedule``: the params file's ``learning_rate``, None for none), whose
+    Python step runs once per step: a sequence of schedulers costs a few hundred
+    microseconds, several percent of a small model's step. ``numel``: the
+    model's trainable elements; the cost per element is timed on a tensor of
+    that many, rounded up to a power of two in [2^14, 2^22] (None: 2^20), as
+    what fits the caches decides it: SGD with momentum updates a 0.2M-element
+    model at 2-3 ns an element and 4 sets of 1M elements at 5."""
     kwargs = {
         k: v
         for k, v in (kwargs or {}).items()
@@ -1081,7 +1416,14 @@ def update_spec(
         "max_gradient_value": max_gradient_value,
         "grad_scaler": {k: v for k, v in (grad_scaler or {}).items() if v is not None},
         "device": str(torch.device(device)),
+        "schedule": copy.deepcopy(schedule),
+        "numel": None if numel is None else _update_numel(numel),
     }
+
+
+def _update_numel(numel: int) -> int:
+    """``numel`` rounded up to a power of two in [2^14, 2^22] (see :func:`update_spec`)."""
+    return 2 ** min(22, max(14, math.ceil(math.log2(max(1, numel)))))
 
 
 def update_cost(

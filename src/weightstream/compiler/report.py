@@ -313,9 +313,13 @@ def _report_text(data: dict) -> str:
         f"{_si(m['host_memory_bandwidth'], 'B/s')}",
         f"  per operator {m['op_overhead_fwd_s'] * 1e6:.1f} us forward, "
         f"{m['op_overhead_bwd_s'] * 1e6:.1f} us backward; per streamed unit "
-        f"{m['unit_overhead_s'] * 1e6:.0f} us per step, streaming "
+        f"{m['unit_overhead_s'] * 1e6:.0f} us and per streamed parameter tensor "
+        f"{m['param_overhead_s'] * 1e6:.0f} us per step, per streamed call "
+        f"{m['stream_call_s'] * 1e6:.0f} us, streaming "
         f"{_si(m['stream_bandwidth'], 'B/s')}; loop bookkeeping "
         f"{m['step_overhead_s'] * 1e6:.0f} us per step",
+        f"  in a training step work runs {m['in_situ_factor']:.2f} x slower than timed alone "
+        "(measured on a proxy step)",
     ]
     if m["disk_read_bandwidth"] is not None:
         lines.append(
