@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import errno
 import importlib.util
 import json
 import os
@@ -29,6 +30,7 @@ from torch import nn
 import weightstream
 from weightstream.checkpoint import (
     CheckpointError,
+    CheckpointWriteError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     LazyStateDict,
@@ -747,6 +749,28 @@ def test_pieces_on_threads_find_damage_in_any_piece(tmp_path, tiny_pieces):
     path.write_bytes(data[: offset + 2400])  # cut in the middle of "w"
     with pytest.raises(CorruptCheckpointError, match=str(path)):
         load(path, "cpu", allow_incomplete=True)
+
+
+def test_failed_piece_write_stops_the_save(tmp_path, tiny_pieces, monkeypatch):
+    target = tmp_path / "c.mdl"
+    previous = {"v": torch.ones(2)}
+    save(previous, target)
+    real_pwrite = os.pwrite
+    calls = []
+
+    def failing_pwrite(fd, data, offset):
+        calls.append(offset)
+        if len(calls) == 30:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", failing_pwrite)
+    with pytest.raises(CheckpointWriteError, match=r"No space left on device.*Free disk space"):
+        save({"w": torch.randn(64, 64), "x": torch.randn(100)}, target)
+    monkeypatch.undo()
+    assert_same(previous, load(target, "cpu"))
+    assert [p.name for p in tmp_path.iterdir()] == ["c.mdl"]
+    assert not [t for t in threading.enumerate() if t.name == "weightstream-io"]
 
 
 def test_for_each_piece_orders_results_and_joins_before_raising():
