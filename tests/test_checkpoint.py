@@ -46,6 +46,7 @@ from weightstream.checkpoint import (
     prune_checkpoints,
     save,
 )
+from weightstream.checkpoint import kernel as kernel_module
 from weightstream.checkpoint import pieces as pieces_module
 from weightstream.checkpoint import writer as writer_module
 from weightstream.checkpoint.cli import main as cli_main
@@ -771,6 +772,34 @@ def test_failed_piece_write_stops_the_save(tmp_path, tiny_pieces, monkeypatch):
     assert_same(previous, load(target, "cpu"))
     assert [p.name for p in tmp_path.iterdir()] == ["c.mdl"]
     assert not [t for t in threading.enumerate() if t.name == "weightstream-io"]
+
+
+def test_durable_save_starts_writeback_as_it_goes(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(kernel_module, "WRITEBACK_BYTES", 64 * 1024)
+    monkeypatch.setattr(kernel_module, "start_writeback", started.append)
+    state = {f"w{i}": torch.randn(128, 256) for i in range(4)}  # 4 x 128 KiB
+    save(state, tmp_path / "quick.mdl", fsync=False)
+    assert started == []  # nothing will wait for the disk: leave it to the kernel
+    save(state, tmp_path / "durable.mdl")
+    assert len(started) >= 4  # about one per 64 KiB written
+    assert_same(state, load(tmp_path / "durable.mdl", "cpu"))
+
+
+def test_kernel_hints_never_fail(monkeypatch):
+    monkeypatch.setattr(kernel_module, "_broken", set())
+    read_end, write_end = os.pipe()
+    try:
+        kernel_module.start_writeback(write_end)  # a pipe has no pages to write back
+        kernel_module.start_writeback(read_end)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    buffer = np.zeros(3 * 4096 + 100, dtype=np.uint8)
+    kernel_module.populate(buffer.ctypes.data, buffer.nbytes)
+    kernel_module.populate(buffer.ctypes.data + 1, 10)  # no whole page inside: nothing
+    assert not buffer.any()  # hints never change memory
+    assert "sync_file_range" not in kernel_module._broken  # a pipe says nothing of files
 
 
 def test_for_each_piece_orders_results_and_joins_before_raising():

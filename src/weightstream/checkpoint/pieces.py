@@ -25,23 +25,12 @@ returns or raises (also on KeyboardInterrupt, which then stops them after
 their current piece), so nothing runs in the background between calls,
 nothing survives a fork, and no thread outlives the memory it works on.
 Small tensors (a single piece) never start a thread.
-
-# Note [populate before read]
-
-Reading into fresh memory, the kernel takes a page fault for every 4 KiB
-page the copy touches first, inside the copy. Asking it to map a piece's
-pages first (``madvise(MADV_POPULATE_WRITE)``, Linux 5.14+) does the same
-work without a fault per page: a 2 GiB load took 14% less time. Only pages
-wholly inside the piece are populated (the ones at its ends fault as before);
-where the call is not available the pages fault as they always did.
 """
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import os
-import sys
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -61,40 +50,6 @@ MAX_THREADS = 4
 # writes of 1-2 MiB (the kernel then caches them in 2 MiB pages), and
 # reading or summing gained nothing from larger pieces.
 PIECE_BYTES = 2**20
-
-_PAGE = 4096
-_MADV_POPULATE_WRITE = 23  # Linux <asm-generic/mman-common.h>, 5.14+
-_madvise: Callable[[int, int, int], int] | None = None
-_populate_works = sys.platform.startswith("linux")
-
-
-def populate(address: int, nbytes: int) -> None:
-    """Map the pages wholly inside ``[address, address + nbytes)`` now, for writing.
-
-    An optimization only (Note [populate before read]): it never changes the
-    memory's contents, and does nothing where the kernel cannot do it.
-    """
-    global _madvise, _populate_works
-    if not _populate_works:
-        return
-    first = -(-address // _PAGE) * _PAGE
-    last = (address + nbytes) // _PAGE * _PAGE
-    if last <= first:
-        return
-    if _madvise is None:
-        try:  # the C library the interpreter runs on (no search, no subprocess)
-            fn = ctypes.CDLL(None, use_errno=True).madvise
-        except (OSError, AttributeError):
-            _populate_works = False
-            return
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        _madvise = fn
-    if _madvise(first, last - first, _MADV_POPULATE_WRITE) != 0:
-        # EINVAL: a kernel before 5.14; ENOMEM and others: let the read fault the
-        # pages, which raises nothing either (the memory is ours and writable).
-        if ctypes.get_errno() == 22:
-            _populate_works = False
 
 
 def io_threads() -> int:

@@ -39,7 +39,7 @@ import h5py
 import numpy as np
 import torch
 
-from weightstream.checkpoint import pieces
+from weightstream.checkpoint import kernel, pieces
 from weightstream.checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -549,7 +549,7 @@ class H5Source(Source):
         def read_piece(i: int) -> int | None:
             start = i * size
             piece = buffer[start : start + size]
-            pieces.populate(address + start, len(piece))  # Note [populate before read]
+            kernel.populate(address + start, len(piece))  # Note [populate before read]
             if not read_exact(fd, piece, offset + start):
                 return None  # past the end of the file
             return checksum(np.frombuffer(piece, dtype=np.uint8)) if verify else 0

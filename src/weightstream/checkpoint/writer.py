@@ -63,7 +63,7 @@ import h5py
 import numpy as np
 import torch
 
-from weightstream.checkpoint import pieces
+from weightstream.checkpoint import kernel, pieces
 from weightstream.checkpoint.crash import crash_point
 from weightstream.checkpoint.errors import CheckpointWriteError
 from weightstream.checkpoint.format import (
@@ -165,7 +165,7 @@ def save(
             atomic_path(target, fsync=fsync) as tmp,
             open(tmp, "w+b", buffering=0) as raw,
         ):
-            guard = WriteGuard(raw)
+            guard = WriteGuard(raw, durable=fsync)
             with h5py.File(
                 guard,
                 "w",
@@ -232,20 +232,25 @@ class WriteGuard:
     Reads, seeks and the rest go straight to the file.
     """
 
-    def __init__(self, raw) -> None:
+    def __init__(self, raw, *, durable: bool = False) -> None:
         self._raw = raw  # an unbuffered binary file: every write reaches the OS now
         self.error: OSError | None = None
         self._lock = threading.Lock()
+        self._durable = durable  # it will be fsynced: start writeback early
+        self._unflushed = 0  # bytes of data written since writeback was last started
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        if self.error is None:
-            try:
-                done = 0
-                while done < len(view):  # an unbuffered write may be partial
-                    done += self._raw.write(view[done:])
-            except OSError as e:
-                self.error = e
+        with self._lock:  # HDF5 writes on one thread, but not at once with pwrite
+            if self.error is None:
+                try:
+                    done = 0
+                    while done < len(view):  # an unbuffered write may be partial
+                        done += self._raw.write(view[done:])
+                except OSError as e:
+                    self.error = e
+                else:
+                    self._wrote(len(view))
         return len(view)
 
     def pwrite(self, data, offset: int) -> int:
@@ -268,7 +273,16 @@ class WriteGuard:
                         done += os.pwrite(fd, view[done:], offset + done)
                 except OSError as e:
                     self.error = e  # the first failure: later writes are skipped
+                else:
+                    self._wrote(len(view))
         return len(view)
+
+    def _wrote(self, nbytes: int) -> None:
+        """Count written bytes; start writeback every so often (Note [early writeback])."""
+        self._unflushed += nbytes
+        if self._durable and self._unflushed >= kernel.WRITEBACK_BYTES:
+            self._unflushed = 0
+            kernel.start_writeback(self._raw.fileno())
 
     def truncate(self, size: int | None = None) -> int:
         if self.error is None:
