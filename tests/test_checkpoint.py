@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import errno
 import importlib.util
 import json
 import os
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from collections import OrderedDict
@@ -28,6 +30,7 @@ from torch import nn
 import weightstream
 from weightstream.checkpoint import (
     CheckpointError,
+    CheckpointWriteError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     LazyStateDict,
@@ -43,6 +46,8 @@ from weightstream.checkpoint import (
     prune_checkpoints,
     save,
 )
+from weightstream.checkpoint import kernel as kernel_module
+from weightstream.checkpoint import pieces as pieces_module
 from weightstream.checkpoint import writer as writer_module
 from weightstream.checkpoint.cli import main as cli_main
 
@@ -691,6 +696,129 @@ def test_other_bad_inputs(tmp_path, saved_small):
     assert "state.pt is a torch.save (pickle) file" in str(e.value)
     assert "allow_pickle=True" in str(e.value) and "--allow-pickle" in str(e.value)
     assert_same({"a": torch.ones(2)}, load(pt, "cpu", allow_pickle=True))
+
+
+# ---------------------------------------------------------------------------
+# Tensors in pieces on threads (Note [parallel pieces], Note [direct data writes])
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_pieces(monkeypatch):
+    """Pieces of 8 bytes on 4 threads: every tensor of the small states is many pieces."""
+    monkeypatch.setattr(pieces_module, "PIECE_BYTES", 8)
+    monkeypatch.setattr(pieces_module, "io_threads", lambda: 4)
+
+
+def test_pieces_on_threads_round_trip(tmp_path, tiny_pieces):
+    state = every_leaf_state()
+    state["odd"] = {  # byte lengths that are not whole 8-byte words
+        "bool": torch.rand(1001) > 0.5,
+        "uint8": torch.arange(999, dtype=torch.int64).to(torch.uint8),
+        "float16": torch.randn(333, 3).half(),
+        "bfloat16": torch.randn(123).bfloat16(),
+    }
+    path = tmp_path / "pieces.mdl"
+    save(state, path)
+    with h5py.File(path, "r") as f:  # each checksum is the documented Sum64 of the bytes
+        for key, value in state["odd"].items():
+            dset = f[f"odd.{key}"]
+            offset = dset.id.get_offset()
+            data = raw_bytes(value).numpy().tobytes()
+            assert path.read_bytes()[offset : offset + len(data)] == data
+            assert int(dset.attrs["checksum_sum64"]) == sum64(data)
+    for mmap in (False, True):
+        for mode in MODES:
+            loaded = load(path, mode, allow_pickle=True, mmap=mmap)
+            assert_same(state, loaded, exact_types=mode not in (None, "cache"))
+
+
+def test_pieces_on_threads_find_damage_in_any_piece(tmp_path, tiny_pieces):
+    state = {"w": torch.randn(40, 30), "b": torch.randn(7)}
+    path = tmp_path / "p.mdl"
+    save(state, path)
+    with h5py.File(path, "r") as f:
+        offset = f["w"].id.get_offset()
+    data = path.read_bytes()
+    for position in (offset, offset + 2400, offset + 40 * 30 * 4 - 1):  # first, middle, last
+        flipped = bytearray(data)
+        flipped[position] ^= 0x01
+        path.write_bytes(flipped)
+        for mmap in (False, True):
+            with pytest.raises(CorruptCheckpointError, match=r"key 'w'.*checksum"):
+                load(path, "cpu", mmap=mmap)
+    path.write_bytes(data[: offset + 2400])  # cut in the middle of "w"
+    with pytest.raises(CorruptCheckpointError, match=str(path)):
+        load(path, "cpu", allow_incomplete=True)
+
+
+def test_failed_piece_write_stops_the_save(tmp_path, tiny_pieces, monkeypatch):
+    target = tmp_path / "c.mdl"
+    previous = {"v": torch.ones(2)}
+    save(previous, target)
+    real_pwrite = os.pwrite
+    calls = []
+
+    def failing_pwrite(fd, data, offset):
+        calls.append(offset)
+        if len(calls) == 30:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", failing_pwrite)
+    with pytest.raises(CheckpointWriteError, match=r"No space left on device.*Free disk space"):
+        save({"w": torch.randn(64, 64), "x": torch.randn(100)}, target)
+    monkeypatch.undo()
+    assert_same(previous, load(target, "cpu"))
+    assert [p.name for p in tmp_path.iterdir()] == ["c.mdl"]
+    assert not [t for t in threading.enumerate() if t.name == "weightstream-io"]
+
+
+def test_durable_save_starts_writeback_as_it_goes(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(kernel_module, "WRITEBACK_BYTES", 64 * 1024)
+    monkeypatch.setattr(kernel_module, "start_writeback", started.append)
+    state = {f"w{i}": torch.randn(128, 256) for i in range(4)}  # 4 x 128 KiB
+    save(state, tmp_path / "quick.mdl", fsync=False)
+    assert started == []  # nothing will wait for the disk: leave it to the kernel
+    save(state, tmp_path / "durable.mdl")
+    assert len(started) >= 4  # about one per 64 KiB written
+    assert_same(state, load(tmp_path / "durable.mdl", "cpu"))
+
+
+def test_kernel_hints_never_fail(monkeypatch):
+    monkeypatch.setattr(kernel_module, "_broken", set())
+    read_end, write_end = os.pipe()
+    try:
+        kernel_module.start_writeback(write_end)  # a pipe has no pages to write back
+        kernel_module.start_writeback(read_end)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    buffer = np.zeros(3 * 4096 + 100, dtype=np.uint8)
+    kernel_module.populate(buffer.ctypes.data, buffer.nbytes)
+    kernel_module.populate(buffer.ctypes.data + 1, 10)  # no whole page inside: nothing
+    assert not buffer.any()  # hints never change memory
+    assert "sync_file_range" not in kernel_module._broken  # a pipe says nothing of files
+
+
+def test_for_each_piece_orders_results_and_joins_before_raising():
+    seen = []
+
+    def work(i):
+        seen.append(threading.current_thread().name)
+        time.sleep(0.001)
+        if i == 57:
+            raise ValueError("piece 57")
+        return i * i
+
+    assert pieces_module.for_each_piece(50, work, threads=4) == [i * i for i in range(50)]
+    assert len(set(seen)) > 1  # the caller and helpers both worked
+    with pytest.raises(ValueError, match="piece 57"):
+        pieces_module.for_each_piece(200, work, threads=4)
+    assert not [t for t in threading.enumerate() if t.name == "weightstream-io"]
+    assert pieces_module.for_each_piece(0, work) == []
+    assert pieces_module.for_each_piece(3, lambda i: i, threads=1) == [0, 1, 2]
 
 
 # ---------------------------------------------------------------------------

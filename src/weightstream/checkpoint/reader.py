@@ -6,10 +6,12 @@ A tensor is read into a freshly allocated tensor (``torch.empty``) through
 its numpy view, so loading costs one copy from the page cache and no more. For
 a dataset that is contiguous, unfiltered and stored in the requested byte
 order (everything we write without compression), the byte range is read with
-``os.preadv`` at the offset HDF5 reports: no HDF5 call on the data path. Other
-datasets (LZ4 or gzip compressed, chunked, big-endian) go through
-``Dataset.read_direct`` into the same preallocated buffer. Every dataset with a
-``checksum_sum64`` attribute is verified after the read.
+``os.preadv`` at the offset HDF5 reports: no HDF5 call on the data path, and
+the pieces of a large tensor are read and summed on a few threads (Note
+[parallel pieces]). Other datasets (LZ4 or gzip compressed, chunked,
+big-endian) go through ``Dataset.read_direct`` into the same preallocated
+buffer. Every dataset with a ``checksum_sum64`` attribute is verified after
+the read.
 
 With ``mmap=True`` such a plain byte range is not copied at all: the tensor
 is a view of a copy-on-write mapping of the file (writable, changes stay in
@@ -37,6 +39,7 @@ import h5py
 import numpy as np
 import torch
 
+from weightstream.checkpoint import kernel, pieces
 from weightstream.checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -78,7 +81,6 @@ from weightstream.checkpoint.format import (
     Branch,
     Leaf,
     Node,
-    Sum64,
     checksum,
     dataset_name,
     is_tree_json,
@@ -102,10 +104,6 @@ _REFERENCE_BYTES_ATTR = "__BYTES__"
 _REFERENCE_OBJECT_ATTR = "object_value"
 
 _source_ids = itertools.count()
-
-# Plain byte ranges are read (and checksummed) in pieces of this size: small
-# enough to stay in the CPU cache between the read and the sum.
-READ_PIECE = 4 * 2**20
 
 _DAMAGED_FIX = (
     "The file is damaged (truncated, overwritten, or corrupted in a copy). Load an "
@@ -471,7 +469,10 @@ class H5Source(Source):
             )
         out = self._map(dset, dtype, shape, stored_dtype)
         if out is not None:
-            self._check(key, name, attrs, storage_array(out).view(stored_dtype))
+            expected = self._expected(attrs)
+            if expected is not None:  # reads every mapped page, on threads
+                actual = pieces.parallel_checksum(storage_array(out).view(stored_dtype))
+                self._compare(key, name, actual, expected)
         else:
             out = torch.empty(shape, dtype=dtype)
             if out.numel() > 0:
@@ -513,11 +514,6 @@ class H5Source(Source):
             return None
         return int(np.asarray(attrs[ATTR_CHECKSUM]).reshape(-1)[0])
 
-    def _check(self, key: str, name: str, attrs: dict, array: np.ndarray) -> None:
-        expected = self._expected(attrs)
-        if expected is not None:
-            self._compare(key, name, checksum(array), expected)
-
     def _compare(self, key: str, name: str, actual: int, expected: int) -> None:
         if actual != expected:
             raise CorruptCheckpointError(
@@ -531,9 +527,10 @@ class H5Source(Source):
     ) -> None:
         """Fill ``target`` (C-contiguous, native order) and verify it (Note [fast reads]).
 
-        The plain byte range is read in pieces of READ_PIECE bytes, each summed
-        for the checksum right after it arrives, while it is still in the CPU
-        cache: verifying then costs no second pass over memory.
+        The plain byte range is read in pieces of PIECE_BYTES, each summed for
+        the checksum right after it arrives, while it is still in the CPU
+        cache: verifying then costs no second pass over memory. The pieces are
+        shared out among a few threads (Note [parallel pieces]).
         """
         expected = self._expected(attrs)
         offset = _raw_offset(dset)
@@ -541,21 +538,31 @@ class H5Source(Source):
             _register_filters()
             dset.read_direct(target)
             if expected is not None:
-                self._compare(key, name, checksum(target), expected)
+                self._compare(key, name, pieces.parallel_checksum(target), expected)
             return
         buffer = memoryview(target.reshape(-1).view(np.uint8))
-        digest = Sum64() if expected is not None else None
-        for start in range(0, len(buffer), READ_PIECE):
-            piece = buffer[start : start + READ_PIECE]
-            if not read_exact(self._fd, piece, offset + start):
-                raise CorruptCheckpointError(
-                    f"{self.path}: key {key!r} (dataset {name!r}) ends past the end of "
-                    f"the file: the file is truncated. {_DAMAGED_FIX}"
-                )
-            if digest is not None:
-                digest.update(np.frombuffer(piece, dtype=np.uint8))
-        if digest is not None and expected is not None:
-            self._compare(key, name, digest.digest(), expected)
+        address = target.ctypes.data
+        verify = expected is not None
+        fd = self._fd
+        size = pieces.PIECE_BYTES
+
+        def read_piece(i: int) -> int | None:
+            start = i * size
+            piece = buffer[start : start + size]
+            kernel.populate(address + start, len(piece))  # Note [populate before read]
+            if not read_exact(fd, piece, offset + start):
+                return None  # past the end of the file
+            return checksum(np.frombuffer(piece, dtype=np.uint8)) if verify else 0
+
+        # Note [parallel pieces]
+        sums = pieces.for_each_piece(pieces.piece_count(len(buffer), size), read_piece)
+        if any(s is None for s in sums):
+            raise CorruptCheckpointError(
+                f"{self.path}: key {key!r} (dataset {name!r}) ends past the end of "
+                f"the file: the file is truncated. {_DAMAGED_FIX}"
+            )
+        if expected is not None:
+            self._compare(key, name, pieces.combine(sums), expected)
 
 
 def _register_filters() -> None:

@@ -15,15 +15,37 @@ harmless, until someone deletes it.
 
 # Note [save memory]
 
-Leaves are written one at a time, straight from the tensor's memory: a
-contiguous CPU tensor is handed to HDF5 as numpy views of pieces of about
-``SLAB_BYTES`` along its first dimension, no copy. A strided tensor is written
-in the same pieces, each made contiguous, then dropped. A tensor on another
-device is copied to the CPU one at a time, and dtypes numpy lacks (float8,
-complex32) are made contiguous. So the extra memory of a save is at most one
-tensor (the largest) plus a small constant, never a copy of the state; for
-CPU tensors of the common dtypes it is one piece (plus one row of dim 0, if a
-row is larger).
+Leaves are written one at a time, straight from the tensor's memory: the
+bytes of a contiguous CPU tensor go to the file from numpy views of its
+pieces, no copy (Note [direct data writes], Note [parallel pieces]; for
+compressed datasets, HDF5 gets views of pieces of about ``SLAB_BYTES`` along
+the first dimension). A strided tensor is written in pieces of about
+``SLAB_BYTES`` along its first dimension, one at a time, each made contiguous,
+then dropped. A tensor on another device is copied to the CPU one at a time,
+and dtypes numpy lacks (float8, complex32) are made contiguous. So the extra
+memory of a save is at most one tensor (the largest) plus a small constant,
+never a copy of the state; for CPU tensors of the common dtypes it is at most
+one piece (plus one row of dim 0, if a row is larger).
+
+# Note [direct data writes]
+
+An uncompressed tensor is a contiguous dataset whose file space HDF5
+allocates when the dataset is created (``alloc_time`` early; the bytes are
+not filled, ``fill_time`` never). The writer asks HDF5 for that byte range
+and writes the data there itself with ``os.pwrite`` (through the
+:class:`WriteGuard`, so a failed write is kept, not seen by HDF5), as the
+reader reads it with ``os.preadv`` (Note [fast reads]). HDF5 never sees the
+data, so a piece costs one system call instead of an ``H5Dwrite`` with its
+selections, type checks and a call back into Python through the file-object
+driver (measured: about a sixth of the time of a 2 GiB save), and the pieces
+of a contiguous tensor can be summed and written on several threads (Note
+[parallel pieces]; HDF5 calls stay on the caller's thread). This is safe
+because HDF5 keeps no copy of raw data of a contiguous dataset it did not
+read or write itself, it seeks before each of its own writes (``pwrite``
+moves no file position anyway), and the range belongs to this dataset alone.
+The file is the same as when HDF5 writes the data, byte for byte in the
+data; only the allocation time recorded in the dataset's fill-value message
+differs. Compressed (chunked) and 0-d datasets go through ``write_direct``.
 """
 
 from __future__ import annotations
@@ -31,6 +53,7 @@ from __future__ import annotations
 import os
 import pickle
 import secrets
+import threading
 from collections.abc import Hashable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -40,6 +63,7 @@ import h5py
 import numpy as np
 import torch
 
+from weightstream.checkpoint import kernel, pieces
 from weightstream.checkpoint.crash import crash_point
 from weightstream.checkpoint.errors import CheckpointWriteError
 from weightstream.checkpoint.format import (
@@ -142,7 +166,7 @@ def save(
             atomic_path(target, fsync=fsync) as tmp,
             open(tmp, "w+b", buffering=0) as raw,
         ):
-            guard = WriteGuard(raw)
+            guard = WriteGuard(raw, durable=fsync)
             with h5py.File(
                 guard,
                 "w",
@@ -150,7 +174,7 @@ def save(
                 alignment_threshold=ALIGNMENT,
                 alignment_interval=ALIGNMENT,
             ) as f:
-                writer = LeafWriter(f, options)
+                writer = LeafWriter(f, options, guard)
                 for (key, value), name in zip(flat.leaves, names):
                     writer.write(key, name, value)
                     guard.check()  # stop at the first failed write
@@ -209,20 +233,57 @@ class WriteGuard:
     Reads, seeks and the rest go straight to the file.
     """
 
-    def __init__(self, raw) -> None:
+    def __init__(self, raw, *, durable: bool = False) -> None:
         self._raw = raw  # an unbuffered binary file: every write reaches the OS now
         self.error: OSError | None = None
+        self._lock = threading.Lock()
+        self._durable = durable  # it will be fsynced: start writeback early
+        self._unflushed = 0  # bytes of data written since writeback was last started
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        if self.error is None:
-            try:
-                done = 0
-                while done < len(view):  # an unbuffered write may be partial
-                    done += self._raw.write(view[done:])
-            except OSError as e:
-                self.error = e
+        with self._lock:  # HDF5 writes on one thread, but not at once with pwrite
+            if self.error is None:
+                try:
+                    done = 0
+                    while done < len(view):  # an unbuffered write may be partial
+                        done += self._raw.write(view[done:])
+                except OSError as e:
+                    self.error = e
+                else:
+                    self._wrote(len(view))
         return len(view)
+
+    def pwrite(self, data, offset: int) -> int:
+        """Write ``data`` at ``offset`` without moving the file position.
+
+        For the data HDF5 does not see (Note [direct data writes]); called from
+        several threads at once (Note [parallel pieces]). A failure is kept
+        like one of :meth:`write`. Returns the number of bytes.
+        """
+        view = memoryview(data).cast("B")
+        # One writer at a time: concurrent writes into one file contend for its
+        # inode lock in the kernel, which costs CPU and gains little (Note
+        # [parallel pieces]); the other threads sum their next piece meanwhile.
+        with self._lock:
+            if self.error is None:
+                try:
+                    fd = self._raw.fileno()
+                    done = 0
+                    while done < len(view):  # a write may be partial
+                        done += os.pwrite(fd, view[done:], offset + done)
+                except OSError as e:
+                    self.error = e  # the first failure: later writes are skipped
+                else:
+                    self._wrote(len(view))
+        return len(view)
+
+    def _wrote(self, nbytes: int) -> None:
+        """Count written bytes; start writeback every so often (Note [early writeback])."""
+        self._unflushed += nbytes
+        if self._durable and self._unflushed >= kernel.WRITEBACK_BYTES:
+            self._unflushed = 0
+            kernel.start_writeback(self._raw.fileno())
 
     def truncate(self, size: int | None = None) -> int:
         if self.error is None:
@@ -363,9 +424,10 @@ def is_plain_tensor(value: Any) -> bool:
 class LeafWriter:
     """Writes leaves into an open ``h5py.File`` as datasets (Note [checkpoint layout])."""
 
-    def __init__(self, f: h5py.File, compression: dict) -> None:
+    def __init__(self, f: h5py.File, compression: dict, guard: WriteGuard) -> None:
         self._f = f
         self._compression = compression
+        self._guard = guard  # the file under ``f``, for data written directly
         # First dataset written for each tie identity; later ones become hard links.
         self._first: dict[Hashable, str] = {}
 
@@ -462,22 +524,36 @@ class LeafWriter:
             t = t.contiguous()
         shape = stored_shape(tuple(t.shape), t.dtype)
         options = self._options_for(shape)
+        direct = not options and len(shape) > 0
         if not options:
             # Contiguous layout and no fill pass: the data is written exactly once.
             options = {"fillvalue": None, "fill_time": "never"}
+        if direct:
+            # File space now, so that its offset is known (Note [direct data writes]).
+            dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+            dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+            options["dcpl"] = dcpl
         dset = self._f.create_dataset(name, shape=shape, dtype=np_dtype, **options)
         digest = Sum64()
-        if t.numel() > 0:
-            self._write_pieces(dset, t, digest)
-            # A tensor of the disk store: its pages go back once written, so a
-            # save never holds more than one tensor of it (Note [disk tier]).
-            release_pages([t])
+        offset = dset.id.get_offset() if direct and t.numel() > 0 else None
+        if offset is not None and t.is_contiguous():
+            total = self._write_flat_at(offset, storage_array(t))
+        elif offset is not None:
+            self._write_pieces_at(offset, t, digest)
+            total = digest.digest()
+        else:
+            if t.numel() > 0:
+                self._write_pieces(dset, t, digest)
+            total = digest.digest()
+        # A tensor of the disk store: its pages go back once written, so a save
+        # never holds more than one tensor of it (Note [disk tier]).
+        release_pages([t])
         attrs = dset.attrs
         set_text(attrs, ATTR_TYPE, TYPE_TENSOR)
         set_text(attrs, ATTR_DTYPE, dtype_name(value.dtype))
         attrs[ATTR_SHAPE] = np.asarray(tuple(value.shape), dtype=np.int64)
         attrs[ATTR_BFLOAT16] = encoding == ENCODING_BFLOAT16
-        attrs[ATTR_CHECKSUM] = np.uint64(digest.digest())
+        attrs[ATTR_CHECKSUM] = np.uint64(total)
         if is_parameter:
             attrs[ATTR_IS_PARAMETER] = True
             attrs[ATTR_REQUIRES_GRAD] = requires_grad
@@ -503,6 +579,40 @@ class LeafWriter:
             array = storage_array(piece if piece.is_contiguous() else piece.contiguous())
             digest.update(array)
             dset.write_direct(array, dest_sel=np.s_[start:stop])
+            del piece, array  # before the next piece exists: one piece at a time
+
+    def _write_flat_at(self, offset: int, array: np.ndarray) -> int:
+        """Write a C-contiguous array's bytes to the file at ``offset``; its Sum64.
+
+        Straight from the tensor's memory (Note [direct data writes]), in
+        pieces summed and written by a few threads (Note [parallel pieces]).
+        """
+        data = array.reshape(-1).view(np.uint8)
+        guard = self._guard
+
+        size = pieces.PIECE_BYTES
+
+        def write_piece(i: int) -> int:
+            piece = data[i * size : (i + 1) * size]
+            total = checksum(piece)  # then written while it is in the CPU cache
+            guard.pwrite(piece, offset + i * size)
+            return total
+
+        count = pieces.piece_count(len(data), size)
+        return pieces.combine(pieces.for_each_piece(count, write_piece))
+
+    def _write_pieces_at(self, offset: int, t: torch.Tensor, digest: Sum64) -> None:
+        """:meth:`_write_pieces` of a strided tensor, but straight to the file at
+        ``offset`` (Note [direct data writes]); one piece at a time (Note [save memory]).
+        """
+        row_bytes = max(1, t[0].numel() * t.element_size())
+        rows = max(1, SLAB_BYTES // row_bytes)
+        position = offset
+        for start in range(0, t.shape[0], rows):
+            piece = t[start : start + rows]
+            array = storage_array(piece if piece.is_contiguous() else piece.contiguous())
+            digest.update(array)
+            position += self._guard.pwrite(array.reshape(-1).view(np.uint8), position)
             del piece, array  # before the next piece exists: one piece at a time
 
     def _write_string(self, name: str, value: str) -> None:
