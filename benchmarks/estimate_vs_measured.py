@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import yaml
+from _common import print_result, summary
 
 from weightstream.cli.main import main as ws_main
 from weightstream.compiler.machine import OtherLoad, load_or_measure
@@ -172,6 +173,17 @@ def main(argv: list[str] | None = None) -> int:
             else ""
         )
         print(f"  {name:<11} {_stats(ratios)}    {_stats(limits)}{flag}")
+    print_result(
+        "estimate_vs_measured",
+        models={
+            name: {
+                "ratio": summary([x["measured"] / x["est"] for x in runs]),
+                "limit": "measured/limit "
+                + _stats([x["measured"] / x["limit"] for x in runs]).strip(),
+            }
+            for name, runs in results.items()
+        },
+    )
     return 0
 
 
