@@ -804,9 +804,14 @@ def test_kernel_hints_never_fail(monkeypatch):
 
 def test_for_each_piece_orders_results_and_joins_before_raising():
     seen = []
+    # The first two pieces wait for each other: they run on two threads at once
+    # (however busy the machine, short of 30 s without a helper thread starting).
+    together = threading.Barrier(2, timeout=30)
 
     def work(i):
         seen.append(threading.current_thread().name)
+        if i < 2:
+            together.wait()
         time.sleep(0.001)
         if i == 57:
             raise ValueError("piece 57")
