@@ -50,6 +50,7 @@ from weightstream.checkpoint import kernel as kernel_module
 from weightstream.checkpoint import pieces as pieces_module
 from weightstream.checkpoint import writer as writer_module
 from weightstream.checkpoint.cli import main as cli_main
+from weightstream.checkpoint.reader import read_attributes
 
 DATA = Path(__file__).parent / "data"
 MODES = [None, "cache", "cpu", torch.device("cpu")]
@@ -804,9 +805,14 @@ def test_kernel_hints_never_fail(monkeypatch):
 
 def test_for_each_piece_orders_results_and_joins_before_raising():
     seen = []
+    # The first two pieces wait for each other: they run on two threads at once
+    # (however busy the machine, short of 30 s without a helper thread starting).
+    together = threading.Barrier(2, timeout=30)
 
     def work(i):
         seen.append(threading.current_thread().name)
+        if i < 2:
+            together.wait()
         time.sleep(0.001)
         if i == 57:
             raise ValueError("piece 57")
@@ -819,6 +825,36 @@ def test_for_each_piece_orders_results_and_joins_before_raising():
     assert not [t for t in threading.enumerate() if t.name == "weightstream-io"]
     assert pieces_module.for_each_piece(0, work) == []
     assert pieces_module.for_each_piece(3, lambda i: i, threads=1) == [0, 1, 2]
+
+
+def test_read_attributes_is_dict_of_attrs(tmp_path, every_leaf_file):
+    """The reader's fast attribute path gives what h5py gives, for every kind of attribute."""
+    path = tmp_path / "attrs.h5"
+    with h5py.File(path, "w") as f:
+        d = f.create_dataset("x", data=np.arange(3))
+        d.attrs["empty"] = h5py.Empty("f")
+        d.attrs["vlen"] = "héllo"
+        d.attrs["fixed"] = np.bytes_(b"abc")
+        d.attrs["big_endian"] = np.arange(4, dtype=">i4")
+        d.attrs["half"] = np.float16(1.5)
+        d.attrs["complex"] = np.complex64(1 + 2j)
+        d.attrs["flag"] = True
+        d.attrs["strings"] = np.array([b"a", b"bc"])
+        d.attrs["compound"] = np.array((1, 2.0), dtype=[("a", "i4"), ("b", "f8")])
+    files = [path, every_leaf_file, *sorted(DATA.glob("*.h5"))]
+    for file in files:
+        with h5py.File(file, "r") as f:
+            for name in f:
+                expected, actual = dict(f[name].attrs), read_attributes(f[name])
+                assert list(actual) == list(expected), (file, name)
+                for key, value in expected.items():
+                    got = actual[key]
+                    assert type(got) is type(value), (file, name, key)
+                    if isinstance(value, h5py.Empty):
+                        assert got.dtype == value.dtype
+                    else:
+                        assert getattr(got, "dtype", None) == getattr(value, "dtype", None)
+                        assert np.array_equal(np.asarray(got), np.asarray(value)), (name, key)
 
 
 # ---------------------------------------------------------------------------

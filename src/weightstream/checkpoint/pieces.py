@@ -46,9 +46,10 @@ MAX_THREADS = 4
 
 # Bytes per piece: a multiple of 8 (Note [parallel pieces]), so small that a
 # piece read or summed stays in the CPU cache for the next step. Not larger:
-# measured (Linux 6.18, ext4), writes of 3 MiB or more took twice the time of
-# writes of 1-2 MiB (the kernel then caches them in 2 MiB pages), and
-# reading or summing gained nothing from larger pieces.
+# measured (Linux 6.18 in a VM, ext4), writes of 3 MiB or more took up to
+# twice as long per byte as writes of 1-2 MiB (probably because the kernel
+# then caches them in larger pages, which it had to find first), and reading
+# or summing gained nothing from larger pieces.
 PIECE_BYTES = 2**20
 
 

