@@ -15,9 +15,12 @@ import h5py
 import pytest
 import torch
 import torch.nn.functional as F
+from trees import assert_same_tree
 
 import weightstream as cstorch
 from weightstream.models import GPT, GPTConfig
+from weightstream.models.registry import get_model_spec
+from weightstream.runtime.materialize import build_materialized
 from weightstream.runtime.store import DiskStore, store_of
 
 CFG = GPTConfig(vocab_size=128, seq_len=16, n_layer=3, d_model=32, n_head=4)
@@ -136,6 +139,25 @@ def test_meta_model_is_materialized_in_the_store_by_reset_parameters(tmp_path):
         assert torch.equal(model.state_dict()[k], v), k
     out = runner(torch.ones(2, 8))
     assert out.shape == (2, 4) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "gptj"])
+def test_zoo_model_built_on_meta_equals_the_eager_build(tmp_path, name):
+    """The zoo's own init rule (scaled projections, tied head, zero biases) draws the
+    same numbers in the store as in host memory (the run command's two stores)."""
+    spec = get_model_spec(name)
+    cfg = spec.config_cls(**spec.presets.get("tiny", dict(n_layer=2, d_model=64, n_head=4)))
+    torch.manual_seed(0)
+    ref = build_materialized(lambda: spec.build(cfg), "cpu")
+    assert not any(p.is_meta for p in ref.parameters())
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = spec.build(cfg)
+    runner = cstorch.compile(model, backend="ws", store="disk", store_dir=str(tmp_path))
+    assert_same_tree(model.state_dict(), ref.state_dict())
+    if name == "gpt2":
+        assert model.lm_head.weight is model.wte.weight  # the tie survives materializing
+    runner.engine.close()
 
 
 def test_meta_parameter_without_reset_parameters_is_an_error(tmp_path):

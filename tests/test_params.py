@@ -96,6 +96,25 @@ def assert_mentions(message: str, *fragments: str) -> None:
 # ---------------------------------------------------------------- valid files
 
 
+# Parameter counts of the full-size zoo files, as published (GPT-2: tied embeddings
+# and 1024 positions; GPT-3 XL: the paper's "1.3B"; GPT-J and Llama 2: the released
+# checkpoints' tensors).
+PUBLISHED_SIZES = {
+    "gpt2_small": 124_439_808,
+    "gpt2_medium": 354_823_168,
+    "gpt2_large": 774_030_080,
+    "gpt2_xl": 1_557_611_200,
+    "gpt3_xl": 1_315_723_264,
+    "gptj_6b": 6_050_882_784,
+    "llama2_7b": 6_738_415_616,
+}
+
+
+def test_zoo_configs_exist():
+    names = {p.stem for p in CONFIGS.glob("*.yaml")}
+    assert names >= set(PUBLISHED_SIZES) | {"fc_mnist", "gpt2_tiny_ws", "llama_tiny_ws"}
+
+
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
 def test_example_configs_parse_and_build(path, monkeypatch):
     """Every file in configs/ parses for train_and_eval, and its model, optimizer and
@@ -107,16 +126,14 @@ def test_example_configs_parse_and_build(path, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         params = parse_params(load_params(path), "train_and_eval")
-    model = params.model.build()
+    model = params.model.build("meta")  # shapes only: the full-size zoo files are GBs
+    size = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    assert size == PUBLISHED_SIZES.get(path.stem, size), (path.name, size)
     optimizer = configure_optimizer(
         params.optimizer.optimizer_type, model.parameters(), **params.optimizer.optimizer_kwargs()
     )
     configure_lr_scheduler(optimizer, params.optimizer.learning_rate)
     assert parse_params(params.to_dict(), "train_and_eval").to_dict() == params.to_dict()
-
-
-def test_example_configs_exist():
-    assert {p.name for p in CONFIGS.glob("*.yaml")} >= {"gpt2_tiny_ws.yaml", "fc_mnist.yaml"}
 
 
 def test_gpt2_tiny_config_values():

@@ -62,12 +62,20 @@ class CompiledModule(nn.Module):
     the host masters in the store).
     """
 
-    def __init__(self, module: nn.Module, mode: ExecutionMode, device: torch.device, engine=None):
+    def __init__(
+        self,
+        module: nn.Module,
+        mode: ExecutionMode,
+        device: torch.device,
+        engine=None,
+        on_meta: bool = False,
+    ):
         super().__init__()
         self._orig_mod = module
         self.mode = mode
         self.device = device
         self._engine = engine
+        self._on_meta = on_meta
 
     @property
     def engine(self) -> StreamingEngine | None:
@@ -81,6 +89,13 @@ class CompiledModule(nn.Module):
     def forward(self, *args, **kwargs):
         if self._engine is not None:
             return self._engine(*args, **kwargs)
+        if self._on_meta:
+            raise RuntimeError(
+                f"the model was compiled for {self.mode.value} with its weights on the meta "
+                "device (shapes only), so it cannot run. Fix: build it on the CPU, or use "
+                "weight streaming (backend 'wse_ws') with store='disk', which materializes a "
+                "meta model in its files."
+            )
         args, kwargs = pytree.tree_map_only(
             torch.Tensor, lambda t: t.to(self.device, non_blocking=True), (args, kwargs)
         )
@@ -155,5 +170,9 @@ def compile(
         config = streaming or StreamingConfig(**streaming_kwargs)
         engine = StreamingEngine(model, device, config)
         return CompiledModule(model, mode, device, engine)
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        # Shapes only (a model too large to build, traced to validate or plan it):
+        # nothing to move, and running it is refused with a message.
+        return CompiledModule(model, mode, device, on_meta=True)
     model.to(device)
     return CompiledModule(model, mode, device)

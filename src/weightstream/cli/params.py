@@ -483,9 +483,17 @@ class ModelParams:
 
         return get_model_spec(self.name)
 
-    def build(self):
-        """The model (an nn.Module) built from :attr:`config`."""
-        return self.spec.build(self.config)
+    def build(self, device: str = "cpu"):
+        """The model (an nn.Module) built from :attr:`config` on ``device``.
+
+        The zoo's models are built on the meta device and materialized module by
+        module (``runtime.materialize``): the same numbers as the disk store
+        draws when it materializes them, and no draws thrown away. ``"meta"``
+        leaves them without storage.
+        """
+        from weightstream.runtime.materialize import build_materialized
+
+        return build_materialized(lambda: self.spec.build(self.config), device)
 
     @classmethod
     def from_dict(cls, raw: Any) -> ModelParams:

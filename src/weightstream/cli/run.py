@@ -101,7 +101,14 @@ class Run:
         return contextlib.nullcontext()
 
     def _build_model(self):
-        model = self.params.model.build()
+        # Validating or compiling needs shapes only, and a model of billions of
+        # parameters fits no host's memory: both build on the meta device. The
+        # disk store materializes a meta model in its files, module by module,
+        # drawing what the in-memory build draws (runtime.materialize).
+        rc = self.rc
+        shapes_only = rc.validate_only or rc.compile_only
+        on_meta = shapes_only or (self.ws and rc.store == "disk")
+        model = self.params.model.build("meta" if on_meta else "cpu")
         kwargs = {"device": self.device}
         if self.ws:
             kwargs.update(
@@ -115,7 +122,7 @@ class Run:
                 or ("replicated" if self.rc.store == "disk" else "sharded"),
                 weight_servers=self.rc.num_wgt_servers,
             )
-            if self.rc.store == "disk":
+            if self.rc.store == "disk" and not shapes_only:  # nothing to store then
                 kwargs.update(
                     store="disk",
                     # Beside the run's other outputs by default: on the disk the
@@ -123,8 +130,11 @@ class Run:
                     store_dir=self.rc.store_dir or str(self.model_dir / "store"),
                     host_memory_budget=self.rc.host_memory_budget,
                 )
-        swarm.broadcast_module(model)  # every rank starts from rank 0's weights
+        if not on_meta:
+            swarm.broadcast_module(model)  # every rank starts from rank 0's weights
         compiled = cstorch.compile(model, backend="wse_ws" if self.ws else "wse_lp", **kwargs)
+        if on_meta and not shapes_only:
+            swarm.broadcast_module(model)  # materialized by the store now
         return model, compiled
 
     def _input_fn(self, section, is_training: bool):

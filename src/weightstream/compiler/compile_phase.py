@@ -250,7 +250,7 @@ def run(run, compiled, args: tuple, batch_size: int) -> dict:
     )
     path = write_compile_dir(root, checksum, plan, costs, est, machine, settings=settings)
     log.info(
-        "Compiled into %s: estimated %.2f samples/sec (bound by %s)",
+        "Compiled into %s: estimated %.3g samples/sec (bound by %s)",
         path,
         est.est_samples_per_sec,
         est.bound,

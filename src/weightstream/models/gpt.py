@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from weightstream.runtime.materialize import materialize
+
 
 @dataclass
 class GPTConfig:
@@ -96,19 +98,21 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
-        self.apply(self._init)
-        for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):  # scaled residual projections (GPT-2)
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        materialize(self)
 
-    @staticmethod
-    def _init(m: nn.Module) -> None:
+    def init_module(self, name: str, m: nn.Module) -> None:
+        """Initialize ``m``'s own parameters (see ``runtime.materialize``): N(0, 0.02)
+        matrices, zero biases, and GPT-2's residual projections scaled by
+        1/sqrt(2 n_layer)."""
         if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("proj") else 0.02
+            nn.init.normal_(m.weight, mean=0.0, std=std)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        else:
+            m.reset_parameters()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weightstream.models import _validate
+from weightstream.runtime.materialize import materialize
 
 _OWNER = "GPTJConfig"
 
@@ -153,15 +154,18 @@ class GPTJ(nn.Module):
         self.blocks = nn.ModuleList(GPTJBlock(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size)
-        self.apply(self._init)
+        materialize(self)
 
     @staticmethod
-    def _init(m: nn.Module) -> None:
-        # N(0, 0.02) matrices and zero biases, as Hugging Face's GPT-J; LayerNorms start at (1, 0).
+    def init_module(name: str, m: nn.Module) -> None:
+        """Initialize ``m``'s own parameters (see ``runtime.materialize``): N(0, 0.02)
+        matrices and zero biases, as Hugging Face's GPT-J; LayerNorms start at (1, 0)."""
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+        else:
+            m.reset_parameters()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]

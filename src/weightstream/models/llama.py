@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weightstream.models import _validate
+from weightstream.runtime.materialize import materialize
 
 _OWNER = "LlamaConfig"
 
@@ -118,6 +119,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in float32 even for half inputs: the mean of squares of a
         # 4096-wide bf16 row loses most of its bits otherwise.
@@ -190,13 +194,16 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
-        self.apply(self._init)
+        materialize(self)
 
     @staticmethod
-    def _init(m: nn.Module) -> None:
-        # N(0, 0.02) for every matrix, as Hugging Face's initializer_range; norms start at 1.
+    def init_module(name: str, m: nn.Module) -> None:
+        """Initialize ``m``'s own parameters (see ``runtime.materialize``): N(0, 0.02)
+        for every matrix, as Hugging Face's initializer_range; norms start at 1."""
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        else:
+            m.reset_parameters()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]

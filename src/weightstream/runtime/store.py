@@ -58,6 +58,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from weightstream.runtime.materialize import materialize
+
 # Every open disk store, so that code that only holds a tensor (the checkpoint
 # writer) can give its pages back without knowing which engine owns it.
 _live_stores: weakref.WeakSet = weakref.WeakSet()
@@ -263,11 +265,10 @@ class DiskStore:
         """Move every parameter of ``module`` into the store; materialize meta ones.
 
         A parameter on the meta device (a model built under ``torch.device("meta")``,
-        larger than RAM) is allocated in the store and initialized by its module's
-        ``reset_parameters()``, one module at a time, so the model is never whole
-        in memory.
+        larger than RAM) is allocated in the store and initialized by the model's
+        rule (``runtime.materialize``), one module at a time, so the model is never
+        whole in memory.
         """
-        replaced: dict[int, nn.Parameter] = {}  # id(meta parameter) -> its stored twin (ties)
         for name, m in module.named_modules():
             for bname, b in m._buffers.items():
                 if b is not None and b.is_meta:
@@ -276,30 +277,11 @@ class DiskStore:
                         "device; the disk store materializes parameters only. Fix: create "
                         "buffers on the CPU (e.g. register them after building on meta)."
                     )
-            direct = [(n, p) for n, p in m._parameters.items() if p is not None]
-            fresh = [n for n, p in direct if p.is_meta and id(p) not in replaced]
-            if fresh and not hasattr(m, "reset_parameters"):
-                raise ValueError(
-                    f"parameters {fresh} of module {name or '<root>'!r} "
-                    f"({type(m).__name__}) are on the meta device and the module has no "
-                    "reset_parameters() to initialize them in the disk store. Fix: give the "
-                    "module a reset_parameters() method, or build the model on the CPU."
-                )
-            for n, p in direct:
-                if p.is_meta:
-                    # A meta tensor's data cannot be swapped for a CPU one: the
-                    # parameter object itself is replaced (once, for every tie).
-                    if id(p) not in replaced:
-                        t = self.zeros(p.shape, p.dtype, "master")
-                        replaced[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
-                    m._parameters[n] = replaced[id(p)]
-                elif not self.holds(p.data):
-                    with torch.no_grad():
-                        p.data = self.adopt(p.data, "master")
-            if fresh:
+        for p in module.parameters():
+            if not p.is_meta and not self.holds(p.data):
                 with torch.no_grad():
-                    m.reset_parameters()
-                self.release(m._parameters[n] for n in fresh)
+                    p.data = self.adopt(p.data, "master")
+        materialize(module, lambda p: self.zeros(p.shape, p.dtype, "master"), self.release)
         for p in module.parameters():
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_into_store))
