@@ -207,3 +207,18 @@ def test_progress_bar_line():
     text = out.getvalue()
     assert text.startswith("\r[#####.....] 5/10 loss 2.5000 ")
     assert "steps/s ETA " in text and text.endswith("\n")
+
+
+def test_run_leaves_no_engine_threads_behind(tmp_path):
+    """The run closes its engines: a process that runs the command again (a notebook,
+    a benchmark) keeps no prefetch thread and no store per finished run."""
+    import threading
+
+    def prefetch_threads():
+        return [t for t in threading.enumerate() if t.name.startswith("weightstream-")]
+
+    before = len(prefetch_threads())
+    params = _params(tmp_path, max_steps=2, checkpoint_steps=0)
+    argv = ["run", "CPU", "-p", str(params), "-m", "train_and_eval", "-o", str(tmp_path / "m")]
+    assert main([*argv, "--eval_steps", "1"]) == 0
+    assert len(prefetch_threads()) == before, prefetch_threads()

@@ -63,6 +63,10 @@ class Run:
         self.perf = PerformanceTracker()
         self.task = params.model.spec.task
         self.ws = self.rc.execution_mode == "weight_streaming"
+        # Owner: this run. Why: an engine holds a prefetch thread and, with the
+        # disk store, mapped files; the run closes them when it ends, so a process
+        # that runs the command again (tests, benchmarks) keeps neither.
+        self._engines: list = []
 
     # ---- building ---------------------------------------------------------------------
 
@@ -133,6 +137,8 @@ class Run:
         if not on_meta:
             swarm.broadcast_module(model)  # every rank starts from rank 0's weights
         compiled = cstorch.compile(model, backend="wse_ws" if self.ws else "wse_lp", **kwargs)
+        if compiled.engine is not None:
+            self._engines.append(compiled.engine)
         if on_meta and not shapes_only:
             swarm.broadcast_module(model)  # materialized by the store now
         return model, compiled
@@ -199,7 +205,11 @@ class Run:
             max_wgt_servers=self.rc.num_wgt_servers,
             num_workers_per_csx=self.rc.num_workers_per_csx,
         ):
-            return self._execute()
+            try:
+                return self._execute()
+            finally:
+                while self._engines:
+                    self._engines.pop().close()
 
     def _execute(self) -> int:
         _seed_everything(self.rc.seed)
