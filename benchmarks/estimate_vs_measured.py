@@ -19,9 +19,16 @@ again (up to ``--retries`` times) and marked ``*`` if it never ran
 undisturbed: on a CPU, another busy process stalls PyTorch's thread pool and
 the run measures the neighbour, not the model.
 
+By default the machine profile is measured again before every round: these
+2-vCPU machines switch, over seconds to minutes, between phases where the second
+CPU is there and phases where it mostly is not (the fp32 matmul peak measured
+241, 136 and 143 GFLOP/s within ten minutes, all with other processes at 0%),
+and an estimate priced in one phase and compared with a run in another
+measures the phase change, not the estimate. ``--remeasure never`` prices every
+round with the cached profile, as a user's runs are.
+
     .venv/bin/python benchmarks/estimate_vs_measured.py [--steps 40] [--repeats 3]
-        [--remeasure once|each]   # measure the machine profile again first, or before
-                                  # every round (the machine's speed drifts over minutes)
+        [--remeasure never|once|each]
 """
 
 from __future__ import annotations
@@ -110,9 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--remeasure",
         choices=("never", "once", "each"),
-        default="never",
+        default="each",
         help="measure the machine profile again: never (use the cached one), once, or "
-        "before each round",
+        "before each round (default: the machine's speed drifts over minutes)",
     )
     args = ap.parse_args(argv)
     names = [n for n in args.models.split(",") if n]
