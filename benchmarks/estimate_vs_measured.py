@@ -54,11 +54,18 @@ MODELS = {
     "gpt2_tiny": ROOT / "configs" / "gpt2_tiny_ws.yaml",
     "llama_tiny": ROOT / "configs" / "llama_tiny_ws.yaml",
 }
+# Optional variants (``--models``): a file of MODELS with model keys changed.
+VARIANTS = {
+    # Streamed in bfloat16 (autocast): the zoo's full-size files' precision.
+    "gpt2_tiny_bf16": ("gpt2_tiny", {"mixed_precision": True, "fp16_type": "bfloat16"}),
+}
 
 
 def run_once(name: str, steps: int, work: Path) -> dict:
     """One run of the run command; the figures of its performance.json and plan.json."""
-    raw = yaml.safe_load(MODELS[name].read_text())
+    base, model_keys = VARIANTS.get(name, (name, {}))
+    raw = yaml.safe_load(MODELS[base].read_text())
+    raw["model"].update(model_keys)
     rc = raw.setdefault("runconfig", {})
     rc.update(max_steps=steps, checkpoint_steps=0, log_steps=10**6)
     rc["execution_mode"] = "weight_streaming"
@@ -105,7 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset")
+    ap.add_argument(
+        "--models",
+        default=",".join(MODELS),
+        help=f"comma-separated, of {', '.join([*MODELS, *VARIANTS])}",
+    )
     ap.add_argument("--max_other_load", type=float, default=0.1)
     ap.add_argument("--retries", type=int, default=2)
     ap.add_argument(
@@ -123,9 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     names = [n for n in args.models.split(",") if n]
-    unknown = sorted(set(names) - set(MODELS))
+    unknown = sorted(set(names) - set(MODELS) - set(VARIANTS))
     if unknown:
-        ap.error(f"unknown model(s) {unknown}; choose from {sorted(MODELS)}")
+        ap.error(f"unknown model(s) {unknown}; choose from {sorted(MODELS) + sorted(VARIANTS)}")
 
     def profile_line(remeasure: bool) -> str:
         profile = load_or_measure("cpu", remeasure=remeasure)

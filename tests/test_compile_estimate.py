@@ -452,6 +452,48 @@ def test_profile_curves_interpolate_log_log():
     assert m.op_throughput("silu", 1000) == 1e9  # no figure: priced as simple
 
 
+def test_other_dtypes_priced_by_their_own_speeds():
+    """A dtype slower than float32 (bf16 without native instructions) runs its products
+    at its own peak wherever float32 is faster, its attention by its own curve, and
+    takes a diluted in-situ factor; a faster dtype scales the float32 curves up."""
+    m = _overhead_profile()
+    m.matmul_flops = {"float32": 1e9, "bfloat16": 2e8, "float16": 4e9}
+    m.attention_curves = {"bfloat16": {"8": 5e7}}
+    m.in_situ_factor = 1.5
+    # bf16: min(its peak, the float32 curve), not the curve x 0.2
+    assert m.matmul_throughput(20, "bfloat16") == pytest.approx(2e8)
+    assert m.matmul_throughput(5, "bfloat16") == pytest.approx(2e8)
+    # fp16 (4x float32's peak): the float32 curve x 4, capped at its peak
+    assert m.matmul_throughput(20, "float16") == pytest.approx(4 * 2.5e8 * 2**0.5)
+    assert m.matmul_throughput(160, "float16") == pytest.approx(4e9)
+    assert m.attention_throughput(8, "bfloat16") == pytest.approx(5e7)  # its own curve
+    assert m.attention_throughput(8, "float16") == pytest.approx(4e8)  # float32's x 4
+    assert m.attention_throughput(8, "float32") == pytest.approx(1e8)
+    assert m.in_situ_compute_factor("float32") == pytest.approx(1.5)
+    assert m.in_situ_compute_factor("bfloat16") == pytest.approx(1 + 0.5 * 0.2)
+    assert m.in_situ_compute_factor("float16") == pytest.approx(1.5)
+    # The estimate uses them: a compute-bound unit in bf16 costs FLOPs / (bf16 peak)
+    # x the diluted factor.
+    unit = UnitCost(
+        0,
+        "block",
+        numel=10,
+        trainable_numel=10,
+        weight_bytes=40,
+        trainable_bytes=40,
+        fwd_flops=2_000_000,
+        bwd_flops=4_000_000,
+        trainable_tensors=1,
+        tensors=1,
+    )
+    est = estimate(
+        StepCosts(units=[unit], outside=UnitCost(-1, "<outside>")),
+        m,
+        EstimateSettings(batch_size=1, compute_dtype="bfloat16", prefetch_depth=1),
+    )
+    assert est.units[0].fwd_compute_s == pytest.approx(2e6 / 2e8 * 1.1)
+
+
 def test_estimate_terms_of_work_overheads_update_and_input():
     unit = UnitCost(
         0,

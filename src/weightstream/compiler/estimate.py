@@ -22,7 +22,8 @@ time each kind of work alone, and a training step runs slower than the sum of
 its parts (cold operands, outputs on fresh memory, the prefetch thread beside
 the compute); the factor is measured on a proxy training step (Note [in situ]
 in ``machine.py``). The streaming bookkeeping and a measured update below are
-scaled by it too.
+scaled by it too. Compute in a dtype slower than float32 takes a diluted factor
+(``MachineProfile.in_situ_compute_factor``).
 
 Weight streaming adds, per unit:
 
@@ -262,7 +263,9 @@ def pass_work(
         for nbytes, total in by_size.items():
             memory += total / machine.op_throughput(cls, int(nbytes))
     f = machine.in_situ_factor
-    return PassWork(f * compute, f * memory, f * ops * op_overhead_s)
+    return PassWork(
+        machine.in_situ_compute_factor(dtype) * compute, f * memory, f * ops * op_overhead_s
+    )
 
 
 def _entry_work(e: UnitCost, machine: MachineProfile, dtype: str) -> tuple[PassWork, PassWork]:

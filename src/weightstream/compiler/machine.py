@@ -185,7 +185,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SCHEMA = 3
+SCHEMA = 4
 REPEATS = 3
 MIN_BURSTS = 8  # a timing is the first quartile of at least this many bursts
 QUANTILE = 0.25  # ... of its bursts (Note [quiet timings])
@@ -288,6 +288,8 @@ class MachineProfile:
     matmul_curve: dict[str, float] = field(default_factory=dict)
     # FLOP/s of causal attention forward + backward, by str(effective size)
     attention_curve: dict[str, float] = field(default_factory=dict)
+    # the same curve for the other dtypes the device supports, by dtype name
+    attention_curves: dict[str, dict[str, float]] = field(default_factory=dict)
     # operator class -> str(bytes one operator moves) -> bytes per second
     op_bandwidth: dict[str, dict[str, float]] = field(default_factory=dict)
     op_overhead_fwd_s: float = 0.0  # per aten operator in forward (autograd recording)
@@ -326,22 +328,59 @@ class MachineProfile:
     def matmul_throughput(self, n: int, dtype: torch.dtype | str) -> float:
         """FLOP/s of a product of effective size ``n`` (0: unknown shape -> the peak).
 
-        The float32 curve interpolated at n (log-log), scaled by the dtype's
-        peak over float32's peak, and never above the dtype's peak.
+        The float32 curve interpolated at n (log-log), scaled for the dtype by
+        :meth:`_dtype_scaled`.
         """
         peak = self.peak_flops(dtype)
         if n <= 0 or not self.matmul_curve:
             return peak
         f32 = self.matmul_flops.get("float32", peak)
-        return min(peak, _interp(self.matmul_curve, n, end=f32) * peak / f32)
+        return self._dtype_scaled(_interp(self.matmul_curve, n, end=f32), peak)
+
+    def _dtype_scaled(self, f32_speed: float, peak: float) -> float:
+        """A float32 speed at some size, for a dtype of matmul peak ``peak``.
+
+        A dtype faster than float32 (half precision on tensor cores or AMX) scales
+        the curve by the peaks' ratio. A slower one (bfloat16 on a CPU without
+        native bf16 instructions: a flat ~50 GFLOP/s against float32's 120-260
+        on this kind of VM) runs at its peak wherever float32 is faster than
+        that: its kernels are bound by their own arithmetic, not by what holds
+        float32 back at that size. Scaling the curve down by the ratio instead
+        priced a 128-wide bf16 product at 22 GFLOP/s (measured: 50), and the
+        estimate swung with the float32 peak's phase (Note [quiet timings]).
+        """
+        f32 = self.matmul_flops.get("float32", peak)
+        return min(peak, f32_speed * max(1.0, peak / f32))
 
     def attention_throughput(self, n: int, dtype: torch.dtype | str) -> float:
-        """FLOP/s of attention of effective size ``n`` (float32 curve, dtype-scaled)."""
+        """FLOP/s of attention of effective size ``n``: the dtype's own curve (bfloat16
+        attention on a CPU without native bf16 ran 3.6x slower than float32 at T=128
+        but at 76 GFLOP/s at T=1024: no one ratio fits), else the float32 curve
+        scaled by :meth:`_dtype_scaled`."""
         peak = self.peak_flops(dtype)
+        own = self.attention_curves.get(_dtype_name(dtype))
+        if own:
+            return min(peak, _interp(own, n))
         if not self.attention_curve:
             return peak
-        f32 = self.matmul_flops.get("float32", peak)
-        return min(peak, _interp(self.attention_curve, n) * peak / f32)
+        return self._dtype_scaled(_interp(self.attention_curve, n), peak)
+
+    def in_situ_compute_factor(self, dtype: torch.dtype | str) -> float:
+        """``in_situ_factor`` for products and attention in ``dtype`` (Note [in situ]).
+
+        The proxy measures float32. What slows work inside a step (cold operands,
+        fresh pages) adds about the same time per byte whatever the kernel's
+        speed, so a kernel k times slower than float32's hides it k times
+        better: the excess over 1 scales with the dtype's peak over float32's
+        (at most 1). Measured: GPT-2 small streamed in bfloat16 on a CPU without
+        native bf16 ran its 7 TFLOP step at 47 GFLOP/s, the bf16 peak (48),
+        where the float32 factor of 1.25 priced it 1.6x too slow.
+        """
+        f = self.in_situ_factor
+        f32 = self.matmul_flops.get("float32")
+        if not f32:
+            return f
+        return 1.0 + (f - 1.0) * min(1.0, self.peak_flops(dtype) / f32)
 
     def op_throughput(self, cls: str, nbytes: int) -> float:
         """Bytes per second of a non-matmul operator of class ``cls`` moving ``nbytes``.
@@ -676,7 +715,9 @@ def _traced(what: str, fn: Callable, args: tuple):
     return _TRACED[key]
 
 
-def _attention_curve(device: torch.device, sizes: _Sizes, partial: dict) -> dict[str, float]:
+def _attention_curve(
+    device: torch.device, sizes: _Sizes, partial: dict, dtype: torch.dtype = torch.float32
+) -> dict[str, float]:
     from weightstream.compiler.cost import attention_size
 
     def attention(q, k, v):
@@ -687,7 +728,9 @@ def _attention_curve(device: torch.device, sizes: _Sizes, partial: dict) -> dict
         shape = (1, 4, t_len, head_dim)  # [B, heads, T, head_dim]
 
         def make(shape=shape):
-            return tuple(torch.randn(shape, device=device, requires_grad=True) for _ in range(3))
+            return tuple(
+                torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3)
+            )
 
         arg_sets = _instances(make, sizes.live_sets)
         args = arg_sets[0]
@@ -1273,6 +1316,17 @@ def measure(
         }
         software["op_bandwidth"] = op_bandwidth  # the best figures price the attention's loss
         attention_curve = _best_curve(lambda: _attention_curve(device, sizes, software), sizes)
+        attention_curves = {}
+        for name in flops:
+            if name == "float32":
+                continue
+            dtype = getattr(torch, name)
+            try:
+                attention_curves[name] = _best_curve(
+                    lambda dtype=dtype: _attention_curve(device, sizes, software, dtype), sizes
+                )
+            except (RuntimeError, TypeError):
+                continue  # no attention kernel for this dtype here: priced by its products
     del software["op_bandwidth"]
     profile = MachineProfile(
         device=str(device),
@@ -1287,6 +1341,7 @@ def measure(
         disk_dir=None if disk_dir is None else str(disk_dir),
         matmul_curve=matmul_curve,
         attention_curve=attention_curve,
+        attention_curves=attention_curves,
         op_bandwidth=op_bandwidth,
         runtime_digest=runtime_digest(),
         other_load=load.fraction,
