@@ -3,7 +3,9 @@
 Runs the real run command in-process (``weightstream.cli.main.main``) for three
 zoo models at CPU sizes, in weight-streaming mode, each in a fresh temporary
 model directory: fc_mnist (configs/fc_mnist.yaml), the tiny GPT-2
-(configs/gpt2_tiny_ws.yaml) and the tiny Llama preset (configs/llama_tiny_ws.yaml).
+(configs/gpt2_tiny_ws.yaml) and the tiny Llama preset (configs/llama_tiny_ws.yaml),
+and the tiny GPT-2 again streamed in bfloat16 (gpt2_tiny_bf16: the full-size zoo
+files' precision).
 Each run compiles (estimate from the cached machine profile, see
 ``weightstream.compiler.machine``) and trains ``--steps`` steps with no
 checkpoint inside the timed loop; ``performance/performance.json`` gives both
@@ -54,7 +56,7 @@ MODELS = {
     "gpt2_tiny": ROOT / "configs" / "gpt2_tiny_ws.yaml",
     "llama_tiny": ROOT / "configs" / "llama_tiny_ws.yaml",
 }
-# Optional variants (``--models``): a file of MODELS with model keys changed.
+# Variants: a file of MODELS with model keys changed.
 VARIANTS = {
     # Streamed in bfloat16 (autocast): the zoo's full-size files' precision.
     "gpt2_tiny_bf16": ("gpt2_tiny", {"mixed_precision": True, "fp16_type": "bfloat16"}),
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
         "--models",
-        default=",".join(MODELS),
+        default=",".join([*MODELS, *VARIANTS]),
         help=f"comma-separated, of {', '.join([*MODELS, *VARIANTS])}",
     )
     ap.add_argument("--max_other_load", type=float, default=0.1)
