@@ -823,6 +823,26 @@ def test_a_runtime_change_measures_only_the_software_figures_again(
     assert len(software) == 1
 
 
+def test_attention_curve_of_a_dtype_is_measured_on_first_use_and_cached(
+    tmp_path, monkeypatch, quick_profile
+):
+    profile = _cached(quick_profile, tmp_path, monkeypatch)
+    assert profile.attention_curves == {}  # measuring the profile times float32 only
+    machine_mod.attention_curve_for(profile, "float32")
+    assert profile.attention_curves == {}
+    machine_mod.attention_curve_for(profile, "bfloat16")
+    curve = profile.attention_curves["bfloat16"]
+    assert curve and all(v > 0 for v in curve.values())
+    size = int(next(iter(curve)))
+    assert profile.attention_throughput(size, "bfloat16") == pytest.approx(
+        min(curve[str(size)], profile.peak_flops("bfloat16"))
+    )
+    monkeypatch.setattr(machine_mod, "_attention_curve", lambda *a: pytest.fail("measured twice"))
+    reloaded = load_or_measure("cpu", quick=True)  # the cache file holds it now
+    assert reloaded.attention_curves == {"bfloat16": curve}
+    machine_mod.attention_curve_for(reloaded, "bfloat16")
+
+
 def test_update_cost_is_measured_once_per_setting_and_cached(tmp_path, monkeypatch, quick_profile):
     profile = _cached(quick_profile, tmp_path, monkeypatch)
     spec = machine_mod.update_spec(

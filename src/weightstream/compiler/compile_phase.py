@@ -13,7 +13,8 @@ What the estimate needs besides the model and the machine (see
 :mod:`weightstream.compiler.estimate`): the step's loss (the task's
 cross-entropy on meta labels, as the trainer computes it), the cost of the
 run's optimizer update (``machine.update_cost``, measured once per optimizer
-setting and cached with the profile) and, when the training input has no
+setting and cached with the profile), the attention speed of the compute dtype
+if it is not float32 (``machine.attention_curve_for``, cached likewise) and, when the training input has no
 worker processes, the seconds the input pipeline takes per batch (timed here
 on a few batches: it runs serially with every step).
 """
@@ -31,6 +32,7 @@ from weightstream.compiler.cost import StepCosts, unit_costs
 from weightstream.compiler.estimate import Estimate, EstimateSettings, estimate
 from weightstream.compiler.machine import (
     MachineProfile,
+    attention_curve_for,
     load_or_measure,
     update_cost,
     update_spec,
@@ -211,10 +213,12 @@ def estimate_settings(
     ws = rc.execution_mode == "weight_streaming"
     m = params.model
     compute = (m.fp16_type if m.mixed_precision else None) or "float32"
+    compute_dtype = compute if compute != "cbfloat16" else "float32"
+    attention_curve_for(machine, compute_dtype)
     return EstimateSettings(
         batch_size=batch_size,
         prefetch_depth=rc.prefetch_depth if ws else 0,
-        compute_dtype=compute if compute != "cbfloat16" else "float32",
+        compute_dtype=compute_dtype,
         transfer_dtype=None if compute in ("float32", "cbfloat16") or not ws else compute,
         weight_streaming=ws,
         update=update_cost(machine, _update_spec_of(params, device, ws, numel)),

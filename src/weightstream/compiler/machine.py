@@ -153,8 +153,9 @@ the slowest tenth, not the first quartile of Note [quiet timings]: with
 nothing else running, the proxy's steps on a 2-vCPU VM alternate between
 phases of ~35 ms and of ~50 ms lasting a few steps each, a run's samples/sec
 is the mean over both, and a first quartile of 10 steps (one phase) put the
-factor anywhere between 0.84 and 1.48 from one measurement to the next. The estimate multiplies
-each pass's work (compute, memory, operators), the streaming bookkeeping and
+factor anywhere between 0.84 and 1.48 from one measurement to the next. The
+estimate multiplies each pass's work (compute, memory, operators), the
+streaming bookkeeping and
 the optimizer update by it (an update measured alone, cold tensors and all,
 runs 1.6-1.8x faster than the same update inside a run); transfers, the input
 and the loop's bookkeeping are timed in their own context and stay as they
@@ -288,7 +289,8 @@ class MachineProfile:
     matmul_curve: dict[str, float] = field(default_factory=dict)
     # FLOP/s of causal attention forward + backward, by str(effective size)
     attention_curve: dict[str, float] = field(default_factory=dict)
-    # the same curve for the other dtypes the device supports, by dtype name
+    # the same curve for other dtypes, by dtype name: measured when a run first
+    # computes in one (attention_curve_for); {} when it has no attention kernel
     attention_curves: dict[str, dict[str, float]] = field(default_factory=dict)
     # operator class -> str(bytes one operator moves) -> bytes per second
     op_bandwidth: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -1316,17 +1318,6 @@ def measure(
         }
         software["op_bandwidth"] = op_bandwidth  # the best figures price the attention's loss
         attention_curve = _best_curve(lambda: _attention_curve(device, sizes, software), sizes)
-        attention_curves = {}
-        for name in flops:
-            if name == "float32":
-                continue
-            dtype = getattr(torch, name)
-            try:
-                attention_curves[name] = _best_curve(
-                    lambda dtype=dtype: _attention_curve(device, sizes, software, dtype), sizes
-                )
-            except (RuntimeError, TypeError):
-                continue  # no attention kernel for this dtype here: priced by its products
     del software["op_bandwidth"]
     profile = MachineProfile(
         device=str(device),
@@ -1341,7 +1332,6 @@ def measure(
         disk_dir=None if disk_dir is None else str(disk_dir),
         matmul_curve=matmul_curve,
         attention_curve=attention_curve,
-        attention_curves=attention_curves,
         op_bandwidth=op_bandwidth,
         runtime_digest=runtime_digest(),
         other_load=load.fraction,
@@ -1488,6 +1478,37 @@ def update_spec(
 def _update_numel(numel: int) -> int:
     """``numel`` rounded up to a power of two in [2^14, 2^22] (see :func:`update_spec`)."""
     return 2 ** min(22, max(14, math.ceil(math.log2(max(1, numel)))))
+
+
+def attention_curve_for(
+    profile: MachineProfile, dtype: str, path: str | Path | None = None
+) -> None:
+    """Measure ``dtype``'s attention curve into ``profile.attention_curves`` if it is not
+    there yet (a few seconds; float16 on a CPU, at 3-6 GFLOP/s, takes 30), rewriting
+    ``path`` (default: the profile's cache file). Only the dtypes runs compute in
+    are measured. float32 has ``attention_curve``."""
+    if dtype == "float32" or dtype not in profile.matmul_flops:
+        return
+    if dtype in profile.attention_curves:
+        return
+    device = torch.device(profile.device)
+    sizes = _QUICK if profile.quick else _FULL
+    partial = {
+        "op_overhead_fwd_s": profile.op_overhead_fwd_s,
+        "op_overhead_bwd_s": profile.op_overhead_bwd_s,
+        "op_bandwidth": profile.op_bandwidth,
+    }
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(0)
+        try:
+            curve = _best_curve(
+                lambda: _attention_curve(device, sizes, partial, getattr(torch, dtype)), sizes
+            )
+        except (RuntimeError, TypeError):
+            curve = {}  # no attention kernel for this dtype here: priced by its products
+    profile.attention_curves[dtype] = curve
+    path = Path(path) if path is not None else default_path(profile.device, profile.quick)
+    _write_json_atomic(path, profile.to_dict())
 
 
 def update_cost(
