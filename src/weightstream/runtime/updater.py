@@ -107,11 +107,17 @@ class UnitUpdater:
             claimed.update(id(p) for p in mine)
             shares.append(mine)
         rest = [p for g in snapshot for p in g["params"] if id(p) in grads and id(p) not in claimed]
+        every = [*shares, rest]
+        # The next non-empty share of each: read ahead while this one is updated.
+        ahead: list[list[torch.nn.Parameter] | None] = [None] * len(every)
+        following = None
+        for i in reversed(range(len(every))):
+            ahead[i] = following
+            following = every[i] or following
         if not self._background:
-            work = [share for share in [*shares, rest] if share]
-            for i, share in enumerate(work):
-                ahead = work[i + 1] if i + 1 < len(work) else None
-                _apply(optimizer, snapshot, share, grads, self._store, ahead)
+            for share, nxt in zip(every, ahead):
+                if share:
+                    _apply(optimizer, snapshot, share, grads, self._store, nxt)
             return
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -120,12 +126,10 @@ class UnitUpdater:
         with self._lock:
             self._unit_futures = []
             self._all = []
-            every = [*shares, rest]
-            for i, share in enumerate(every):
-                ahead = next((s for s in every[i + 1 :] if s), None)
+            for share, nxt in zip(every, ahead):
                 future = (
                     self._executor.submit(
-                        _apply, optimizer, snapshot, share, grads, self._store, ahead
+                        _apply, optimizer, snapshot, share, grads, self._store, nxt
                     )
                     if share
                     else None
