@@ -110,6 +110,15 @@ def _unit_groups(unit_params: Sequence[Sequence[torch.Tensor]]) -> list[list[int
     return [groups[k] for k in sorted(groups)]
 
 
+def _params_of(unit_params: Sequence[Sequence[torch.Tensor]], group: list[int]) -> list:
+    """The parameters of a group's units, each once (a tied one is in several)."""
+    seen: dict[int, torch.Tensor] = {}
+    for i in group:
+        for p in unit_params[i]:
+            seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
 def assign_owners(unit_params: Sequence[Sequence[torch.Tensor]], num_owners: int) -> list[int]:
     """Each unit's owner rank in 0..num_owners-1 (see the Note); the same on every rank."""
     assert num_owners >= 1
@@ -118,8 +127,7 @@ def assign_owners(unit_params: Sequence[Sequence[torch.Tensor]], num_owners: int
     groups = _unit_groups(unit_params)
 
     def nbytes(group: list[int]) -> int:
-        seen = {id(p): p for i in group for p in unit_params[i]}
-        return sum(p.numel() * p.element_size() for p in seen.values())
+        return sum(p.numel() * p.element_size() for p in _params_of(unit_params, group))
 
     sized = sorted(((nbytes(g), g) for g in groups), key=lambda x: (-x[0], x[1][0]))
     for size, group in sized:
@@ -256,13 +264,6 @@ class ShardedStore:
 
     # ---- checkpoints -----------------------------------------------------------------------
 
-    def _group_params(self, group: list[int]) -> list[nn.Parameter]:
-        seen: dict[int, nn.Parameter] = {}
-        for i in group:
-            for p in self.unit_params[i]:
-                seen.setdefault(id(p), p)
-        return list(seen.values())
-
     def gather_to_main(
         self, module: nn.Module, model_state: dict, optimizer=None, optim_state: dict | None = None
     ) -> tuple[dict, dict | None]:
@@ -284,7 +285,7 @@ class ShardedStore:
             owner = self.owner_of_unit[group[0]]
             if owner == 0 or self.rank not in (0, owner):
                 continue
-            params = self._group_params(group)
+            params = _params_of(self.unit_params, group)
             if self.rank == owner:
                 payload = {
                     "model": [p.detach() for p in params],

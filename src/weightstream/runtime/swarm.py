@@ -84,15 +84,6 @@ def _reduce_bucket(grads: list[torch.Tensor], n: int) -> None:
             offset += g.numel()
 
 
-def average(value: torch.Tensor) -> torch.Tensor:
-    """The mean of a tensor over the ranks (a copy)."""
-    if world_size() == 1:
-        return value
-    out = value.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM)
-    return out / world_size()
-
-
 def sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
     """The sum of a tensor over the ranks (a copy; ``value`` itself with one rank)."""
     if world_size() == 1:
@@ -100,6 +91,13 @@ def sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
     out = value.detach().clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM)  # host sync point
     return out
+
+
+def average(value: torch.Tensor) -> torch.Tensor:
+    """The mean of a tensor over the ranks (``value`` itself with one rank)."""
+    if world_size() == 1:
+        return value
+    return sum_over_ranks(value) / world_size()
 
 
 def clip_grad_norm_sharded_(

@@ -380,7 +380,7 @@ class Trainer:
         for metric in (accuracy, perplexity):
             if metric is not None:
                 for acc in metric.accumulators():
-                    acc.copy_(swarm.average(acc) * swarm.world_size())
+                    acc.copy_(swarm.sum_over_ranks(acc))
         loss_sum = float(swarm.average(torch.tensor(loss_sum, dtype=torch.float64)))
         if steps == 0:
             raise ValueError("the evaluation data loader produced no batch; check eval_input.")
