@@ -241,18 +241,8 @@ class WriteGuard:
         self._unflushed = 0  # bytes of data written since writeback was last started
 
     def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        with self._lock:  # HDF5 writes on one thread, but not at once with pwrite
-            if self.error is None:
-                try:
-                    done = 0
-                    while done < len(view):  # an unbuffered write may be partial
-                        done += self._raw.write(view[done:])
-                except OSError as e:
-                    self.error = e
-                else:
-                    self._wrote(len(view))
-        return len(view)
+        # HDF5 writes from one thread; the lock keeps its writes apart from pwrite's.
+        return self._write_all(data, lambda view, done: self._raw.write(view[done:]))
 
     def pwrite(self, data, offset: int) -> int:
         """Write ``data`` at ``offset`` without moving the file position.
@@ -261,17 +251,24 @@ class WriteGuard:
         several threads at once (Note [parallel pieces]). A failure is kept
         like one of :meth:`write`. Returns the number of bytes.
         """
+        fd = self._raw.fileno()
+        return self._write_all(data, lambda view, done: os.pwrite(fd, view[done:], offset + done))
+
+    def _write_all(self, data, put) -> int:
+        """Write all of ``data`` with ``put(view, bytes_done)`` (a write may be partial),
+        unless a write failed before; keep the first failure. Returns the length.
+
+        One writer at a time: concurrent writes into one file contend for its
+        inode lock in the kernel, which costs CPU and gains little (Note
+        [parallel pieces]); the other threads sum their next piece meanwhile.
+        """
         view = memoryview(data).cast("B")
-        # One writer at a time: concurrent writes into one file contend for its
-        # inode lock in the kernel, which costs CPU and gains little (Note
-        # [parallel pieces]); the other threads sum their next piece meanwhile.
         with self._lock:
             if self.error is None:
                 try:
-                    fd = self._raw.fileno()
                     done = 0
-                    while done < len(view):  # a write may be partial
-                        done += os.pwrite(fd, view[done:], offset + done)
+                    while done < len(view):
+                        done += put(view, done)
                 except OSError as e:
                     self.error = e  # the first failure: later writes are skipped
                 else:
