@@ -21,7 +21,7 @@ import weightstream as cstorch
 from weightstream.models import GPT, GPTConfig
 from weightstream.models.registry import get_model_spec
 from weightstream.runtime.materialize import build_materialized
-from weightstream.runtime.store import DiskStore, store_of
+from weightstream.runtime.store import DiskStore
 
 CFG = GPTConfig(vocab_size=128, seq_len=16, n_layer=3, d_model=32, n_head=4)
 
@@ -95,7 +95,7 @@ def test_disk_store_holds_masters_gradients_and_optimizer_state(tmp_path):
     # Files are unlinked once mapped: nothing is left in the directory.
     assert list(tmp_path.iterdir()) == []
     runner.engine.close()
-    assert store_of(next(model.parameters())) is None
+    assert not store.holds(next(model.parameters()))
 
 
 def test_optimizer_built_before_compile_moves_its_state_into_the_store(tmp_path):

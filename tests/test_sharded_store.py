@@ -160,19 +160,14 @@ def _store_bytes(model: torch.nn.Module, optimizer) -> int:
     return sum(storages.values())
 
 
-def _gather_and_reload(model, optimizer) -> dict:
-    """Gather the shards as a checkpoint does, spoil the owned state, load it back."""
-    import torch.distributed as dist
+def _gather_and_reload(model, optimizer, shards) -> dict:
+    """Read the whole state as a checkpoint does, spoil the owned state, load it back."""
+    from weightstream.runtime.sharding import is_placeholder
 
-    from weightstream.runtime import sharding
-
-    shards = sharding.store_for(model.parameters())
-    model_state, optim_state = shards.gather_to_main(
-        model, model.state_dict(), optimizer, optimizer.state_dict()
-    )
-    box = [model_state, optim_state]  # rank 0's whole state, as read from the file
-    dist.broadcast_object_list(box, src=0)
-    box = copy.deepcopy(box)  # rank 0's dicts still share the live tensors: a file would not
+    # Collective reads: every rank gets the whole state (copied: a file would not
+    # share the live tensors).
+    model_state = copy.deepcopy(model.state_dict())
+    optim_state = copy.deepcopy(optimizer.state_dict())
     owned = [p for p in model.parameters() if shards.owns(p)]
     kept = [p.detach().clone() for p in owned]
     moments = [optimizer.state[p]["exp_avg"].clone() for p in owned]
@@ -180,10 +175,13 @@ def _gather_and_reload(model, optimizer) -> dict:
         for p in owned:
             p.add_(1.0)
             optimizer.state[p]["exp_avg"].add_(1.0)
-    shards.load_model_state(model, box[0])
-    shards.load_optimizer_state(optimizer, box[1])
+    model.load_state_dict(model_state)
+    optimizer.load_state_dict(optim_state)
+    whole = [*model_state.values()] + [
+        v for entry in optim_state["state"].values() for v in entry.values()
+    ]
     return {
-        "whole": all(not sharding.is_placeholder(t) for t in box[0].values()),
+        "whole": all(not is_placeholder(t) for t in whole),
         "restored": all(torch.equal(p, k) for p, k in zip(owned, kept))
         and all(torch.equal(optimizer.state[p]["exp_avg"], m) for p, m in zip(owned, moments)),
         "bytes": _store_bytes(model, optimizer),
@@ -210,17 +208,13 @@ def _memory_rank(rank: int, world: int, port: int, out: str) -> None:
             x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
             for _ in range(2):
                 loss = compiled(x).square().mean()
-                loss.backward()
-                if sharding == "replicated":
-                    from weightstream.runtime import swarm
-
-                    swarm.average_gradients(model.parameters())
+                loss.backward()  # SwarmX reduces in the backward
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             result[sharding] = _store_bytes(model, optimizer)
             if sharding == "sharded":
-                result["reload"] = _gather_and_reload(model, optimizer)
-            compiled.engine.close()
+                result["reload"] = _gather_and_reload(model, optimizer, compiled.engine.shards)
+            compiled.close()
     finally:
         dist.destroy_process_group()
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))

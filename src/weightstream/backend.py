@@ -12,12 +12,14 @@ CPU otherwise; pass ``device=`` to choose.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from weightstream.runtime import swarm
 from weightstream.runtime.config import StreamingConfig
 from weightstream.runtime.engine import StreamingEngine
 
@@ -69,6 +71,7 @@ class CompiledModule(nn.Module):
         device: torch.device,
         engine=None,
         on_meta: bool = False,
+        reducer: swarm.GradientReducer | None = None,
     ):
         super().__init__()
         self._orig_mod = module
@@ -76,6 +79,9 @@ class CompiledModule(nn.Module):
         self.device = device
         self._engine = engine
         self._on_meta = on_meta
+        # Layer pipelined under data parallel: SwarmX's reduce of the resident
+        # parameters' gradients (weight streaming: the engine's own).
+        self._reducer = reducer
 
     @property
     def engine(self) -> StreamingEngine | None:
@@ -85,6 +91,23 @@ class CompiledModule(nn.Module):
     @property
     def plan(self):
         return None if self._engine is None else self._engine.plan
+
+    def no_sync(self):
+        """Backwards inside accumulate gradients locally; SwarmX reduces at the first
+        backward outside (all micro-batches of a step but the last; Note [swarm reduce])."""
+        if self._engine is not None:
+            return self._engine.no_sync()
+        if self._reducer is not None:
+            return self._reducer.no_sync()
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        """Release the engine's threads, hooks and files (the model stays usable eagerly)."""
+        if self._engine is not None:
+            self._engine.close()
+        if self._reducer is not None:
+            self._reducer.close()
+            self._reducer = None
 
     def forward(self, *args, **kwargs):
         if self._engine is not None:
@@ -168,11 +191,21 @@ def compile(
         )
     if mode is ExecutionMode.WEIGHT_STREAMING:
         config = streaming or StreamingConfig(**streaming_kwargs)
-        engine = StreamingEngine(model, device, config)
+        engine = StreamingEngine(model, device, config)  # joins the ranks by itself
         return CompiledModule(model, mode, device, engine)
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         # Shapes only (a model too large to build, traced to validate or plan it):
         # nothing to move, and running it is refused with a message.
         return CompiledModule(model, mode, device, on_meta=True)
     model.to(device)
-    return CompiledModule(model, mode, device)
+    reducer = None
+    if (
+        mode is ExecutionMode.LAYER_PIPELINED
+        and swarm.init_from_env(device)
+        and swarm.world_size() > 1
+    ):
+        # Data parallel under torchrun: every rank starts from rank 0's weights and
+        # SwarmX averages the gradients in each backward (Note [swarm reduce]).
+        swarm.broadcast_module(model)
+        reducer = swarm.GradientReducer(swarm.resident_buckets(list(model.parameters())))
+    return CompiledModule(model, mode, device, reducer=reducer)

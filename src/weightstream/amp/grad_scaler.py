@@ -201,10 +201,11 @@ class GradScaler:
         self._squared_norms: list[torch.Tensor] = []
         self._global_norm: torch.Tensor | None = None
         self._isfinite: bool | None = None
-        # True once an optimizer whose masters live in a sharded store was
-        # unscaled this iteration: its gradients are spread over the ranks, and
-        # the non-finite check must see all of them (Note [sharded store]).
-        self._sharded = False
+        # The engine of an optimizer unscaled this iteration whose gradients are
+        # spread over the ranks (a sharded store): the non-finite check must see
+        # all of them (Note [sharded store]). Reached through the optimizer's
+        # binding (Note [engine binding]).
+        self._sharded_engine = None
 
     # ----------------------------------------------------------------- queries
 
@@ -279,11 +280,12 @@ class GradScaler:
                 "GradScaler.unscale_() called after step() on this optimizer; call unscale_() "
                 "before step(), or update() to start the next iteration."
             )
+        engine = getattr(optimizer, "engine", None)
+        if engine is not None:
+            engine.finish_gradients()  # every rank's share has landed (Note [swarm reduce])
+            if engine.grads_sharded:
+                self._sharded_engine = engine
         grads = _grads_of(optimizer)
-        from weightstream.runtime import sharding
-
-        if sharding.store_for(p for g in optimizer.param_groups for p in g["params"]):
-            self._sharded = True
         if self._scaling:
             # Correctly rounded float32 reciprocal, as the reference: exact for
             # the powers of two that dynamic scaling uses.
@@ -352,7 +354,7 @@ class GradScaler:
             self._stages[optimizer] = OptState.READY
         self._squared_norms = []
         self._isfinite = None
-        self._sharded = False
+        self._sharded_engine = None
 
     # ------------------------------------------------------------- internals
 
@@ -362,11 +364,9 @@ class GradScaler:
             squares = torch.sum(torch.stack(self._squared_norms))
         else:
             squares = torch.zeros((), dtype=torch.float32)
-        if self._sharded:
-            from weightstream.runtime import swarm
-
+        if self._sharded_engine is not None:
             # Every rank gets here with its own shard's squares (possibly none).
-            squares = swarm.sum_over_ranks(squares)
+            squares = self._sharded_engine.sum_over_ranks(squares)
         self._global_norm = torch.sqrt(squares)
         # Host sync point: whether the optimizer runs is a Python decision.
         self._isfinite = bool(torch.isfinite(self._global_norm))

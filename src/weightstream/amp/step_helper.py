@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -10,7 +12,7 @@ import torch
 from weightstream.amp import skip
 from weightstream.amp.grad_scaler import GradScaler
 
-__all__ = ["optimizer_step"]
+__all__ = ["apply_gradients", "clip_grad_norm_", "optimizer_step"]
 
 
 def _check_clip_value(name: str, value: Any) -> None:
@@ -47,8 +49,11 @@ def optimizer_step(
         grad_scaler.update()
         optimizer.zero_grad()
 
-    where ``params`` are the optimizer's parameters. With ``grad_scaler=None``
-    the loss is not scaled and ``optimizer.step()`` always runs.
+    where ``params`` are the optimizer's parameters (the step after the backward
+    is :func:`apply_gradients`). With ``grad_scaler=None`` the loss is not
+    scaled and ``optimizer.step()`` always runs. Under data parallel it is the
+    same step on every rank: the gradients are the mean over the ranks, and the
+    norm is the whole model's.
 
     Args:
         loss: the scalar loss of the step.
@@ -89,25 +94,75 @@ def optimizer_step(
 
     if grad_scaler is not None:
         grad_scaler.scale(loss).backward()
-        # Clipping must see the true gradients, not the scaled ones.
-        grad_scaler.unscale_(optimizer)
     else:
         loss.backward()
+    apply_gradients(optimizer, grad_scaler, max_gradient_norm, max_gradient_value)
+
+
+def apply_gradients(
+    optimizer: torch.optim.Optimizer,
+    grad_scaler: GradScaler | None,
+    max_gradient_norm: float | None = None,
+    max_gradient_value: float | None = None,
+    *,
+    update_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> None:
+    """The step after the backward: unscale, clip, step, update, zero the gradients.
+
+    The one step code of every training loop: :func:`optimizer_step` and the
+    run command's trainer both end their step here. Under data parallel the
+    gradients are the mean over the ranks already (SwarmX reduces them in the
+    backward, Note [swarm reduce]); clipping and the scaler's non-finite check
+    use the norm of the whole model's gradients, summed over the ranks where a
+    sharded store spreads them (Note [sharded store]). ``update_context`` wraps
+    the optimizer's update (the trainer's crash points).
+    """
+    engine = getattr(optimizer, "engine", None)
+    if engine is not None:
+        engine.finish_gradients()  # host sync point: every reduction has landed
+    if grad_scaler is not None:
+        # Clipping must see the true gradients, not the scaled ones.
+        grad_scaler.unscale_(optimizer)
 
     params = _params_of(optimizer)
     if max_gradient_norm is not None:
-        torch.nn.utils.clip_grad_norm_(params, max_gradient_norm)
+        clip_grad_norm_(params, max_gradient_norm, engine)
     elif max_gradient_value is not None:
         torch.nn.utils.clip_grad_value_(params, max_gradient_value)
 
+    with update_context():
+        if grad_scaler is not None:
+            grad_scaler.step(optimizer)
+        else:
+            optimizer.step()
+            # Overwrite any stale "skipped" left by an earlier scaler step.
+            skip.record_step(optimizer, False)
     if grad_scaler is not None:
-        grad_scaler.step(optimizer)
         grad_scaler.update()
-    else:
-        optimizer.step()
-        # Overwrite any stale "skipped" left by an earlier scaler step.
-        skip.record_step(optimizer, False)
-    optimizer.zero_grad()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def clip_grad_norm_(params, max_norm: float, engine=None, eps: float = 1e-6) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over the whole model's gradients.
+
+    Where a sharded store spreads the gradients over the ranks (each holds
+    those of the parameters it owns), the norm is the square root of the sum
+    over the ranks of each rank's sum of squares (a host sync point), and each
+    rank scales its own gradients by the common coefficient. Elsewhere every
+    rank holds every gradient and torch's function computes the same norm on
+    each. Returns the total norm, as torch's function does.
+    """
+    if engine is None or not engine.grads_sharded:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.zeros((), dtype=torch.float32)
+    for g in grads:
+        total = total + torch.sum(torch.square(g.detach().float()))
+    norm = torch.sqrt(engine.sum_over_ranks(total))
+    coef = torch.clamp(max_norm / (norm + eps), max=1.0)
+    for g in grads:
+        g.detach().mul_(coef.to(g.dtype))
+    return norm
 
 
 def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -109,7 +109,7 @@ from weightstream.checkpoint.format import (
     tensor_encoding,
     tree_to_json,
 )
-from weightstream.runtime.store import release_pages
+from weightstream.common.pages import release_pages
 
 # Tensors are written in pieces of about this many bytes (Note [save memory]):
 # small enough to stay in the CPU cache between checksum and write, and the

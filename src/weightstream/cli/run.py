@@ -63,10 +63,11 @@ class Run:
         self.perf = PerformanceTracker()
         self.task = params.model.spec.task
         self.ws = self.rc.execution_mode == "weight_streaming"
-        # Owner: this run. Why: an engine holds a prefetch thread and, with the
-        # disk store, mapped files; the run closes them when it ends, so a process
-        # that runs the command again (tests, benchmarks) keeps neither.
-        self._engines: list = []
+        # Owner: this run. Why: a compiled model's engine holds a prefetch thread,
+        # hooks and, with the disk store, mapped files; the run closes them when
+        # it ends, so a process that runs the command again (tests, benchmarks)
+        # keeps none of them.
+        self._compiled: list = []
 
     # ---- building ---------------------------------------------------------------------
 
@@ -134,13 +135,10 @@ class Run:
                     store_dir=self.rc.store_dir or str(self.model_dir / "store"),
                     host_memory_budget=self.rc.host_memory_budget,
                 )
-        if not on_meta:
-            swarm.broadcast_module(model)  # every rank starts from rank 0's weights
+        # compile() joins the ranks: every rank starts from rank 0's weights, and
+        # SwarmX reduces the gradients in every backward (Note [swarm reduce]).
         compiled = cstorch.compile(model, backend="wse_ws" if self.ws else "wse_lp", **kwargs)
-        if compiled.engine is not None:
-            self._engines.append(compiled.engine)
-        if on_meta and not shapes_only:
-            swarm.broadcast_module(model)  # materialized by the store now
+        self._compiled.append(compiled)
         return model, compiled
 
     def _input_fn(self, section, is_training: bool):
@@ -208,8 +206,8 @@ class Run:
             try:
                 return self._execute()
             finally:
-                while self._engines:
-                    self._engines.pop().close()
+                while self._compiled:
+                    self._compiled.pop().close()
 
     def _execute(self) -> int:
         _seed_everything(self.rc.seed)
@@ -436,6 +434,9 @@ class _Autocast:
 
     def train(self):
         self.compiled.train()
+
+    def no_sync(self):
+        return self.compiled.no_sync()
 
 
 class _NoWriter:

@@ -9,6 +9,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+# zeros_like places state where the bound engine keeps it (Note [engine binding]).
+from weightstream.optim.binding import zeros_like  # noqa: F401
+
 
 def run_closure(closure: Callable[[], Any] | None) -> Any:
     """Evaluate the loss closure with autograd on (``step`` itself runs under no_grad)."""
@@ -28,23 +31,6 @@ def hyper(group: dict[str, Any], name: str) -> float:
     if isinstance(value, Tensor):
         return value.item()
     return value
-
-
-def zeros_like(p: Tensor) -> Tensor:
-    """A state tensor for ``p``: in the disk store when ``p`` lives there (Note [disk tier]),
-    a storage-free placeholder when a sharded store keeps ``p`` on another rank
-    (Note [sharded store])."""
-    from weightstream.runtime.sharding import placeholder_state_for
-    from weightstream.runtime.store import store_of
-
-    elsewhere = placeholder_state_for(p)
-    if elsewhere is not None:
-        return elsewhere
-
-    store = store_of(p)
-    if store is not None:
-        return store.zeros_like(p, "state")
-    return torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 # The key of a group's gradients in the copies of param_groups that an overlapped

@@ -42,6 +42,8 @@ from typing import Any, TypeAlias
 import torch
 from torch import Tensor
 
+from weightstream.optim.binding import ParameterHost, hosts, placing_state
+
 __all__ = ["Optimizer", "ParamsT"]
 
 ParamsT: TypeAlias = Iterable[Tensor] | Iterable[dict[str, Any]]
@@ -74,7 +76,10 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
         # Set before torch's __init__, which calls add_param_group for each group.
         self.enable_global_step = enable_global_step
         self._preinitialized = False
+        self._engine: ParameterHost | None = None
         super().__init__(params, defaults)
+        # Bound before any state exists, so the engine places it (Note [engine binding]).
+        self._engine = hosts.holding(self._all_params())
         self._create_state()
         self._preinitialized = True
 
@@ -94,18 +99,11 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
         behind the next forward (Note [overlapped updates] in runtime/updater.py).
         """
         from weightstream.optim._common import run_closure
-        from weightstream.runtime.sharding import store_for
-        from weightstream.runtime.updater import updater_for
 
         loss = run_closure(closure)
-        shards = store_for(p for g in self.param_groups for p in g["params"])
-        if shards is not None:
-            # Built before the plan fixed the owners, the optimizer holds state
-            # for every parameter; keep only this rank's (Note [sharded store]).
-            shards.shard_optimizer_state(self)
-        updater = updater_for(self)
-        if updater is not None:
-            updater.defer(self)
+        engine = self.engine
+        if engine is not None:
+            engine.apply_step(self)
         else:
             self._update(self.param_groups)
         return loss
@@ -116,13 +114,29 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
             f"{type(self).__name__} must implement step() or _update(groups)."
         )
 
+    @property
+    def engine(self) -> ParameterHost | None:
+        """The streaming engine whose masters this optimizer updates (Note [engine binding]).
+
+        Bound at construction; an optimizer built before ``cstorch.compile`` is
+        bound here, the first time anything asks, and its state moves into the
+        engine's placement then.
+        """
+        if self._engine is None:
+            engine = hosts.holding(self._all_params())
+            if engine is not None:
+                engine.bind_optimizer(self)
+                self._engine = engine
+        return self._engine
+
+    def _all_params(self) -> list[Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
     def synchronize(self) -> None:
         """Wait for an overlapped step still being applied (a no-op otherwise)."""
-        from weightstream.runtime.updater import updater_for
-
-        updater = updater_for(self)
-        if updater is not None:
-            updater.synchronize()
+        engine = self.engine
+        if engine is not None:
+            engine.synchronize()
 
     @abc.abstractmethod
     def state_names_to_sparsify(self) -> list[str]:
@@ -144,6 +158,8 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
                 self._create_state()
             finally:
                 self.param_groups = all_groups
+            if self._engine is not None:
+                self._engine.bind_optimizer(self)
 
     def _create_state(self) -> None:
         for group in self.param_groups:
@@ -154,7 +170,7 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
                         f"a parameter of dtype {p.dtype} and shape {tuple(p.shape)}. "
                         "Fix: leave integer/complex tensors out of the optimizer's params."
                     )
-        with torch.no_grad():
+        with torch.no_grad(), placing_state(self._engine):
             self.preinitialize()
             if self.enable_global_step:
                 for group in self.param_groups:
@@ -194,8 +210,14 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
     # --------------------------------------------------------------- checkpoints
 
     def state_dict(self) -> dict[str, Any]:
+        """torch's format. On a sharded store every rank takes part and gets the
+        whole state, never the placeholders of parameters owned elsewhere."""
         self.synchronize()  # the state of an overlapped step must be complete
-        return super().state_dict()
+        state = super().state_dict()
+        engine = self.engine
+        if engine is not None and engine.grads_sharded:
+            state = engine.gather_optimizer_state(self, state)
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict` (torch's format).
@@ -208,6 +230,14 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
         of the groups come from the state dict, as in torch.
         """
         self.synchronize()  # never load under a step still being applied
+        engine = self.engine
+        if engine is not None and engine.grads_sharded:
+            # Each rank keeps the state of the parameters it owns (Note [sharded store]).
+            engine.load_optimizer_state(self, state_dict, self._load_state_dict)
+        else:
+            self._load_state_dict(state_dict)
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         index_to_param = self._map_saved_indices(state_dict)
         saved_state = state_dict.get("state", {})
         for index, p in index_to_param.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -10,10 +11,11 @@ from torch.utils import _pytree as pytree
 
 from weightstream.compiler.partition import Plan, build_plan
 from weightstream.compiler.trace import trace_forward
+from weightstream.optim.binding import hosts
 from weightstream.runtime import swarm
 from weightstream.runtime.config import StreamingConfig
 from weightstream.runtime.device import DeviceOps
-from weightstream.runtime.sharding import ShardedStore
+from weightstream.runtime.sharding import ShardedStore, unit_group_params
 from weightstream.runtime.store import DiskStore
 from weightstream.runtime.streamer import Streamer
 from weightstream.runtime.updater import UnitUpdater
@@ -78,10 +80,31 @@ def _check_host_budget(plan: Plan, config: StreamingConfig) -> None:
 
 
 class StreamingEngine:
-    """Runs a module in weight-streaming mode on ``device``.
+    """One compiled model's weight-streaming runtime: MemoryX, SwarmX, the streamer, the updater.
 
-    The module's parameters stay on the host as the masters (the store); the
-    engine installs hooks that stream them to the device around each unit.
+    Note [the engine]
+    -----------------
+    ``cstorch.compile(model, backend="wse_ws")`` builds one engine, which the
+    compiled module owns. Everything that touches the model's training state
+    reaches it through this object, explicitly:
+
+    * the store (MemoryX): the masters stay on the host, in RAM or in a disk
+      store's files (``self.store``); with data parallel and a sharded store
+      each rank keeps the units it owns (``self.shards``, Note [sharded store]).
+      Where things live is fixed here, at construction, before any optimizer
+      state exists or any checkpoint is loaded;
+    * SwarmX (``self.reducer``): under torch.distributed the engine joins the
+      process group itself (torchrun's environment), broadcasts rank 0's
+      weights, and reduces each unit's gradients over the ranks as its
+      backward ends (Note [swarm reduce] in runtime/swarm.py);
+    * the streamer: fetch, evict and prefetch around each unit, built at the
+      first call, when the batch shape is known and the model is traced;
+    * the updater: applies an optimizer step unit by unit (overlapped with the
+      next forward, or page by page with a disk store).
+
+    Optimizers bind to it (Note [engine binding] in optim/binding.py) through
+    the :class:`~weightstream.optim.binding.ParameterHost` protocol that it
+    implements; the GradScaler and the step code reach it through the optimizer.
     """
 
     def __init__(self, module: nn.Module, device: torch.device, config: StreamingConfig):
@@ -89,19 +112,142 @@ class StreamingEngine:
         self.device = torch.device(device)
         self.config = config
         self.ops = DeviceOps(self.device)
+        # Owner: this engine. Why: tests and traces read the order of streaming
+        # and reduce events; recording is off unless enabled.
+        self.events = swarm.EventLog()
+        swarm.init_from_env(self.device)  # data parallel under torchrun, by itself
         self.plan: Plan = build_plan(module, config)  # structural; refined at the first call
         check_budget(self.plan, config)
         self.streamer: Streamer | None = None
-        self.updater: UnitUpdater | None = None
         self.store: DiskStore | None = None
         self.shards: ShardedStore | None = None
+        self.reducer: swarm.GradientReducer | None = None
         _place(module, self.device)
         if config.store == "disk":
             self.store = DiskStore(config.store_dir)
-            self.store.take_module(module)
+            self.store.take_module(module)  # may replace meta parameters by stored ones
+        self._params = {id(p): p for p in module.parameters()}
+        on_meta = any(p.is_meta for p in module.parameters())
+        if swarm.world_size() > 1 and not on_meta:
+            swarm.broadcast_module(module)  # every rank starts from rank 0's weights
+            self._join_swarm(module)
+        # Every unit's share of an optimizer step, in forward order (Note [overlapped updates]).
+        self.updater: UnitUpdater | None = None
+        if config.overlap_updates or self.store is not None:
+            self.updater = UnitUpdater(
+                [u.params for u in self.plan.units],
+                background=config.overlap_updates,
+                store=self.store,
+            )
+        # Reading or loading the whole model must see the step fully applied, and
+        # on a sharded store every rank's shard (Note [sharded store]).
+        self._state_hooks = [
+            module.register_state_dict_pre_hook(_function(self._synchronize_hook)),
+            module.register_state_dict_post_hook(_function(self._state_dict_post_hook)),
+            module.register_load_state_dict_pre_hook(_function(self._load_pre_hook)),
+            module.register_load_state_dict_post_hook(_function(self._load_post_hook)),
+        ]
+        self._skipped_on_load: list[str] = []
+        hosts.add(self)
+
+    def _join_swarm(self, module: nn.Module) -> None:
+        """Shard the store (if configured) and install the gradient reduction."""
+        unit_params = [u.params for u in self.plan.units]
+        owners = None
+        if self.config.store_sharding == "sharded":
+            if self.device.type != "cpu":
+                raise ValueError(
+                    "store_sharding='sharded' runs on the CPU (gloo) only so far; use "
+                    "store_sharding='replicated' on accelerators."
+                )
+            # Fixed with the structural plan, before any optimizer state exists.
+            self.shards = ShardedStore(unit_params, self.config.weight_servers)
+            buckets, owners = self.shards.group_params, self.shards.group_owner
+        else:
+            buckets = unit_group_params(unit_params)
+        self.reducer = swarm.GradientReducer(buckets, owners, note=self.events)
+
+    # ---- the ParameterHost protocol (Note [engine binding]) ---------------------------------
+
+    @property
+    def grads_sharded(self) -> bool:
+        return self.shards is not None
+
+    def holds(self, p: torch.Tensor) -> bool:
+        return self._params.get(id(p)) is p
+
+    def state_zeros_like(self, p: torch.Tensor) -> torch.Tensor | None:
+        if self.shards is not None and not self.shards.owns(p):
+            return self.shards.state_zeros_like(p)
+        if self.store is not None:
+            return self.store.zeros_like(p, "state")
+        return None
+
+    def bind_optimizer(self, optimizer) -> None:
+        if self.shards is not None:
+            self.shards.shard_optimizer_state(optimizer)
+
+    def apply_step(self, optimizer) -> None:
+        """The optimizer's update of the masters: by unit through the updater, or at once."""
+        self.finish_gradients()
+        if self.updater is not None:
+            self.updater.defer(optimizer)
+        else:
+            optimizer._update(optimizer.param_groups)
+
+    def finish_gradients(self) -> None:
+        """Wait for every gradient reduction still in flight (host sync point)."""
+        if self.reducer is not None:
+            self.reducer.wait()
+
+    def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        return swarm.sum_over_ranks(value)
+
+    def gather_optimizer_state(self, optimizer, state: dict) -> dict:
+        assert self.shards is not None
+        return self.shards.gather_optimizer_state(optimizer, state)
+
+    def load_optimizer_state(self, optimizer, state: dict, load) -> None:
+        assert self.shards is not None
+        self.shards.load_optimizer_state(optimizer, state, load)
+
+    # ---- state-dict hooks -------------------------------------------------------------
+
+    def _synchronize_hook(self, *_args, **_kwargs) -> None:
+        self.synchronize()
+
+    def _state_dict_post_hook(self, module, state, prefix, _local_metadata) -> None:
+        if self.shards is not None:
+            # Collective: every rank gets the whole model (Note [sharded store]).
+            self.shards.gather_module_state(module, state, prefix)
+
+    def _load_pre_hook(
+        self, _module, state, prefix, _metadata, _strict, _missing, _unexpected, _errors
+    ) -> None:
+        self.synchronize()
+        self._skipped_on_load = []
+        if self.shards is None:
+            return
+        # Parameters owned elsewhere keep their placeholders: their entries are
+        # taken out (shapes checked first, so a wrong checkpoint still fails).
+        for name, p in self.shards.unowned_names(self.module, prefix).items():
+            value = state.get(name)
+            if isinstance(value, torch.Tensor) and value.shape == p.shape:
+                del state[name]
+                self._skipped_on_load.append(name)
+
+    def _load_post_hook(self, _module, incompatible) -> None:
+        skipped = set(self._skipped_on_load)
+        self._skipped_on_load = []
+        if skipped:
+            incompatible.missing_keys[:] = [
+                k for k in incompatible.missing_keys if k not in skipped
+            ]
+
+    # ---- compile ----------------------------------------------------------------------
 
     def _compile(self, args: tuple, kwargs: dict) -> None:
-        """Trace the real batch shape on the meta device and fix the plan."""
+        """Trace the real batch shape on the meta device and fix the streaming plan."""
         try:
             trace = trace_forward(self.module, args, kwargs)
         except Exception as exc:
@@ -117,26 +263,8 @@ class StreamingEngine:
             plan = build_plan(self.module, self.config, trace)
         check_budget(plan, self.config)
         self.plan = plan
-        if self.config.store_sharding == "sharded" and swarm.world_size() > 1:
-            if self.device.type != "cpu":
-                raise ValueError(
-                    "store_sharding='sharded' runs on the CPU (gloo) only so far; use "
-                    "store_sharding='replicated' on accelerators."
-                )
-            # Fixed with the plan: ownership is by the plan's units (Note [sharded store]).
-            self.shards = ShardedStore([u.params for u in plan.units], self.config.weight_servers)
-        self.updater = None
-        if self.config.overlap_updates or self.store is not None:
-            self.updater = UnitUpdater(
-                [u.params for u in plan.units],
-                background=self.config.overlap_updates,
-                store=self.store,
-            )
-            # Reading or loading the whole model must see the step fully applied.
-            self._state_hooks = [
-                self.module.register_state_dict_pre_hook(self._synchronize_hook),
-                self.module.register_load_state_dict_pre_hook(self._synchronize_hook),
-            ]
+        if self.updater is not None:
+            self.updater.set_units([u.params for u in plan.units])
         self.streamer = Streamer(
             plan,
             self.ops,
@@ -146,16 +274,19 @@ class StreamingEngine:
             before_fetch=None if self.updater is None else self.updater.wait_unit,
             store=self.store,
             shards=self.shards,
+            note=self.events,
         )
         self.streamer.install()
-
-    def _synchronize_hook(self, *_args, **_kwargs) -> None:
-        self.synchronize()
 
     def synchronize(self) -> None:
         """Wait until an overlapped optimizer step is completely applied."""
         if self.updater is not None:
             self.updater.synchronize()
+
+    def no_sync(self):
+        """Backwards inside accumulate gradients locally, unreduced (all micro-batches but
+        the last of a step; Note [swarm reduce])."""
+        return contextlib.nullcontext() if self.reducer is None else self.reducer.no_sync()
 
     def stream_dtype(self, p: torch.Tensor) -> torch.dtype:
         """The dtype ``p`` travels in: the compute dtype for floating weights."""
@@ -203,13 +334,27 @@ class StreamingEngine:
         return out
 
     def close(self) -> None:
+        hosts.discard(self)
         if self.updater is not None:
             self.updater.close()
+        if self.reducer is not None:
+            self.reducer.close()
+            self.reducer = None
+        for h in self._state_hooks:
+            h.remove()
+        self._state_hooks = []
         if self.streamer is not None:
             self.streamer.remove()
             self.streamer = None
         if self.store is not None:
             self.store.close()
+
+
+def _function(method):
+    """``method`` as a plain function: torch marks public hooks with an attribute, and the
+    meta-device trace deep-copies the module with its hooks (a bound method would copy
+    the engine along)."""
+    return lambda *args: method(*args)
 
 
 def _place(module: nn.Module, device: torch.device) -> None:

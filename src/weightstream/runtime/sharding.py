@@ -6,68 +6,55 @@ With data parallel and ``StreamingConfig(store_sharding="sharded")`` the store
 is split across the ranks acting as weight servers (MemoryX with
 ``num_wgt_servers``) instead of being replicated on every rank:
 
-* Ownership. Every streaming unit of the plan has one owner rank, chosen
-  greedily by weight bytes (largest first, to the least loaded owner, ties to
-  the lowest rank): a pure function of the plan, so every rank computes the
-  same table without talking. Units that share a parameter (a tied embedding)
-  are owned together, because a unit's flat device buffer is broadcast from a
-  single rank and must be whole there. A rank keeps real host masters and
-  optimizer state only for the units it owns; every other parameter's data is
-  a storage-free placeholder (one element expanded to the shape), and so is
-  its optimizer state, so per-rank store memory is about 1/N of the
-  replicated store's.
+* Ownership, fixed when the engine is built (``cstorch.compile``), before any
+  optimizer state or checkpoint load exists. Every unit of the structural plan
+  (the module tree, without a trace) has one owner rank, chosen greedily by
+  weight bytes (largest first, to the least loaded owner, ties to the lowest
+  rank): a pure function of the model, so every rank computes the same table
+  without talking. Units that share a parameter (a tied embedding) are owned
+  together. A rank keeps real host masters and optimizer state only for the
+  parameters it owns; every other parameter's data is a storage-free
+  placeholder (one element expanded to the shape), and so is its optimizer
+  state, so per-rank store memory is about 1/N of the replicated store's.
 
-* Fetch (forward and backward). The owner copies its masters into the unit's
-  flat device buffer and broadcasts it; the other ranks receive into a fresh
-  buffer. Every rank must issue the broadcasts in the same order, so all of
-  them, synchronous fetches included, run on DeviceOps' single worker thread,
-  on a process group of their own: no collective of another thread can
-  interleave with them.
+* Fetch (forward and backward). The traced plan of the first call may group
+  parameters differently (a parameter read by another module's forward joins
+  that unit); a unit's flat device buffer is filled run by run of parameters
+  of one owner, each run broadcast from its owner (one broadcast when the unit
+  has a single owner, the usual case). Every rank must issue the broadcasts in
+  the same order, so all of them, synchronous fetches included, run on
+  DeviceOps' single worker thread, on a process group of their own: no
+  collective of another thread can interleave with them.
 
-* Gradients. ``_StreamIn.backward`` (Note [streaming and autograd]) hands each
-  unit's gradients to :meth:`ShardedStore.reduce_grads`, which sums them on the
-  owner (``dist.reduce`` on a second group of its own, issued from the
-  autograd thread) and divides by the world size: the mean over the ranks, as
-  ``swarm.average_gradients`` computes for the replicated store. Non-owners
-  get no gradient for the master, so every optimizer skips it there and only
-  the owner runs the unit's update. Global decisions see every shard: the
-  gradient norm for clipping and the loss scaler's non-finite check
-  all-reduce the sum of squares.
+* Gradients. SwarmX's reducer (Note [swarm reduce] in runtime/swarm.py) sums
+  each unit group's gradients on its owner as the backward produces them, and
+  divides by the world size; the other ranks drop theirs, so every optimizer
+  skips those parameters there and only the owner runs the unit's update.
+  Global decisions see every shard: the gradient norm for clipping and the
+  loss scaler's non-finite check sum the squares over the ranks.
 
-* Checkpoints. The trainer's state dict gathers every unit that rank 0 does
-  not own to rank 0, one unit group at a time (the owner sends the masters and
-  their optimizer state entries), into the same single-file layout as a
-  replicated run. The masters of a unit travel once per save, so rank 0 holds
-  the whole state only while it writes the file, as a replicated run always
-  does. Loading into a sharded store fills the owned tensors only.
+* Whole-model reads. ``model.state_dict()`` and ``optimizer.state_dict()`` are
+  collective on a sharded store: every rank calls them (as every rank runs the
+  same training script) and every rank gets the whole state, each unit group
+  broadcast from its owner in turn on a third group of its own, never a
+  placeholder. ``cstorch.save`` of it writes the same file as a replicated
+  run. ``model.load_state_dict()`` and ``optimizer.load_state_dict()`` fill the
+  owned tensors only.
 
-The model is built whole on every rank (rank 0's weights are broadcast to all)
-and sharded when the plan is fixed, at the engine's first call: until then a
-rank holds everything, as with the replicated store.
+The model is built whole on every rank, rank 0's weights are broadcast to all
+(the engine does it when it is built), and then the masters owned elsewhere
+are dropped.
 """
 
 from __future__ import annotations
 
-import datetime
-import os
-import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-# id(streamed master) -> the sharded store that places it (as updater._updater_of).
-_store_of: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
-def store_for(params: Iterable[torch.Tensor]) -> ShardedStore | None:
-    """The sharded store placing any of ``params``, if one does."""
-    for p in params:
-        s = _store_of.get(id(p))
-        if s is not None:
-            return s
-    return None
+from weightstream.runtime import swarm
 
 
 def placeholder(t: torch.Tensor) -> torch.Tensor:
@@ -77,14 +64,6 @@ def placeholder(t: torch.Tensor) -> torch.Tensor:
 
 def is_placeholder(t: torch.Tensor) -> bool:
     return t.numel() > 1 and t.untyped_storage().nbytes() <= t.element_size()
-
-
-def placeholder_state_for(p: torch.Tensor) -> torch.Tensor | None:
-    """Optimizer state for ``p`` when a sharded store keeps ``p`` on another rank."""
-    s = _store_of.get(id(p))
-    if s is None or s.owns(p):
-        return None
-    return placeholder(p)
 
 
 def _unit_groups(unit_params: Sequence[Sequence[torch.Tensor]]) -> list[list[int]]:
@@ -119,6 +98,11 @@ def _params_of(unit_params: Sequence[Sequence[torch.Tensor]], group: list[int]) 
     return list(seen.values())
 
 
+def unit_group_params(unit_params: Sequence[Sequence[torch.Tensor]]) -> list[list]:
+    """The parameters of each group of units sharing a parameter, in forward order."""
+    return [_params_of(unit_params, g) for g in _unit_groups(unit_params)]
+
+
 def assign_owners(unit_params: Sequence[Sequence[torch.Tensor]], num_owners: int) -> list[int]:
     """Each unit's owner rank in 0..num_owners-1 (see the Note); the same on every rank."""
     assert num_owners >= 1
@@ -138,17 +122,11 @@ def assign_owners(unit_params: Sequence[Sequence[torch.Tensor]], num_owners: int
     return owners
 
 
-def _timeout() -> datetime.timedelta:
-    # The same bound as the default group (runtime/swarm.py): a lost peer must
-    # fail a weight broadcast as fast as any other collective.
-    return datetime.timedelta(seconds=float(os.environ.get("WEIGHTSTREAM_DIST_TIMEOUT", "60")))
-
-
 class ShardedStore:
-    """Ownership of the plan's units across ranks, and the collectives that move them.
+    """Ownership of the model's parameters across ranks, and the collectives that move them.
 
     Args:
-        unit_params: each unit's master parameters, in the plan's order.
+        unit_params: each unit's master parameters of the structural plan.
         weight_servers: how many ranks own units (None: every rank).
     """
 
@@ -158,55 +136,50 @@ class ShardedStore:
         self.world = dist.get_world_size()
         self.num_owners = min(weight_servers or self.world, self.world)
         self.unit_params = [list(ps) for ps in unit_params]
-        self.owner_of_unit = assign_owners(self.unit_params, self.num_owners)
-        self.groups = _unit_groups(self.unit_params)
+        owner_of_unit = assign_owners(self.unit_params, self.num_owners)
+        groups = _unit_groups(self.unit_params)
+        # Each group of units sharing a parameter: its parameters and its owner.
+        self.group_params = [_params_of(self.unit_params, g) for g in groups]
+        self.group_owner = [owner_of_unit[g[0]] for g in groups]
         self._owner_of_param: dict[int, int] = {}
-        self._params: dict[int, nn.Parameter] = {}
-        for params, owner in zip(self.unit_params, self.owner_of_unit):
+        for params, owner in zip(self.group_params, self.group_owner):
             for p in params:
                 self._owner_of_param[id(p)] = owner
-                self._params[id(p)] = p
         # Owner: this store. Why: weight broadcasts run on DeviceOps' worker
-        # thread and gradient reduces on the autograd thread; each needs a group
-        # of its own so that every rank sees each group's collectives in the
-        # same order (Note [sharded store]). new_group is collective: every rank
-        # builds its engine's store at the same point, the first call.
-        self.weight_group = dist.new_group(timeout=_timeout())
-        self.grad_group = dist.new_group(timeout=_timeout())
-        for i in self._params:
-            _store_of[i] = self
-        # Optimizers whose state was sharded already (a plain load_state_dict
-        # cannot write into placeholders, so it never brings the state back).
-        self._sharded_optimizers: weakref.WeakSet = weakref.WeakSet()
+        # thread, whole-state gathers on the caller's; each needs a group of its
+        # own so that every rank sees each group's collectives in the same order
+        # (Note [sharded store]). new_group is collective: every rank builds its
+        # engine at the same point, in compile().
+        self.weight_group = dist.new_group(timeout=swarm.timeout())
+        self.state_group = dist.new_group(timeout=swarm.timeout())
         self._drop_unowned_masters()
 
     # ---- ownership -------------------------------------------------------------------
 
+    def owner_of(self, p: torch.Tensor) -> int:
+        return self._owner_of_param.get(id(p), self.rank)
+
     def owns(self, p: torch.Tensor) -> bool:
-        return self._owner_of_param.get(id(p), self.rank) == self.rank
-
-    def streams(self, p: torch.Tensor) -> bool:
-        return id(p) in self._owner_of_param
-
-    def unstreamed(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-        """The parameters outside every unit: replicated, reduced as before."""
-        return [p for p in params if id(p) not in self._owner_of_param]
+        return self.owner_of(p) == self.rank
 
     def _drop_unowned_masters(self) -> None:
         with torch.no_grad():
-            for p in self._params.values():
-                if not self.owns(p) and not is_placeholder(p.data):
-                    p.data = placeholder(p.data)
-                    p.grad = None
+            for params in self.group_params:
+                for p in params:
+                    if not self.owns(p) and not is_placeholder(p.data):
+                        p.data = placeholder(p.data)
+                        p.grad = None
+
+    def state_zeros_like(self, p: torch.Tensor) -> torch.Tensor | None:
+        """A placeholder for the optimizer state of a parameter owned elsewhere."""
+        return None if self.owns(p) else placeholder(p)
 
     def shard_optimizer_state(self, optimizer) -> None:
         """Replace the state of parameters owned elsewhere by placeholders (idempotent).
 
-        The optimizer is built before the plan is fixed and preinitializes its
-        state for every parameter; a checkpoint may also be loaded into it then.
+        Needed only for an optimizer built before the engine, whose state was
+        created whole; one built after it creates placeholders directly.
         """
-        if optimizer in self._sharded_optimizers:
-            return
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if self.owns(p):
@@ -216,135 +189,122 @@ class ShardedStore:
                     if isinstance(value, torch.Tensor) and value.numel() > 1:
                         if not is_placeholder(value):
                             state[key] = placeholder(value)
-        self._sharded_optimizers.add(optimizer)
 
     # ---- transfers ---------------------------------------------------------------------
 
     def fetch_flat(
-        self, unit_index: int, masters: Sequence[torch.Tensor], dtype: torch.dtype, numel: int, ops
+        self, masters: Sequence[torch.Tensor], dtype: torch.dtype, numel: int, ops
     ) -> torch.Tensor:
-        """The unit's flat device buffer of ``dtype``, broadcast from its owner.
+        """A flat device buffer of ``dtype`` holding ``masters``, each from its owner.
 
         Runs on DeviceOps' worker thread only (Note [sharded store]).
         """
-        owner = self.owner_of_unit[unit_index]
-        if owner == self.rank:
-            flat = ops.copy_flat(masters, dtype, numel)
-        else:
-            flat = torch.empty(numel, dtype=dtype, device=ops.device)
-        dist.broadcast(flat, src=owner, group=self.weight_group)  # host sync point
-        return flat
+        runs: list[tuple[int, list[torch.Tensor]]] = []
+        for m in masters:
+            owner = self.owner_of(m)
+            if runs and runs[-1][0] == owner:
+                runs[-1][1].append(m)
+            else:
+                runs.append((owner, [m]))
+        pieces = []
+        for owner, run in runs:
+            n = sum(m.numel() for m in run)
+            if owner == self.rank:
+                piece = ops.copy_flat(run, dtype, n)
+            else:
+                piece = torch.empty(n, dtype=dtype, device=ops.device)
+            dist.broadcast(piece, src=owner, group=self.weight_group)  # host sync point
+            pieces.append(piece)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
-    def reduce_grads(
-        self, unit_index: int, grads: Sequence[torch.Tensor | None]
-    ) -> list[torch.Tensor | None]:
-        """Sum one unit's gradients on its owner, as the mean over ranks; None elsewhere.
-
-        Called from ``_StreamIn.backward`` on the autograd thread. Which
-        gradients are None is a property of the graph, the same on every rank.
-        """
-        owner = self.owner_of_unit[unit_index]
-        out: list[torch.Tensor | None] = [None] * len(grads)
+    def _broadcast_from_owner(self, owner: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``tensors`` as the owner has them, on every rank (one collective per dtype)."""
+        out: list[torch.Tensor] = list(tensors)
         by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, g in enumerate(grads):
-            if g is not None:
-                by_dtype.setdefault(g.dtype, []).append(i)
-        for idx in by_dtype.values():
-            flat = torch.cat([grads[i].reshape(-1) for i in idx])
-            dist.reduce(flat, dst=owner, op=dist.ReduceOp.SUM, group=self.grad_group)
-            if owner != self.rank:
-                continue
-            flat.div_(self.world)
+        for i, t in enumerate(tensors):
+            by_dtype.setdefault(t.dtype, []).append(i)
+        for dtype, idx in by_dtype.items():
+            numel = sum(tensors[i].numel() for i in idx)
+            if owner == self.rank:
+                flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
+            else:
+                flat = torch.empty(numel, dtype=dtype, device=tensors[idx[0]].device)
+            dist.broadcast(flat, src=owner, group=self.state_group)  # host sync point
             offset = 0
             for i in idx:
-                g = grads[i]
-                out[i] = flat[offset : offset + g.numel()].view_as(g)
-                offset += g.numel()
+                n = tensors[i].numel()
+                out[i] = flat[offset : offset + n].view(tensors[i].shape).clone()
+                offset += n
         return out
 
-    # ---- checkpoints -----------------------------------------------------------------------
+    # ---- whole-model reads ------------------------------------------------------------
 
-    def gather_to_main(
-        self, module: nn.Module, model_state: dict, optimizer=None, optim_state: dict | None = None
-    ) -> tuple[dict, dict | None]:
-        """Rank 0's state dicts with every shard's masters and optimizer state filled in.
+    def gather_module_state(self, module: nn.Module, state: dict, prefix: str = "") -> None:
+        """Fill ``state`` (``module.state_dict()``) with every parameter's owner values.
 
-        Every rank calls this in the same order; a unit group owned by rank r > 0
-        travels from r to rank 0 only (the other ranks' dicts keep placeholders
-        and are not written). See Note [sharded store].
+        Collective: every rank calls it and every rank gets the whole state.
         """
         names: dict[int, list[str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
-            if name in model_state:
-                names.setdefault(id(p), []).append(name)
-        index_of: dict[int, int] = {}
-        if optimizer is not None:
-            flat = [p for g in optimizer.param_groups for p in g["params"]]
-            index_of = {id(p): i for i, p in enumerate(flat)}
-        for group in self.groups:
-            owner = self.owner_of_unit[group[0]]
-            if owner == 0 or self.rank not in (0, owner):
-                continue
-            params = _params_of(self.unit_params, group)
-            if self.rank == owner:
-                payload = {
-                    "model": [p.detach() for p in params],
-                    "state": [
-                        optim_state["state"].get(index_of[id(p)])
-                        if optim_state is not None and id(p) in index_of
-                        else None
-                        for p in params
-                    ],
-                }
-                dist.send_object_list([payload], dst=0)  # host sync point
-                continue
-            box = [None]
-            dist.recv_object_list(box, src=owner)  # host sync point
-            payload = box[0]
-            for p, tensor, entry in zip(params, payload["model"], payload["state"]):
+            if prefix + name in state:
+                names.setdefault(id(p), []).append(prefix + name)
+        for params, owner in zip(self.group_params, self.group_owner):
+            values = self._broadcast_from_owner(owner, [p.detach() for p in params])
+            if owner == self.rank:
+                continue  # this rank's own values are in the dict already
+            for p, value in zip(params, values):
                 for name in names.get(id(p), ()):
-                    model_state[name] = tensor
-                if entry is not None and id(p) in index_of:
-                    optim_state["state"][index_of[id(p)]] = entry
-        return model_state, optim_state
+                    state[name] = value
 
-    def load_model_state(self, module: nn.Module, state: dict) -> None:
-        """``module.load_state_dict(state)`` filling only the masters this rank owns."""
-        skipped = set()
-        for name, p in module.named_parameters(remove_duplicate=False):
-            if self.streams(p) and not self.owns(p):
-                skipped.add(name)
-        result = module.load_state_dict(
-            {k: v for k, v in state.items() if k not in skipped}, strict=False
-        )
-        missing = [k for k in result.missing_keys if k not in skipped]
-        if missing or result.unexpected_keys:
-            raise RuntimeError(
-                f"Error(s) in loading state_dict for {type(module).__name__}: missing keys "
-                f"{missing}, unexpected keys {list(result.unexpected_keys)}."
-            )
-
-    def load_optimizer_state(self, optimizer, state: dict) -> None:
-        """``optimizer.load_state_dict(state)`` keeping only the state this rank owns.
-
-        The optimizer's loader copies into its preinitialized tensors, and the
-        placeholders of parameters owned elsewhere cannot be written into: they
-        get real tensors for the duration of the load and are dropped right
-        after. So a load after the plan is fixed briefly holds the whole
-        optimizer state, as a load before it (the run command's resume) does.
-        """
-        flat = [p for g in optimizer.param_groups for p in g["params"]]
-        # Placeholders cannot be written into: give the optimizer's loader fresh
-        # tensors to copy into for parameters owned elsewhere, then drop them.
-        for p in flat:
-            if self.owns(p):
+    def gather_optimizer_state(self, optimizer, state: dict) -> dict:
+        """``state`` (torch's format) with every parameter's state as its owner has it."""
+        index_of = {
+            id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
+        }
+        for params, owner in zip(self.group_params, self.group_owner):
+            entries = [
+                (index_of[id(p)], key)
+                for p in params
+                if id(p) in index_of
+                for key, value in sorted(state["state"].get(index_of[id(p)], {}).items())
+                if isinstance(value, torch.Tensor)
+            ]
+            if not entries:
                 continue
-            entry = optimizer.state.get(p)
-            for key, value in (entry or {}).items():
-                if isinstance(value, torch.Tensor) and is_placeholder(value):
-                    entry[key] = torch.empty(value.shape, dtype=value.dtype)
-        self._sharded_optimizers.discard(optimizer)
+            values = self._broadcast_from_owner(owner, [state["state"][i][k] for i, k in entries])
+            if owner == self.rank:
+                continue
+            for (i, key), value in zip(entries, values):
+                state["state"][i] = {**state["state"][i], key: value}
+        return state
+
+    # ---- loads ------------------------------------------------------------------------
+
+    def unowned_names(self, module: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+        """State-dict names of the parameters other ranks own, with the parameters."""
+        return {
+            prefix + name: p
+            for name, p in module.named_parameters(remove_duplicate=False)
+            if not self.owns(p)
+        }
+
+    def load_optimizer_state(self, optimizer, state: dict, load) -> None:
+        """``load(state)`` (the optimizer's loader) keeping only the state this rank owns.
+
+        The loader copies into the preinitialized tensors, and the placeholders
+        of parameters owned elsewhere cannot be written into: they get real
+        tensors for the duration of the load and are dropped right after, so a
+        load briefly holds the whole optimizer state, as the file read does.
+        """
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if self.owns(p):
+                    continue
+                entry = optimizer.state.get(p)
+                for key, value in (entry or {}).items():
+                    if isinstance(value, torch.Tensor) and is_placeholder(value):
+                        entry[key] = torch.empty(value.shape, dtype=value.dtype)
         try:
-            optimizer.load_state_dict(state)
+            load(state)
         finally:
             self.shard_optimizer_state(optimizer)

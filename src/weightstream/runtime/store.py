@@ -51,49 +51,17 @@ import shutil
 import sys
 import tempfile
 import threading
-import weakref
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from weightstream.common.pages import MADV_REMOVE, STORE_SUFFIX, madvise
 from weightstream.runtime.materialize import materialize
 
-# Every open disk store, so that code that only holds a tensor (the checkpoint
-# writer) can give its pages back without knowing which engine owns it.
-_live_stores: weakref.WeakSet = weakref.WeakSet()
-
-
-def _libc_madvise():
-    """``madvise(addr, length, advice)`` from the C library, or None where there is none."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MADV_REMOVE = getattr(mmap, "MADV_REMOVE", 9)
 # Free space kept beyond a discarded gradient's bytes before writing it again.
 _DISK_MARGIN = 64 * 2**20
-
-# On the storages' own addresses: torch's mapping is page-aligned and has no
-# Python object to call madvise on.
-_madvise = _libc_madvise()
-
-
-def release_pages(tensors: Iterable[torch.Tensor]) -> None:
-    """Give back the resident pages of any of ``tensors`` that live in a disk store."""
-    tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
-    if not tensors:
-        return
-    for store in list(_live_stores):
-        store.release(tensors)
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
@@ -139,7 +107,6 @@ class DiskStore:
         self._hooks: list = []
         self.bytes_mapped = 0
         _return_large_frees_to_the_os()
-        _live_stores.add(self)
 
     # ---- allocation ----------------------------------------------------------------
 
@@ -151,7 +118,8 @@ class DiskStore:
         nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
-        path = self.directory / f"{next(self._ids):07d}.{kind}"
+        # The suffix marks a store file for release_pages (common/pages.py).
+        path = self.directory / f"{next(self._ids):07d}.{kind}{STORE_SUFFIX}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             try:
@@ -213,10 +181,10 @@ class DiskStore:
         return out
 
     def _advise(self, tensors: Iterable[torch.Tensor], advice: int) -> None:
-        if _madvise is None:
+        if madvise is None:
             return
         for start, nbytes in self._ranges_of(tensors):
-            _madvise(start, nbytes, advice)
+            madvise(start, nbytes, advice)
 
     def release(self, tensors: Iterable[torch.Tensor]) -> None:
         """Drop the resident pages of ``tensors`` (dirty data goes to the file, not away)."""
@@ -231,13 +199,13 @@ class DiskStore:
         (``_grad_into_store``), never left to a SIGBUS.
         """
         ranges = self._ranges_of(tensors)
-        if _madvise is None or not ranges:
+        if madvise is None or not ranges:
             return
         for start, nbytes in ranges:
-            if _madvise(start, nbytes, _MADV_REMOVE) == 0:
+            if madvise(start, nbytes, MADV_REMOVE) == 0:
                 self._discarded.add(start)
             else:
-                _madvise(start, nbytes, mmap.MADV_DONTNEED)  # no hole punching here
+                madvise(start, nbytes, mmap.MADV_DONTNEED)  # no hole punching here
 
     def _reclaim(self, t: torch.Tensor) -> None:
         """Before writing into a discarded tensor: its blocks must fit on the disk again."""
@@ -322,14 +290,3 @@ class DiskStore:
         with self._lock:
             # The mappings live on for as long as tensors over them do.
             self._maps.clear()
-        _live_stores.discard(self)
-
-
-def store_of(p: torch.Tensor) -> DiskStore | None:
-    """The disk store holding ``p``, if any."""
-    if not isinstance(p, torch.Tensor) or p.device.type != "cpu":
-        return None
-    for store in list(_live_stores):
-        if store.holds(p):
-            return store
-    return None

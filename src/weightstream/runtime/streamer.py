@@ -27,7 +27,6 @@ activations and stay saved as they are.
 
 from __future__ import annotations
 
-import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -64,14 +63,15 @@ class _SavedWeight:
 
 class _Link:
     """What ``_StreamIn`` needs: the device copies to hand out (forward only), and
-    with a sharded store the reduction of the gradients to the unit's owner."""
+    what to note when the unit's backward is done (``note(event, unit)``)."""
 
-    __slots__ = ("ops", "reduce", "tensors")
+    __slots__ = ("index", "note", "ops", "tensors")
 
-    def __init__(self, ops: DeviceOps, tensors: list[torch.Tensor], reduce=None):
+    def __init__(self, ops: DeviceOps, tensors: list[torch.Tensor], index: int, note=None):
         self.ops = ops
         self.tensors = tensors
-        self.reduce = reduce
+        self.index = index
+        self.note = note
 
 
 class _StreamIn(torch.autograd.Function):
@@ -82,7 +82,8 @@ class _StreamIn(torch.autograd.Function):
         outs = tuple(link.tensors)
         link.tensors = []  # the graph must not keep the device buffers alive
         ctx.ops = link.ops
-        ctx.reduce = link.reduce
+        ctx.index = link.index
+        ctx.note = link.note
         ctx.masters = [(m.device, m.dtype) for m in masters]
         frozen = [o for o, m in zip(outs, masters) if not m.requires_grad]
         if frozen:
@@ -100,10 +101,10 @@ class _StreamIn(torch.autograd.Function):
             else:
                 # Host sync point on accelerators (gradient leaves the device).
                 out.append(g.to(device=device, dtype=dtype))
-        if ctx.reduce is not None:
-            # Sharded store: the sum over ranks goes to the owner's master only
-            # (Note [sharded store] in runtime/sharding.py).
-            out = [None, *ctx.reduce(out[1:])]
+        if ctx.note is not None:
+            # The unit's weight gradients are complete: its backward is done
+            # (SwarmX reduces them once autograd accumulated them; Note [swarm reduce]).
+            ctx.note("unit_backward_end", ctx.index)
         return tuple(out)
 
 
@@ -128,10 +129,12 @@ class Streamer:
         before_fetch=None,
         store=None,
         shards=None,
+        note=None,
     ):
         self.plan = plan
+        self._note = note  # records streaming events (the engine's EventLog)
         # A sharded store (Note [sharded store] in runtime/sharding.py): weights
-        # are broadcast from each unit's owner, gradients reduced to it.
+        # are broadcast from their owners.
         self._shards = shards
         # A disk store (Note [disk tier]): masters are read ahead when a fetch is
         # issued and their pages given back once the device copy is made.
@@ -207,7 +210,7 @@ class Streamer:
                 if shards is None:
                     buf = ops.copy_flat(masters, dt, numel)
                 else:
-                    buf = shards.fetch_flat(index, masters, dt, numel, ops)
+                    buf = shards.fetch_flat(masters, dt, numel, ops)
                 if post is not None and buf.is_floating_point():
                     post(buf)
                 meter.track(buf)
@@ -267,10 +270,8 @@ class Streamer:
             self._buffer_owner[id(buf)] = (seq, pos, buf_i)
         masters = unit.params
         if torch.is_grad_enabled() and any(p.requires_grad for p in masters):
-            reduce = None
-            if self._shards is not None:
-                reduce = functools.partial(self._shards.reduce_grads, unit.index)
-            tensors = list(_StreamIn.apply(_Link(self.ops, list(tensors), reduce), *masters))
+            link = _Link(self.ops, list(tensors), unit.index, self._note)
+            tensors = list(_StreamIn.apply(link, *masters))
         by_param = {id(p): t for p, t in zip(masters, tensors)}
         previous = []
         for slot in unit.spec.slots:

@@ -1,11 +1,13 @@
 """SwarmX: data parallelism over torch.distributed (gloo on CPU, NCCL on CUDA).
 
-Every rank runs every layer on its share of the global batch. Before the
-optimizer step the gradients of all ranks are reduced (averaged: each rank's
-loss is a mean over its share, and the shares are equal, so the mean of the
-ranks' gradients is the gradient of the global mean loss); every rank then
-applies the same update to its own copy of the store, so the copies stay equal
-(the replicated store). Losses for logging are averaged the same way.
+Every rank runs every layer on its share of the global batch. The gradients of
+all ranks are reduced (averaged: each rank's loss is a mean over its share,
+and the shares are equal, so the mean of the ranks' gradients is the gradient
+of the global mean loss) bucket by bucket while the backward runs
+(:class:`GradientReducer`, Note [swarm reduce]); with the replicated store
+every rank then applies the same update to its own copy, so the copies stay
+equal, and with the sharded store each bucket's owner does. Losses for
+logging are averaged with :func:`average`.
 
 The transport is torch.distributed only. A rank that dies makes the others'
 next collective fail (gloo reports the closed connection) or time out after
@@ -15,14 +17,19 @@ next collective fail (gloo reports the closed connection) or time out after
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-# Gradients travel in flat buckets of about this many bytes: fewer, larger
-# collectives than one per tensor, without a second full copy of the gradients.
+# Gradients of parameters outside a streaming plan (layer pipelined) travel in
+# buckets of about this many bytes: fewer, larger collectives than one per
+# tensor, each started as soon as its gradients are final.
 BUCKET_BYTES = 32 * 2**20
 
 
@@ -32,12 +39,16 @@ def init_from_env(device: torch.device) -> bool:
         return True
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
-    timeout = datetime.timedelta(seconds=float(os.environ.get("WEIGHTSTREAM_DIST_TIMEOUT", "60")))
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=timeout)
+    dist.init_process_group(backend=backend, timeout=timeout())
     return True
+
+
+def timeout() -> datetime.timedelta:
+    """How long a collective waits for a lost peer: ``WEIGHTSTREAM_DIST_TIMEOUT`` seconds (60)."""
+    return datetime.timedelta(seconds=float(os.environ.get("WEIGHTSTREAM_DIST_TIMEOUT", "60")))
 
 
 def world_size() -> int:
@@ -50,38 +61,6 @@ def rank() -> int:
 
 def is_main() -> bool:
     return rank() == 0
-
-
-def average_gradients(params) -> None:
-    """All-reduce the gradients of ``params`` to their mean over the ranks (in place)."""
-    n = world_size()
-    if n == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for g in grads:
-        bucket.append(g)
-        size += g.numel() * g.element_size()
-        if size >= BUCKET_BYTES:
-            _reduce_bucket(bucket, n)
-            bucket, size = [], 0
-    if bucket:
-        _reduce_bucket(bucket, n)
-
-
-def _reduce_bucket(grads: list[torch.Tensor], n: int) -> None:
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for same in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in same])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)  # host sync point
-        flat.div_(n)
-        offset = 0
-        for g in same:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
 
 
 def sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
@@ -98,30 +77,6 @@ def average(value: torch.Tensor) -> torch.Tensor:
     if world_size() == 1:
         return value
     return sum_over_ranks(value) / world_size()
-
-
-def clip_grad_norm_sharded_(
-    params, max_norm: float, replicated=(), eps: float = 1e-6
-) -> torch.Tensor:
-    """``clip_grad_norm_`` over gradients spread across the ranks (a sharded store).
-
-    Each rank holds the gradients of the masters it owns; the global norm is the
-    square root of the sum over ranks of each rank's sum of squares. Gradients
-    of ``replicated`` parameters are equal on every rank and count once (rank
-    0's). Returns the global norm, as torch's function does.
-    """
-    replicated_ids = {id(p) for p in replicated}
-    grads = [p.grad for p in params if p.grad is not None]
-    total = torch.zeros((), dtype=torch.float32)
-    for p, g in ((p, p.grad) for p in params if p.grad is not None):
-        if id(p) in replicated_ids and rank() != 0:
-            continue
-        total = total + torch.sum(torch.square(g.detach().float()))
-    norm = torch.sqrt(sum_over_ranks(total))
-    coef = torch.clamp(max_norm / (norm + eps), max=1.0)
-    for g in grads:
-        g.detach().mul_(coef.to(g.dtype))
-    return norm
 
 
 def all_gather_objects(obj) -> list:
@@ -149,3 +104,225 @@ def broadcast_module(module: torch.nn.Module) -> None:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------- reduce
+
+# Note [swarm reduce]
+# -------------------
+# SwarmX reduces gradients in the backward, bucket by bucket, in every training
+# loop (the run command's trainer, ``amp.optimizer_step``, a hand-written
+# ``loss.backward(); optimizer.step()``): nothing but the backward itself has to
+# happen for the ranks' gradients to be averaged.
+#
+# * Buckets. A streaming engine's bucket is a unit of its plan (units sharing a
+#   parameter, a tied embedding, form one bucket); a resident model's are runs
+#   of about BUCKET_BYTES of parameters. A post-accumulate-grad hook on each
+#   parameter notes that its gradient of this backward is final (autograd has
+#   summed every use of it); when a bucket's last parameter is final its
+#   gradients are flattened and the collective starts asynchronously, so it
+#   runs while the backward goes on through the units before it. At the end
+#   of the backward (a callback queued on autograd's engine) buckets whose
+#   parameters got no gradient in part are reduced over the parameters that
+#   did, and every collective is waited for: ``p.grad`` after ``backward()``
+#   holds the mean over the ranks, as with DDP. Which gradients exist is a
+#   property of the graph, the same on every rank, so every rank issues the
+#   same collectives in the same order.
+# * Replicated store: all-reduce, then divide by the world size; every rank
+#   gets the mean. Sharded store: reduce to the bucket's owner, which alone
+#   gets the mean; the other ranks drop their gradient (None), so every
+#   optimizer skips the parameter there.
+# * Gradient accumulation. Under ``no_sync()`` a backward only accumulates
+#   locally; the first backward outside it reduces the whole local sum, once
+#   per optimizer step. A second backward outside ``no_sync()`` before the
+#   step is still exact: a parameter whose gradient holds a reduced mean has
+#   that mean set aside before autograd accumulates into it (a pre-accumulate
+#   hook), the new local sum is reduced alone, and the mean is added back.
+#   Reducing the sum of a mean and a local part again would count the mean
+#   N times on a sharded owner.
+# * Its own process group: the collectives are issued from the autograd
+#   thread while a sharded store's weight broadcasts run on the prefetch
+#   thread; each thread's collectives must reach every rank in one order.
+
+
+@dataclass
+class _InFlight:
+    bucket: int
+    params: list[torch.nn.Parameter]
+    flat: torch.Tensor
+    work: object  # torch.distributed Work
+
+
+class GradientReducer:
+    """Averages gradients over the ranks bucket by bucket as the backward produces them.
+
+    Args:
+        buckets: parameter lists in forward order (Note [swarm reduce]).
+        owners: each bucket's owner rank (a sharded store), or None: every rank
+            gets the mean (a replicated store).
+        note: called with (event, bucket) when a bucket's reduction starts, for
+            tests and traces; None: nothing is recorded.
+
+    Owner: the engine (or compiled module) of one model; ``close()`` removes its hooks.
+    """
+
+    def __init__(
+        self,
+        buckets: Sequence[Sequence[torch.nn.Parameter]],
+        owners: Sequence[int] | None = None,
+        note: Callable[[str, int], None] | None = None,
+    ):
+        assert dist.is_initialized()
+        self.world = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.owners = None if owners is None else list(owners)
+        self._note = note
+        self.buckets: list[list[torch.nn.Parameter]] = []
+        self._bucket_of: dict[int, int] = {}
+        for params in buckets:
+            mine = [p for p in params if p.requires_grad and id(p) not in self._bucket_of]
+            for p in mine:
+                self._bucket_of[id(p)] = len(self.buckets)
+            self.buckets.append(mine)
+        # Owner: this reducer. Why: see the Note (collectives from the autograd thread).
+        # new_group is collective: every rank builds its reducer at the same point.
+        self.group = dist.new_group(timeout=timeout())
+        self._sync = True
+        self._final: list[set[int]] = [set() for _ in self.buckets]  # final in this backward
+        self._started: set[int] = set()  # buckets whose reduction started in this backward
+        self._in_flight: list[_InFlight] = []
+        self._callback_queued = False
+        self._reduced: set[int] = set()  # id(p) whose .grad holds a reduced mean
+        self._set_aside: dict[int, torch.Tensor] = {}  # id(p) -> its mean, during a backward
+        self._hooks = []
+        for params in self.buckets:
+            for p in params:
+                self._hooks.append(p.register_hook(self._make_before_accumulate(p)))
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._after_accumulate))
+
+    # ---- hooks (autograd thread) ---------------------------------------------------------
+
+    def _make_before_accumulate(self, p: torch.nn.Parameter):
+        def before_accumulate(grad: torch.Tensor) -> None:
+            self._queue_finish()
+            if id(p) in self._reduced:
+                # A reduced mean from an earlier backward of this step: set it aside
+                # so that only the new local part is reduced (see the Note).
+                self._reduced.discard(id(p))
+                if p.grad is not None:
+                    self._set_aside[id(p)] = p.grad.detach().clone()
+                    p.grad = None
+
+        return before_accumulate
+
+    def _after_accumulate(self, p: torch.nn.Parameter) -> None:
+        self._queue_finish()
+        if not self._sync:
+            return
+        b = self._bucket_of[id(p)]
+        final = self._final[b]
+        final.add(id(p))
+        if len(final) == len(self.buckets[b]):
+            self._start(b)
+
+    def _queue_finish(self) -> None:
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_queued = True
+
+    def _finish_backward(self) -> None:
+        """End of a backward: reduce the partly final buckets, then wait for all."""
+        self._callback_queued = False
+        if self._sync:
+            for b, final in enumerate(self._final):
+                if final and b not in self._started:
+                    self._start(b)
+        for final in self._final:
+            final.clear()
+        self._started.clear()
+        self.wait()
+
+    # ---- collectives ----------------------------------------------------------------------
+
+    def _start(self, b: int) -> None:
+        self._started.add(b)
+        params = [p for p in self.buckets[b] if id(p) in self._final[b] and p.grad is not None]
+        if not params:
+            return
+        if self._note is not None:
+            self._note("reduce_start", b)
+        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
+        for p in params:
+            by_kind.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+        owner = None if self.owners is None else self.owners[b]
+        for same in by_kind.values():
+            flat = torch.cat([p.grad.detach().reshape(-1) for p in same])
+            if owner is None:
+                work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            else:
+                work = dist.reduce(
+                    flat, dst=owner, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+                )
+                if owner != self.rank:
+                    for p in same:
+                        p.grad = None  # sent: only the owner keeps this gradient
+                        self._set_aside.pop(id(p), None)
+            self._in_flight.append(_InFlight(b, same, flat, work))
+
+    def wait(self) -> None:
+        """Wait for every started reduction and put the means into ``p.grad``."""
+        in_flight, self._in_flight = self._in_flight, []
+        for item in in_flight:
+            item.work.wait()  # host sync point
+            if self.owners is not None and self.owners[item.bucket] != self.rank:
+                continue
+            item.flat.div_(self.world)
+            offset = 0
+            for p in item.params:
+                n = p.grad.numel()
+                # In place: the gradient keeps its storage (a disk store's file).
+                p.grad.copy_(item.flat[offset : offset + n].view_as(p.grad))
+                offset += n
+                earlier = self._set_aside.pop(id(p), None)
+                if earlier is not None:
+                    p.grad.add_(earlier)
+                self._reduced.add(id(p))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside only accumulate locally (all micro-batches but the last)."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def resident_buckets(params: Sequence[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+    """Runs of about BUCKET_BYTES of ``params`` (a model without a streaming plan)."""
+    buckets: list[list[torch.nn.Parameter]] = [[]]
+    size = 0
+    for p in params:
+        if size >= BUCKET_BYTES:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += p.numel() * p.element_size()
+    return [b for b in buckets if b]
+
+
+class EventLog:
+    """(event, index, seconds) of a run's streaming and reduce events, when enabled."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.events: list[tuple[str, int, float]] = []
+
+    def __call__(self, event: str, index: int) -> None:
+        if self.enabled:
+            self.events.append((event, index, time.perf_counter()))

@@ -14,6 +14,7 @@ to its checkpoint's step, so the file reads as if the run had never stopped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -29,9 +30,10 @@ import torch.nn.functional as F
 
 from weightstream import checkpoint as ckpt
 from weightstream.amp import GradScaler
+from weightstream.amp.step_helper import apply_gradients
 from weightstream.checkpoint.crash import counting_ops
 from weightstream.data.state import aggregate_state_dict
-from weightstream.runtime import sharding, swarm
+from weightstream.runtime import swarm
 from weightstream.runtime.performance import PerformanceTracker
 from weightstream.runtime.rng import capture_rng_state, restore_rng_state
 
@@ -116,15 +118,10 @@ class Trainer:
     # ---- checkpoints ----------------------------------------------------------------
 
     def state_dict(self, dataloader) -> dict:
+        # On a sharded store both reads are collective and every rank gets the
+        # whole state (Note [sharded store]); rank 0 writes it.
         model_state = self.model.state_dict()
         optim_state = None if self.optimizer is None else self.optimizer.state_dict()
-        shards = sharding.store_for(self.model.parameters())
-        if shards is not None:
-            # Every rank takes part; rank 0 ends up with the whole state in the
-            # replicated store's layout (Note [sharded store]).
-            model_state, optim_state = shards.gather_to_main(
-                self.model, model_state, self.optimizer, optim_state
-            )
         state = {
             "model": model_state,
             "global_step": self.global_step,
@@ -179,22 +176,14 @@ class Trainer:
                 f"{path} is not a trainer checkpoint: it has no 'model' entry (keys: "
                 f"{', '.join(keys[:8])}). Pass a checkpoint written by this command."
             )
-        # A store sharded already (the plan is fixed) fills the tensors it owns;
-        # before that every rank loads everything and the store drops the rest.
-        shards = sharding.store_for(self.model.parameters())
+        # A sharded store fills the tensors this rank owns (Note [sharded store]).
         try:
-            if shards is None:
-                self.model.load_state_dict(state["model"])
-            else:
-                shards.load_model_state(self.model, state["model"])
+            self.model.load_state_dict(state["model"])
             if weights_only:  # evaluation: the weights and the step they reached
                 self.global_step = int(state.get("global_step", 0))
                 return
             if self.optimizer is not None and "optimizer" in state:
-                if shards is None:
-                    self.optimizer.load_state_dict(state["optimizer"])
-                else:
-                    shards.load_optimizer_state(self.optimizer, state["optimizer"])
+                self.optimizer.load_state_dict(state["optimizer"])
             if self.lr_scheduler is not None and state.get("schedulers"):
                 self.lr_scheduler.load_state_dict(state["schedulers"][0])
             if "grad_scaler" in state:
@@ -230,39 +219,24 @@ class Trainer:
         return batches, time.perf_counter() - t0
 
     def _optimizer_step(self, batches: list[dict]) -> torch.Tensor:
-        opt, scaler = self.optimizer, self.grad_scaler
         total = torch.zeros(())
-        for batch in batches:
-            loss, _, _ = task_loss(self.s.task, self.compiled, batch)
-            scaled = loss / len(batches)
-            scaler.scale(scaled).backward()
+        for i, batch in enumerate(batches):
+            # SwarmX reduces once per optimizer step: the micro-batches before the
+            # last only accumulate (Note [swarm reduce]).
+            last = i == len(batches) - 1
+            with contextlib.nullcontext() if last else self.compiled.no_sync():
+                loss, _, _ = task_loss(self.s.task, self.compiled, batch)
+                scaled = loss / len(batches)
+                self.grad_scaler.scale(scaled).backward()
             total = total + swarm.average(scaled.detach()).cpu()
-        all_params = [p for g in opt.param_groups for p in g["params"]]
-        shards = sharding.store_for(all_params)
-        if shards is None:
-            # SwarmX reduce: every rank's gradients become the mean over the ranks.
-            swarm.average_gradients(all_params)
-        else:
-            # Sharded store: backward already reduced each unit's gradients to its
-            # owner (Note [sharded store]); parameters outside every unit are
-            # replicated and reduced as before.
-            swarm.average_gradients(shards.unstreamed(all_params))
-            shards.shard_optimizer_state(opt)
-        scaler.unscale_(opt)
-        params = [p for p in all_params if p.grad is not None]
-        if self.s.max_gradient_norm is not None and shards is not None:
-            # The norm of the whole model: every rank's shard (host sync point).
-            swarm.clip_grad_norm_sharded_(
-                params, self.s.max_gradient_norm, replicated=shards.unstreamed(params)
-            )
-        elif self.s.max_gradient_norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, self.s.max_gradient_norm)
-        elif self.s.max_gradient_value is not None:
-            torch.nn.utils.clip_grad_value_(params, self.s.max_gradient_value)
-        with counting_ops("update"):  # Note [crash points] in checkpoint/crash.py
-            scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
+        # The step code of every loop (amp.optimizer_step's too).
+        apply_gradients(
+            self.optimizer,
+            self.grad_scaler,
+            self.s.max_gradient_norm,
+            self.s.max_gradient_value,
+            update_context=lambda: counting_ops("update"),  # Note [crash points]
+        )
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         return total

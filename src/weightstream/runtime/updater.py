@@ -3,8 +3,8 @@
 Note [overlapped updates]
 -------------------------
 With ``StreamingConfig(overlap_updates=True)``, ``optimizer.step()`` on a
-weightstream optimizer whose parameters are the masters of one streaming engine
-does not update them at once. Everything global was already decided by then
+weightstream optimizer bound to a streaming engine (Note [engine binding] in
+optim/binding.py) does not update the masters at once. Everything global was already decided by then
 (the loss scaler's unscale and non-finite check, gradient clipping: they ran
 before ``step()``), so the step only has to be applied. It is split by unit, in
 the forward order of the plan, and run on a background thread; the next
@@ -34,29 +34,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-import weakref
 from collections.abc import Sequence
 
 import torch
 
 from weightstream.optim._common import GRADS_KEY
-
-# id(master parameter) -> the updater of the engine that streams it. Keyed by id
-# (tensors compare elementwise); the updater keeps its parameters alive, so an
-# id stays valid for as long as its entry exists.
-_updater_of: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
-def updater_for(optimizer) -> UnitUpdater | None:
-    """The updater that owns every parameter of ``optimizer``, if one does."""
-    owner = None
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            u = _updater_of.get(id(p))
-            if u is None or (owner is not None and u is not owner):
-                return None
-            owner = u
-    return owner
 
 
 class UnitUpdater:
@@ -84,9 +66,11 @@ class UnitUpdater:
         self._lock = threading.Lock()
         self._unit_futures: list[concurrent.futures.Future | None] = []
         self._all: list[concurrent.futures.Future] = []
-        for params in self._unit_params:
-            for p in params:
-                _updater_of[id(p)] = self
+
+    def set_units(self, unit_params: Sequence[Sequence[torch.nn.Parameter]]) -> None:
+        """The units of the traced plan, in its forward order (fixed at the first call)."""
+        self.synchronize()
+        self._unit_params = [list(ps) for ps in unit_params]
 
     # ---- scheduling ------------------------------------------------------------------
 

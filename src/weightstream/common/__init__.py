@@ -1,0 +1,1 @@
+"""The bottom layer: helpers every other layer may use, importing nothing of weightstream."""

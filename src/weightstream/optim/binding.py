@@ -1,0 +1,138 @@
+"""How an optimizer reaches the engine that holds its parameters.
+
+Note [engine binding]
+---------------------
+In weight streaming the parameters an optimizer updates are the masters of one
+engine's store (``runtime.engine.StreamingEngine``): the engine decides where a
+state tensor lives (host memory, a disk-store file, nowhere on a rank that
+does not own the parameter), applies the update unit by unit, and knows whether
+the gradients are spread over the ranks (a sharded store). Layers below the
+runtime (this package, ``amp``) must not import it, so they speak to it
+through :class:`ParameterHost`, a protocol the engine implements.
+
+An optimizer is bound once: at construction, to the compiled engine holding
+its parameters, or, for an optimizer built before ``cstorch.compile``, at its
+first ``step()`` / ``state_dict()``. From then on every path goes through
+``optimizer.engine``: the GradScaler and ``optimizer_step`` ask it for the
+global gradient norm, the trainer and the checkpoint code for the state.
+Finding the engine is the only search, and it asks each live engine (a short
+list, one per compiled model) whether it holds a parameter; nothing global is
+keyed by a parameter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Protocol
+
+import torch
+
+
+class ParameterHost(Protocol):
+    """What an optimizer, a GradScaler and the step code need of a streaming engine."""
+
+    #: The gradients of the whole model are spread over the ranks (a sharded
+    #: store: each rank holds the gradients of the parameters it owns).
+    grads_sharded: bool
+
+    def holds(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is one of this engine's parameters."""
+        ...
+
+    def state_zeros_like(self, p: torch.Tensor) -> torch.Tensor | None:
+        """Zeros shaped like ``p`` where the engine keeps ``p``'s optimizer state, or
+        None for an ordinary tensor."""
+        ...
+
+    def bind_optimizer(self, optimizer) -> None:
+        """Take ``optimizer``'s state into the engine's placement (idempotent)."""
+        ...
+
+    def apply_step(self, optimizer) -> None:
+        """Apply ``optimizer``'s update to the masters, now or unit by unit."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait until an update still being applied is complete."""
+        ...
+
+    def finish_gradients(self) -> None:
+        """Wait until every gradient reduction of the step has landed."""
+        ...
+
+    def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum of ``value`` over the data-parallel ranks."""
+        ...
+
+    def gather_optimizer_state(self, optimizer, state: dict) -> dict:
+        """``state`` (``optimizer.state_dict()``) with every rank's shard filled in."""
+        ...
+
+    def load_optimizer_state(self, optimizer, state: dict, load) -> None:
+        """Run ``load(state)`` with the state of parameters owned elsewhere writable,
+        and shard it again afterwards."""
+        ...
+
+
+class _Hosts:
+    """The live engines, in creation order; held weakly (an engine dies with its model)."""
+
+    def __init__(self) -> None:
+        self._hosts: weakref.WeakSet = weakref.WeakSet()
+
+    def add(self, host: ParameterHost) -> None:
+        self._hosts.add(host)
+
+    def discard(self, host: ParameterHost) -> None:
+        self._hosts.discard(host)
+
+    def holding(self, params: Iterable[torch.Tensor]) -> ParameterHost | None:
+        """The engine holding any of ``params``; an error if they span two."""
+        params = list(params)
+        found = None
+        for host in list(self._hosts):
+            if any(host.holds(p) for p in params):
+                if found is not None:
+                    raise ValueError(
+                        "an optimizer's parameters belong to two compiled models; build one "
+                        "optimizer per compiled model."
+                    )
+                found = host
+        return found
+
+
+#: Engines register here when they are built (runtime/engine.py) and leave when closed.
+hosts = _Hosts()
+
+# While an optimizer creates its state: the engine that places it (Note [engine binding]).
+_placing: contextvars.ContextVar[ParameterHost | None] = contextvars.ContextVar(
+    "weightstream_placing", default=None
+)
+
+
+@contextlib.contextmanager
+def placing_state(host: ParameterHost | None) -> Iterator[None]:
+    """State created inside this block (``zeros_like``) goes where ``host`` keeps it."""
+    token = _placing.set(host)
+    try:
+        yield
+    finally:
+        _placing.reset(token)
+
+
+def zeros_like(p: torch.Tensor) -> torch.Tensor:
+    """A zero state tensor for ``p``, placed by the engine creating state now, if any.
+
+    A disk store gives a tensor in its files (Note [disk tier]); a sharded store
+    gives a storage-free placeholder for a parameter another rank owns (Note
+    [sharded store]); otherwise an ordinary tensor like ``p``.
+    """
+    host = _placing.get()
+    if host is not None:
+        placed = host.state_zeros_like(p)
+        if placed is not None:
+            return placed
+    return torch.zeros_like(p, memory_format=torch.preserve_format)
