@@ -5,8 +5,7 @@ import torch
 @pytest.fixture(autouse=True)
 def _fresh_configuration():
     """Each test starts unconfigured (configure() may be called once per process)."""
-    from weightstream import config
-    from weightstream.runtime import executor
+    from weightstream import config, executor
 
     config._reset_for_tests()
     executor._reset_for_tests()

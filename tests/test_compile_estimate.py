@@ -30,11 +30,11 @@ from weightstream.compiler.cost import (
 )
 from weightstream.compiler.estimate import EstimateSettings, estimate
 from weightstream.compiler.machine import MachineProfile, UpdateCost, load_or_measure
-from weightstream.compiler.partition import build_plan
 from weightstream.compiler.report import compile_checksum, load_compile_dir, write_compile_dir
-from weightstream.compiler.trace import trace_forward
 from weightstream.models import GPT, GPTConfig
 from weightstream.runtime.config import StreamingConfig
+from weightstream.runtime.partition import build_plan
+from weightstream.runtime.trace import trace_forward
 
 F32 = 4  # bytes per float32 element
 

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from trees import assert_same_tree
 
 import weightstream as cstorch
+from weightstream.common.materialize import build_materialized
 from weightstream.models import GPT, GPTConfig
 from weightstream.models.registry import get_model_spec
-from weightstream.runtime.materialize import build_materialized
 from weightstream.runtime.store import DiskStore
 
 CFG = GPTConfig(vocab_size=128, seq_len=16, n_layer=3, d_model=32, n_head=4)

@@ -32,7 +32,7 @@ import torch
 
 from weightstream import checkpoint as ckpt
 from weightstream.cli.main import main
-from weightstream.runtime.trainer import LOSS_LOG, LossLog
+from weightstream.train.trainer import LOSS_LOG, LossLog
 
 ROOT = Path(__file__).resolve().parent.parent
 LOSS_RTOL = 1e-5

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import weightstream as cstorch
-from weightstream.runtime.executor import step_context
+from weightstream.executor import step_context
 
 
 def test_step_closure_runs_after_the_step_with_the_last_value():

@@ -29,7 +29,7 @@ from weightstream import checkpoint as ckpt
 from weightstream.checkpoint.cli import main as checkpoint_cli
 from weightstream.checkpoint.format import ATTR_TYPE, TYPE_PICKLE
 from weightstream.cli.main import main
-from weightstream.runtime.trainer import LOSS_LOG, LossLog
+from weightstream.train.trainer import LOSS_LOG, LossLog
 
 pytest.importorskip("tensorboard")
 

@@ -24,7 +24,7 @@ the failure message):
   the j-th torch operation of an optimizer update: some parameters updated, others not).
 
 What is compared: ``train/losses.jsonl``, the loss of every step, which the run appends per
-step and a resumed run cuts back to its checkpoint's step (runtime/trainer.py, LossLog), read
+step and a resumed run cuts back to its checkpoint's step (train/trainer.py, LossLog), read
 back as exact floats; every checkpoint either run left, leaf by leaf (model, optimizer,
 schedulers, grad scaler, data loader position, RNG states, step counter); and the TensorBoard
 loss scalars. After every kill: every ``checkpoint_*.mdl`` is complete, the newest loads,
@@ -50,7 +50,7 @@ from trees import assert_same_tree
 
 from weightstream import checkpoint as ckpt
 from weightstream.checkpoint.crash import ENV as CRASH_ENV
-from weightstream.runtime.trainer import LOSS_LOG, LossLog
+from weightstream.train.trainer import LOSS_LOG, LossLog
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="SIGSTOP/SIGKILL and /proc: Linux only"

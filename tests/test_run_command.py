@@ -198,7 +198,7 @@ def test_train_and_eval_then_eval_all(tmp_path, execution_mode):
 def test_progress_bar_line():
     import io
 
-    from weightstream.runtime.trainer import ProgressBar
+    from weightstream.train.trainer import ProgressBar
 
     out = io.StringIO()
     bar = ProgressBar(0, 10, stream=out, width=10)

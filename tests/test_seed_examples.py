@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 import weightstream as cstorch
-from weightstream import config
-from weightstream.runtime import executor
+from weightstream import config, executor
 
 pytest.importorskip("sklearn")
 

@@ -61,9 +61,8 @@ def test_config_names_the_bad_sharding_setting():
 @pytest.fixture(scope="module")
 def gpt_runs(tmp_path_factory):
     """One rank, two ranks replicated, two ranks sharded: the same GPT run, 6 steps."""
-    from weightstream import config
+    from weightstream import config, executor
     from weightstream.cli.main import main
-    from weightstream.runtime import executor
 
     tmp = tmp_path_factory.mktemp("sharded_runs")
     params = _params(tmp, "gpt2")
@@ -251,9 +250,8 @@ def test_sharded_gradient_clipping_uses_the_whole_models_norm(tmp_path):
     ranks equals 1 rank: each rank holds only its units' gradients, and a norm of
     one shard would clip differently (by up to the ratio of the shard's norm to
     the whole model's, far outside the tolerance)."""
-    from weightstream import config
+    from weightstream import config, executor
     from weightstream.cli.main import main
-    from weightstream.runtime import executor
 
     values = yaml.safe_load(_params(tmp_path, "gpt2", max_steps=4).read_text())
     values["optimizer"]["max_gradient_norm"] = 0.05

@@ -28,7 +28,7 @@ import params_files as pf
 import pytest
 
 from weightstream import checkpoint as ckpt
-from weightstream.runtime.trainer import LOSS_LOG, LossLog
+from weightstream.train.trainer import LOSS_LOG, LossLog
 
 pytestmark = [
     pytest.mark.slow,

@@ -7,11 +7,10 @@ written for it runs with ``import weightstream as cstorch``.
 from weightstream import amp, metrics, optim, utils
 from weightstream.backend import CompiledModule, ExecutionMode, compile
 from weightstream.checkpoint import load, save
+from weightstream.common.version import __version__
 from weightstream.config import configure
+from weightstream.executor import checkpoint_closure, compile_step, step_closure
 from weightstream.runtime.config import StreamingConfig
-from weightstream.runtime.executor import checkpoint_closure, compile_step, step_closure
-
-__version__ = "0.1.0"
 
 __all__ = [
     "CompiledModule",

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from weightstream.checkpoint.format import Node, TreeView, find_subtree
-from weightstream.checkpoint.source import Source, open_source
+from weightstream.checkpoint.opener import open_source
+from weightstream.checkpoint.source import Source
 
 FORMATS = ("h5", "safetensors", "torch")
 

@@ -50,7 +50,8 @@ from weightstream.checkpoint.format import (
     restore_metadata,
     unflatten,
 )
-from weightstream.checkpoint.source import Source, open_source
+from weightstream.checkpoint.opener import open_source
+from weightstream.checkpoint.source import Source
 
 
 class _Loader:

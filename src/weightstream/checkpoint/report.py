@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from weightstream.checkpoint.errors import PickleNotAllowedError
-from weightstream.checkpoint.source import LeafInfo, open_source
+from weightstream.checkpoint.opener import open_source
+from weightstream.checkpoint.source import LeafInfo
 
 
 def info(path: str | os.PathLike, *, allow_pickle: bool = False) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from weightstream.checkpoint.errors import CheckpointError, PickleNotAllowedError
+from weightstream.checkpoint.errors import CheckpointError
 from weightstream.checkpoint.format import Node, iter_leaves
 
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
@@ -113,45 +113,6 @@ def sniff_format(path: Path) -> str:
         "safetensors, nor a torch.save file (its first bytes are "
         f"{head[:8]!r}). Check the path; if the file was copied, it may be damaged."
     )
-
-
-def open_source(
-    path: str | os.PathLike,
-    *,
-    allow_pickle: bool = False,
-    allow_incomplete: bool = False,
-    mmap: bool = False,
-    verify: bool = True,
-) -> Source:
-    """Open any supported checkpoint file for reading (arguments: see :func:`load`)."""
-    path = Path(os.fspath(path))
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint {path} does not exist; check the path.")
-    fmt = sniff_format(path)
-    if fmt == "h5":
-        from weightstream.checkpoint.reader import H5Source
-
-        return H5Source(
-            path,
-            allow_pickle=allow_pickle,
-            allow_incomplete=allow_incomplete,
-            mmap=mmap,
-            verify=verify,
-        )
-    if fmt in ("safetensors", "safetensors-sharded"):
-        from weightstream.checkpoint.safetensors_io import SafetensorsSource
-
-        return SafetensorsSource(path, mmap=mmap)
-    if not allow_pickle:
-        raise PickleNotAllowedError(
-            f"{path} is a torch.save (pickle) file. Unpickling can run arbitrary code, so "
-            "it is refused by default. If you trust the file, pass allow_pickle=True "
-            "(command line: --allow-pickle); better, convert it once to H5 or safetensors "
-            "(`weightstream checkpoint convert --allow-pickle FILE OUT.mdl`)."
-        )
-    from weightstream.checkpoint.torchfile import TorchSource
-
-    return TorchSource(path)
 
 
 def read_exact(fd: int, buffer: memoryview, offset: int) -> bool:

@@ -62,6 +62,7 @@ from typing import Any
 import h5py
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from weightstream.checkpoint import kernel, pieces
 from weightstream.checkpoint.crash import crash_point
@@ -135,8 +136,14 @@ def save(
     compression: str | None = None,
     compression_level: int | None = None,
     fsync: bool = True,
+    every_rank: bool = False,
 ) -> None:
     """Save ``state_dict`` to an H5 checkpoint at ``path``, atomically.
+
+    Under data parallel (torch.distributed with more than one rank) rank 0
+    writes and the other ranks return at once: every rank holds the same state
+    (a sharded store's ``state_dict()`` gathers the whole model on each), and
+    the ranks of one script must not write one file together.
 
     Args:
         state_dict: nested dicts / OrderedDicts / lists / tuples of tensors
@@ -150,6 +157,7 @@ def save(
         compression_level: gzip level 0-9 (default 4); ignored for lz4.
         fsync: flush the file and the directory to disk before returning
             (default). Turn off only for scratch files.
+        every_rank: write on every rank (each to its own ``path``), not rank 0 only.
 
     Raises:
         CheckpointWriteError (an OSError) when the file cannot be written
@@ -157,6 +165,8 @@ def save(
     """
     target = _target_path(path, "save")
     options = _compression_options(compression, compression_level)
+    if not every_rank and dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
     flat = flatten(state_dict)
     names = _dataset_names([key for key, _ in flat.leaves])
     spec = tree_to_json(flat.tree)
@@ -381,7 +391,7 @@ def _dataset_names(keys: list[str]) -> list[str]:
 
 
 def _library_version() -> str:
-    from weightstream import __version__  # lazy: the package imports this module
+    from weightstream.common.version import __version__
 
     return str(__version__)
 

@@ -1,93 +1,89 @@
-"""Start ``--num_csx N`` local ranks of the run command and watch them.
+"""Start N local data-parallel ranks with torchrun's machinery, and watch them.
 
-Each rank is a process running the same command with the torchrun environment
-(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); the ranks talk
-through torch.distributed. If a rank exits with an error or is killed, the
-launcher stops the others and exits non-zero with a message naming that rank,
-so a run never hangs on a lost peer.
+``weightstream launch --num_csx N script.py [args]`` runs a script written for
+the API (``import weightstream as cstorch``) on N ranks, and the run command's
+``--num_csx N`` runs itself the same way. The ranks are started and watched by
+torch's elastic agent (what ``torchrun --standalone`` runs): it sets the
+torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
+for each, and the API joins the process group from it by itself
+(``cstorch.compile``). If a rank exits with an error or is killed, the agent
+stops the others; the launcher then exits non-zero with a message naming that
+rank, so a run never hangs on a lost peer.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import signal
-import socket
-import subprocess
 import sys
-import time
+import uuid
 
 log = logging.getLogger("weightstream")
 
-# After the first failure, how long the other ranks get to notice and exit.
-GRACE_SECONDS = 10.0
 
+def launch(command: list[str], num_ranks: int) -> int:
+    """Run ``python *command`` as ``num_ranks`` local ranks; return the exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(argv: list[str], num_ranks: int) -> int:
-    """Run ``python -m weightstream run *argv`` as ``num_ranks`` ranks; return the exit code."""
-    port = _free_port()
-    procs = []
-    for r in range(num_ranks):
-        env = dict(os.environ)
-        env.update(
-            RANK=str(r),
-            LOCAL_RANK=str(r),
-            WORLD_SIZE=str(num_ranks),
-            LOCAL_WORLD_SIZE=str(num_ranks),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            # Two ranks share this machine's cores.
-            OMP_NUM_THREADS=env.get(
-                "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // num_ranks))
-            ),
-        )
-        procs.append(
-            subprocess.Popen([sys.executable, "-m", "weightstream", "run", *argv], env=env)
-        )
-    log.info("Started %d ranks: pids %s", num_ranks, ", ".join(str(p.pid) for p in procs))
-    failed: tuple[int, int] | None = None
-    deadline = None
+    # The ranks share this machine's cores (torchrun would set 1 thread, with a warning).
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // num_ranks)))
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=num_ranks,
+        run_id=str(uuid.uuid4()),
+        # torchrun --standalone: a rendezvous on this machine, on a free port.
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.2,
+    )
+    # torch's agent logs every start and stop at INFO; only its warnings matter here.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            if failed is None:
-                for r, c in enumerate(codes):
-                    if c is not None and c != 0:
-                        failed = (r, c)
-                        deadline = time.monotonic() + GRACE_SECONDS
-                        break
-            if all(c is not None for c in codes):
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-                for p in procs:
-                    p.wait()
-                break
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        for p in procs:
-            p.wait()
-        return 130
-    if failed is not None:
-        r, c = failed
-        how = f"was killed by signal {-c}" if c < 0 else f"exited with code {c}"
+        elastic_launch(config, sys.executable)(*command)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode
+        if code < 0:
+            how = f"was killed by signal {-code}"
+        elif failure.signal_name() != "<N/A>":
+            how = f"was killed by {failure.signal_name()}"
+        else:
+            how = f"exited with code {code}"
         log.error(
-            "rank %d of %d %s; the run was stopped. The newest complete checkpoint in the model "
-            "directory is intact: rerun the same command to resume from it.",
-            r,
+            "rank %d of %d %s; the run was stopped. The newest complete checkpoint is intact: "
+            "rerun the same command to resume from it.",
+            rank,
             num_ranks,
             how,
         )
         return 1
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``weightstream launch --num_csx N script.py [args]``."""
+    parser = argparse.ArgumentParser(
+        prog="weightstream launch",
+        description="Run a Python script written for the weightstream API on N local "
+        "data-parallel ranks (torchrun's machinery; the API joins the ranks by itself).",
+    )
+    parser.add_argument(
+        "--num_csx", type=int, required=True, help="number of data-parallel ranks (>= 1)"
+    )
+    parser.add_argument("script", help="the Python script to run on every rank")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    args = parser.parse_args(argv)
+    if args.num_csx < 1:
+        parser.error(f"--num_csx must be >= 1, got {args.num_csx}")
+    if not os.path.isfile(args.script):
+        parser.error(f"no such script: {args.script}")
+    if not logging.getLogger("weightstream").handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    return launch([args.script, *args.args], args.num_csx)

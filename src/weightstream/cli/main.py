@@ -1,6 +1,7 @@
 """The ``weightstream`` command.
 
 weightstream run CPU -p params.yaml -m train -o model_dir   (or: weightstream CPU -p ...)
+weightstream launch --num_csx N script.py [args]
 weightstream checkpoint {info,convert,diff} ...
 """
 
@@ -12,6 +13,7 @@ USAGE = """usage: weightstream <command> [args]
 
 commands:
   run {CPU,GPU} -p PARAMS -m MODE -o MODEL_DIR   train or evaluate a model from a params file
+  launch --num_csx N script.py [args]            run an API script on N data-parallel ranks
   checkpoint {info,convert,diff} ...             inspect, convert and compare checkpoints
   data write-gpt-hdf5 ...                        write a text corpus in the GPT HDF5 format
   input-analyzer -p PARAMS [--max_workers N]     measure input workers against the model's need
@@ -31,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         from weightstream.cli.run import main as run_main
 
         return run_main(rest)
+    if command == "launch":
+        from weightstream.cli.launch import main as launch_main
+
+        return launch_main(rest)
     if command == "checkpoint":
         from weightstream.checkpoint.cli import main as checkpoint_main
 

@@ -487,11 +487,11 @@ class ModelParams:
         """The model (an nn.Module) built from :attr:`config` on ``device``.
 
         The zoo's models are built on the meta device and materialized module by
-        module (``runtime.materialize``): the same numbers as the disk store
+        module (``common.materialize``): the same numbers as the disk store
         draws when it materializes them, and no draws thrown away. ``"meta"``
         leaves them without storage.
         """
-        from weightstream.runtime.materialize import build_materialized
+        from weightstream.common.materialize import build_materialized
 
         return build_materialized(lambda: self.spec.build(self.config), device)
 

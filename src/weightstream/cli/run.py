@@ -31,7 +31,7 @@ from weightstream.config import run_configuration
 from weightstream.runtime import swarm
 from weightstream.runtime.performance import PerformanceTracker
 from weightstream.runtime.rng import capture_rng_state, restore_rng_state
-from weightstream.runtime.trainer import Trainer, TrainerSettings, batch_size_of
+from weightstream.train.trainer import Trainer, TrainerSettings, batch_size_of
 
 log = logging.getLogger("weightstream")
 
@@ -109,7 +109,7 @@ class Run:
         # Validating or compiling needs shapes only, and a model of billions of
         # parameters fits no host's memory: both build on the meta device. The
         # disk store materializes a meta model in its files, module by module,
-        # drawing what the in-memory build draws (runtime.materialize).
+        # drawing what the in-memory build draws (common.materialize).
         rc = self.rc
         shapes_only = rc.validate_only or rc.compile_only
         on_meta = shapes_only or (self.ws and rc.store == "disk")
@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     if params.runconfig.num_csx > 1 and "WORLD_SIZE" not in os.environ:
         from weightstream.cli.launch import launch
 
-        return launch(argv, params.runconfig.num_csx)
+        return launch(["-m", "weightstream", "run", *argv], params.runconfig.num_csx)
     model_dir = Path(params.runconfig.model_dir)
     created = not model_dir.exists()
     try:

@@ -37,9 +37,9 @@ from weightstream.compiler.machine import (
     update_cost,
     update_spec,
 )
-from weightstream.compiler.partition import Plan, build_plan
 from weightstream.compiler.report import compile_checksum, load_compile_dir, write_compile_dir
 from weightstream.runtime.config import StreamingConfig
+from weightstream.runtime.partition import Plan, build_plan
 
 log = logging.getLogger("weightstream")
 
@@ -88,8 +88,8 @@ def settings_of(run) -> dict:
 
 
 def task_loss_fn(task: str, args: tuple) -> Callable:
-    """The trainer's loss of one batch (``runtime.trainer.task_loss``), on meta labels."""
-    from weightstream.runtime.trainer import task_loss
+    """The trainer's loss of one batch (``models.tasks.task_loss``), on meta labels."""
+    from weightstream.models.tasks import task_loss
 
     inputs = args[0]
     shape = inputs.shape if task == "lm" else inputs.shape[:1]
@@ -158,9 +158,9 @@ def estimate_from_params(
     planned as the run plans it: traced units for weight streaming, one unit per
     module for layer pipelined.
     """
-    from weightstream.compiler.trace import trace_forward
     from weightstream.data.dataloader import _batch_size_of
     from weightstream.data.throughput import section_with_workers
+    from weightstream.runtime.trace import trace_forward
 
     device = torch.device(device)
     task = params.model.spec.task

@@ -74,8 +74,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from weightstream.compiler.partition import Plan
-from weightstream.compiler.trace import _to_meta
+from weightstream.runtime.partition import Plan
+from weightstream.runtime.trace import _to_meta
 
 OUTSIDE_NAME = "<outside units>"
 

@@ -86,7 +86,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from weightstream.compiler.cost import StepCosts, UnitCost
-from weightstream.compiler.machine import MachineProfile, UpdateCost
+from weightstream.compiler.profile import MachineProfile, UpdateCost
 
 ADAMW_FP32_BYTES_PER_PARAM = 7 * 4  # see the module docstring
 

@@ -26,8 +26,8 @@ import torch
 
 from weightstream.compiler.cost import StepCosts
 from weightstream.compiler.estimate import Estimate
-from weightstream.compiler.machine import MachineProfile
-from weightstream.compiler.partition import Plan
+from weightstream.compiler.profile import MachineProfile
+from weightstream.runtime.partition import Plan
 
 SCHEMA = 2
 PLAN_FILE = "plan.json"

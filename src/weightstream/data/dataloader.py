@@ -42,9 +42,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils import _pytree as pytree
 
 from weightstream.config import current_config
-from weightstream.data import loader_parts
+from weightstream.data import loader_parts, streaming
 from weightstream.data._checks import check_int
 from weightstream.data.sampler import DistributedSampler
 from weightstream.data.state import (
@@ -107,7 +108,9 @@ class DataLoader:
     ``input_fn`` returns a torch DataLoader or any re-iterable; each streamer
     (data-parallel rank) calls it itself, so it should shard its data by
     :func:`get_streaming_rank` / :func:`num_streamers` (or use
-    :class:`DistributedSampler`). The keyword arguments ``num_steps``,
+    :class:`DistributedSampler`); an input_fn that does not is taken to make
+    global batches, and each rank gets its share of every one (Note [rank
+    share]). The keyword arguments ``num_steps``,
     ``max_steps``, ``num_epochs``, ``steps_per_epoch``, ``initial_step`` and
     ``grad_accum_steps`` belong to this class (see :func:`compute_num_steps`);
     all other arguments go to ``input_fn``.
@@ -153,7 +156,13 @@ class DataLoader:
             )
         if initial_step is not None:
             check_int("initial_step", initial_step, minimum=0)
-        loader = input_fn(*args, **kwargs)
+        with streaming.watching() as watch:
+            loader = input_fn(*args, **kwargs)
+        # Each rank's share of every batch, when input_fn makes global batches
+        # (Note [rank share]).
+        self._share: tuple[int, int] | None = None
+        if num_streamers() > 1 and not watch.consulted and not _shards_itself(loader):
+            self._share = (get_streaming_rank(), num_streamers())
         if not isinstance(loader, Iterable):
             raise TypeError(
                 f"input_fn must return a torch DataLoader or another iterable, got "
@@ -211,7 +220,7 @@ class DataLoader:
     # -- iteration --------------------------------------------------------------------
 
     def __iter__(self) -> Iterator:
-        from weightstream.runtime.executor import step_context
+        from weightstream.executor import step_context
 
         # The step closures need to know which step is the last one.
         step_context().expect_steps(len(self))
@@ -228,6 +237,8 @@ class DataLoader:
                     "the old iterator."
                 )
             batch = self._next_batch()
+            if self._share is not None:
+                batch = _rank_share(batch, *self._share)
             # Count before yielding: a state_dict() taken in the loop body includes this batch.
             self._worker_step += 1
             self._batches_run += 1
@@ -740,3 +751,45 @@ def _batch_size_of(batch: Any) -> int:
         elif isinstance(item, (list, tuple)):
             stack[:0] = list(item)
     return 1
+
+
+# Note [rank share]
+# -----------------
+# Under data parallel every rank builds its own loader with input_fn (the
+# reference's contract), and an input_fn written for the reference shards its
+# data by rank itself: it asks ``get_streaming_rank()``, ``num_streamers()`` or
+# ``get_streaming_batch_size()``, or its loader uses a DistributedSampler. Such
+# a loader is left alone. An input_fn that does none of that (a script written
+# for one device) makes the same global batches on every rank; the DataLoader
+# then gives each rank its share: the contiguous 1/N of every batch's rows at
+# the rank's place (rank r of N takes rows r*B/N .. (r+1)*B/N - 1), so N ranks
+# together train on exactly the global batch a single device would.
+
+
+def _shards_itself(loader: Any) -> bool:
+    """Whether ``loader`` (a torch DataLoader) draws its indices with a distributed sampler."""
+    samplers = [getattr(loader, "sampler", None)]
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    samplers.append(getattr(batch_sampler, "sampler", None))
+    kinds = (DistributedSampler, torch.utils.data.DistributedSampler)
+    return any(isinstance(s, kinds) for s in samplers)
+
+
+def _rank_share(batch: Any, rank: int, world: int) -> Any:
+    """Rank ``rank``'s rows of every tensor in ``batch`` (Note [rank share])."""
+
+    def share(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0:
+            return t
+        rows = t.shape[0]
+        if rows % world:
+            raise ValueError(
+                f"a batch of {rows} samples does not divide over {world} data-parallel ranks: "
+                "each rank takes an equal share of every global batch. Use a batch size that "
+                f"is a multiple of {world} (drop_last=True drops a short last batch), or shard "
+                "the data in input_fn yourself (get_streaming_batch_size, DistributedSampler)."
+            )
+        per = rows // world
+        return t[rank * per : (rank + 1) * per]
+
+    return pytree.tree_map_only(torch.Tensor, share, batch)

@@ -112,7 +112,7 @@ def _streamer_position() -> tuple[int, int]:
 
     One function so tests can simulate several ranks in one process.
     """
-    from weightstream.utils.data import get_streaming_rank, num_streamers
+    from weightstream.data.streaming import get_streaming_rank, num_streamers
 
     return get_streaming_rank(), num_streamers()
 

@@ -13,9 +13,41 @@ initialized after this module is imported.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch.distributed as dist
 
 __all__ = ["get_streaming_batch_size", "get_streaming_rank", "is_streamer", "num_streamers"]
+
+
+class _Watch:
+    consulted = False
+
+
+# While the DataLoader calls an input_fn: whether it asked which rank it is
+# (Note [rank share] in data/dataloader.py).
+_watch: contextvars.ContextVar[_Watch | None] = contextvars.ContextVar(
+    "weightstream_streaming_watch", default=None
+)
+
+
+@contextlib.contextmanager
+def watching() -> Iterator[_Watch]:
+    """Note whether code inside asks for the rank, the number of streamers or a share."""
+    watch = _Watch()
+    token = _watch.set(watch)
+    try:
+        yield watch
+    finally:
+        _watch.reset(token)
+
+
+def _consulted() -> None:
+    watch = _watch.get()
+    if watch is not None:
+        watch.consulted = True
 
 
 def _distributed() -> bool:
@@ -24,11 +56,13 @@ def _distributed() -> bool:
 
 def num_streamers() -> int:
     """The number of processes streaming input: the world size, or 1 when not distributed."""
+    _consulted()
     return dist.get_world_size() if _distributed() else 1
 
 
 def get_streaming_rank() -> int:
     """This process's index among the streamers: the rank, or 0 when not distributed."""
+    _consulted()
     return dist.get_rank() if _distributed() else 0
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from weightstream.runtime.materialize import materialize
+from weightstream.common.materialize import materialize
 
 
 @dataclass
@@ -101,7 +101,7 @@ class GPT(nn.Module):
         materialize(self)
 
     def init_module(self, name: str, m: nn.Module) -> None:
-        """Initialize ``m``'s own parameters (see ``runtime.materialize``): N(0, 0.02)
+        """Initialize ``m``'s own parameters (see ``common.materialize``): N(0, 0.02)
         matrices, zero biases, and GPT-2's residual projections scaled by
         1/sqrt(2 n_layer)."""
         if isinstance(m, nn.Linear):

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from weightstream.common.materialize import materialize
 from weightstream.models import _validate
-from weightstream.runtime.materialize import materialize
 
 _OWNER = "GPTJConfig"
 
@@ -158,7 +158,7 @@ class GPTJ(nn.Module):
 
     @staticmethod
     def init_module(name: str, m: nn.Module) -> None:
-        """Initialize ``m``'s own parameters (see ``runtime.materialize``): N(0, 0.02)
+        """Initialize ``m``'s own parameters (see ``common.materialize``): N(0, 0.02)
         matrices and zero biases, as Hugging Face's GPT-J; LayerNorms start at (1, 0)."""
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)

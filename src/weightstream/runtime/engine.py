@@ -9,15 +9,15 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from weightstream.compiler.partition import Plan, build_plan
-from weightstream.compiler.trace import trace_forward
 from weightstream.optim.binding import hosts
 from weightstream.runtime import swarm
 from weightstream.runtime.config import StreamingConfig
 from weightstream.runtime.device import DeviceOps
-from weightstream.runtime.sharding import ShardedStore, unit_group_params
+from weightstream.runtime.partition import Plan, build_plan
+from weightstream.runtime.sharding import ShardedStore, unit_group_params, unit_groups
 from weightstream.runtime.store import DiskStore
 from weightstream.runtime.streamer import Streamer
+from weightstream.runtime.trace import trace_forward
 from weightstream.runtime.updater import UnitUpdater
 
 
@@ -154,6 +154,8 @@ class StreamingEngine:
         """Shard the store (if configured) and install the gradient reduction."""
         unit_params = [u.params for u in self.plan.units]
         owners = None
+        # Events name a bucket by its first unit (a tied head's bucket is its embedding's).
+        first_unit = [self.plan.units[g[0]].display_name for g in unit_groups(unit_params)]
         if self.config.store_sharding == "sharded":
             if self.device.type != "cpu":
                 raise ValueError(
@@ -165,7 +167,9 @@ class StreamingEngine:
             buckets, owners = self.shards.group_params, self.shards.group_owner
         else:
             buckets = unit_group_params(unit_params)
-        self.reducer = swarm.GradientReducer(buckets, owners, note=self.events)
+        self.reducer = swarm.GradientReducer(
+            buckets, owners, note=lambda event, b: self.events(event, first_unit[b])
+        )
 
     # ---- the ParameterHost protocol (Note [engine binding]) ---------------------------------
 

@@ -66,7 +66,7 @@ def is_placeholder(t: torch.Tensor) -> bool:
     return t.numel() > 1 and t.untyped_storage().nbytes() <= t.element_size()
 
 
-def _unit_groups(unit_params: Sequence[Sequence[torch.Tensor]]) -> list[list[int]]:
+def unit_groups(unit_params: Sequence[Sequence[torch.Tensor]]) -> list[list[int]]:
     """Unit indices joined into groups that share a parameter, in first-unit order."""
     parent = list(range(len(unit_params)))
 
@@ -100,7 +100,7 @@ def _params_of(unit_params: Sequence[Sequence[torch.Tensor]], group: list[int]) 
 
 def unit_group_params(unit_params: Sequence[Sequence[torch.Tensor]]) -> list[list]:
     """The parameters of each group of units sharing a parameter, in forward order."""
-    return [_params_of(unit_params, g) for g in _unit_groups(unit_params)]
+    return [_params_of(unit_params, g) for g in unit_groups(unit_params)]
 
 
 def assign_owners(unit_params: Sequence[Sequence[torch.Tensor]], num_owners: int) -> list[int]:
@@ -108,7 +108,7 @@ def assign_owners(unit_params: Sequence[Sequence[torch.Tensor]], num_owners: int
     assert num_owners >= 1
     owners = [0] * len(unit_params)
     loads = [0] * num_owners
-    groups = _unit_groups(unit_params)
+    groups = unit_groups(unit_params)
 
     def nbytes(group: list[int]) -> int:
         return sum(p.numel() * p.element_size() for p in _params_of(unit_params, group))
@@ -137,7 +137,7 @@ class ShardedStore:
         self.num_owners = min(weight_servers or self.world, self.world)
         self.unit_params = [list(ps) for ps in unit_params]
         owner_of_unit = assign_owners(self.unit_params, self.num_owners)
-        groups = _unit_groups(self.unit_params)
+        groups = unit_groups(self.unit_params)
         # Each group of units sharing a parameter: its parameters and its owner.
         self.group_params = [_params_of(self.unit_params, g) for g in groups]
         self.group_owner = [owner_of_unit[g[0]] for g in groups]

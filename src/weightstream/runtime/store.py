@@ -57,8 +57,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from weightstream.common.materialize import materialize
 from weightstream.common.pages import MADV_REMOVE, STORE_SUFFIX, madvise
-from weightstream.runtime.materialize import materialize
 
 # Free space kept beyond a discarded gradient's bytes before writing it again.
 _DISK_MARGIN = 64 * 2**20
@@ -234,7 +234,7 @@ class DiskStore:
 
         A parameter on the meta device (a model built under ``torch.device("meta")``,
         larger than RAM) is allocated in the store and initialized by the model's
-        rule (``runtime.materialize``), one module at a time, so the model is never
+        rule (``common.materialize``), one module at a time, so the model is never
         whole in memory.
         """
         for name, m in module.named_modules():

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from weightstream.compiler.partition import Plan
 from weightstream.runtime.device import DeviceOps
+from weightstream.runtime.partition import Plan
 from weightstream.runtime.residency import ResidencyMeter
 from weightstream.runtime.unit import StreamingUnit, UnitCopy
 
@@ -65,12 +65,12 @@ class _Link:
     """What ``_StreamIn`` needs: the device copies to hand out (forward only), and
     what to note when the unit's backward is done (``note(event, unit)``)."""
 
-    __slots__ = ("index", "note", "ops", "tensors")
+    __slots__ = ("name", "note", "ops", "tensors")
 
-    def __init__(self, ops: DeviceOps, tensors: list[torch.Tensor], index: int, note=None):
+    def __init__(self, ops: DeviceOps, tensors: list[torch.Tensor], name: str, note=None):
         self.ops = ops
         self.tensors = tensors
-        self.index = index
+        self.name = name
         self.note = note
 
 
@@ -82,7 +82,7 @@ class _StreamIn(torch.autograd.Function):
         outs = tuple(link.tensors)
         link.tensors = []  # the graph must not keep the device buffers alive
         ctx.ops = link.ops
-        ctx.index = link.index
+        ctx.name = link.name
         ctx.note = link.note
         ctx.masters = [(m.device, m.dtype) for m in masters]
         frozen = [o for o, m in zip(outs, masters) if not m.requires_grad]
@@ -104,7 +104,7 @@ class _StreamIn(torch.autograd.Function):
         if ctx.note is not None:
             # The unit's weight gradients are complete: its backward is done
             # (SwarmX reduces them once autograd accumulated them; Note [swarm reduce]).
-            ctx.note("unit_backward_end", ctx.index)
+            ctx.note("unit_backward_end", ctx.name)
         return tuple(out)
 
 
@@ -270,7 +270,7 @@ class Streamer:
             self._buffer_owner[id(buf)] = (seq, pos, buf_i)
         masters = unit.params
         if torch.is_grad_enabled() and any(p.requires_grad for p in masters):
-            link = _Link(self.ops, list(tensors), unit.index, self._note)
+            link = _Link(self.ops, list(tensors), unit.spec.display_name, self._note)
             tensors = list(_StreamIn.apply(link, *masters))
         by_param = {id(p): t for p, t in zip(masters, tensors)}
         previous = []

@@ -317,12 +317,12 @@ def resident_buckets(params: Sequence[torch.nn.Parameter]) -> list[list[torch.nn
 
 
 class EventLog:
-    """(event, index, seconds) of a run's streaming and reduce events, when enabled."""
+    """(event, unit name, seconds) of an engine's streaming and reduce events, when enabled."""
 
     def __init__(self) -> None:
         self.enabled = False
-        self.events: list[tuple[str, int, float]] = []
+        self.events: list[tuple[str, str, float]] = []
 
-    def __call__(self, event: str, index: int) -> None:
+    def __call__(self, event: str, unit: str) -> None:
         if self.enabled:
-            self.events.append((event, index, time.perf_counter()))
+            self.events.append((event, unit, time.perf_counter()))

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weightstream.compiler.partition import UnitSpec
 from weightstream.runtime.device import Transfer
+from weightstream.runtime.partition import UnitSpec
 
 
 class WeightState(enum.Enum):

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from weightstream.compiler.trace import Trace
 from weightstream.runtime.config import StreamingConfig
+from weightstream.runtime.trace import Trace
 
 # Note [streaming units]
 # ----------------------

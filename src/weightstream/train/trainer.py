@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from weightstream import checkpoint as ckpt
 from weightstream.amp import GradScaler
 from weightstream.amp.step_helper import apply_gradients
 from weightstream.checkpoint.crash import counting_ops
 from weightstream.data.state import aggregate_state_dict
+from weightstream.models.tasks import task_loss
 from weightstream.runtime import swarm
 from weightstream.runtime.performance import PerformanceTracker
 from weightstream.runtime.rng import capture_rng_state, restore_rng_state
@@ -41,28 +41,6 @@ log = logging.getLogger("weightstream")
 
 # The per-step loss log, relative to model_dir (see LossLog).
 LOSS_LOG = Path("train") / "losses.jsonl"
-
-
-def task_loss(task: str, model: Callable, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Forward one batch; returns (mean loss, logits, extra) for the task's batch format."""
-    if task == "lm":
-        logits = model(batch["input_ids"])  # [B, T, V]
-        labels = batch["labels"].to(logits.device)
-        per_token = F.cross_entropy(
-            logits.flatten(0, 1).float(), labels.flatten(), reduction="none"
-        )
-        mask = batch.get("attention_mask")
-        if mask is None:
-            weights = torch.ones_like(per_token)
-        else:
-            weights = mask.to(per_token.device, per_token.dtype).flatten()
-        loss = (per_token * weights).sum() / weights.sum().clamp_min(1.0)
-        return loss, logits, {"per_token": per_token, "weights": weights, "labels": labels}
-    if task == "classification":
-        logits = model(batch["inputs"])
-        labels = batch["labels"].to(logits.device)
-        return F.cross_entropy(logits.float(), labels), logits, {"labels": labels}
-    raise ValueError(f"unknown task {task!r}; expected 'lm' or 'classification'.")
 
 
 def batch_size_of(batch: dict) -> int:

@@ -1,0 +1,122 @@
+"""Data parallel through the API: a seed-style script on 1, 2 and 4 ranks.
+
+``tests/scripts/dp_seed_style.py`` is written as for one device: it never calls
+``init_process_group`` and its input_fn makes global batches. Started by
+``torchrun`` or ``weightstream launch --num_csx N`` it must join the ranks by
+itself, give each rank its share of every batch, reduce the gradients in the
+backward and clip by the whole model's norm, for the replicated and the
+sharded store, SGD and AdamW, with and without dynamic loss scaling; the
+checkpoint it writes with ``cstorch.save(model.state_dict())`` must equal the
+one-rank run's.
+
+Tolerance: the N-rank run differs from the one-rank run only in the order of
+the sums. One rank sums the per-token losses of the whole batch in one
+reduction; N ranks sum their shares and average the N gradients. That moves
+the last bits of the fp32 gradients (relative 1e-7 per step); clipping and
+AdamW's normalisation carry them into the weights at the scale of an update
+(lr 0.01): measured up to 2.4e-7 after 4 steps. WEIGHT_ATOL allows 8x that.
+A wrong step is far outside it: clipping by each shard's own norm (the defect
+this replaces) moves these weights by 1.1e-3 (SGD) and 4.2e-3 (AdamW).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from weightstream import checkpoint as ckpt
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "scripts" / "dp_seed_style.py"
+WEIGHT_ATOL = 2e-6
+CONFIGS = ["replicated-SGD", "replicated-AdamW", "sharded-SGD", "sharded-AdamW"]
+
+
+def _run(out: Path, ranks: int, launcher: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", WEIGHTSTREAM_DIST_TIMEOUT="60")
+    if ranks == 1:
+        cmd = [sys.executable, str(SCRIPT), str(out)]
+    elif launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={ranks}", str(SCRIPT), str(out)]  # fmt: skip
+    else:
+        cmd = [sys.executable, "-m", "weightstream", "launch", "--num_csx", str(ranks),
+               str(SCRIPT), str(out)]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    cache: dict = {}
+
+    def get(ranks: int, launcher: str = "launch") -> tuple[Path, dict]:
+        key = (ranks, launcher if ranks > 1 else "none")
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"dp{ranks}{key[1]}")
+            cache[key] = (out, _run(out, ranks, launcher))
+        return cache[key]
+
+    return get
+
+
+def _assert_states_close(got: dict, want: dict, what: str) -> None:
+    assert set(got) == set(want), what
+    for key, w in want.items():
+        g = got[key]
+        if isinstance(w, torch.Tensor):
+            assert (g.shape, g.dtype) == (w.shape, w.dtype), f"{what}: {key}"
+            torch.testing.assert_close(g, w, rtol=0, atol=WEIGHT_ATOL, msg=f"{what}: {key}")
+        elif isinstance(w, dict):
+            _assert_states_close(g, w, f"{what}: {key}")
+        else:
+            assert g == w, f"{what}: {key}"
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("launcher", ["torchrun", "launch"])
+def test_seed_style_script_on_n_ranks_ends_with_the_one_rank_weights(runs, ranks, launcher):
+    one_dir, _ = runs(1)
+    out, records = runs(ranks, launcher)
+    for rank, record in records.items():
+        # The API joined the ranks by itself, and fed each rank its share.
+        assert record["initialized"] and record["world"] == ranks, rank
+        for name in CONFIGS:
+            assert record["runs"][name]["shapes"] == [[8 // ranks, 6]] * 4, (rank, name)
+    for name in CONFIGS:
+        want = dict(ckpt.load(one_dir / f"{name}.mdl", map_location="cpu"))
+        got = dict(ckpt.load(out / f"{name}.mdl", map_location="cpu"))
+        # Whole tensors: a sharded model's state_dict() is never placeholders.
+        for key, t in got["model"].items():
+            assert t.untyped_storage().nbytes() >= t.numel() * t.element_size(), key
+        _assert_states_close(got["model"], want["model"], f"{name} model")
+        _assert_states_close(
+            got["optimizer"]["state"], want["optimizer"]["state"], f"{name} optimizer"
+        )
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_units_reduction_starts_before_the_backward_of_the_units_before_it_ends(runs, name):
+    """Event order of the last step on 2 ranks: SwarmX reduces each unit's gradients
+    as its backward ends, while the backward goes on through the units before it."""
+    _, records = runs(2)
+    result = records[0]["runs"][name]
+    units, events = result["units"], [tuple(e) for e in result["events"]]
+    position = {event: i for i, event in enumerate(events)}
+    checked = 0
+    # Every block's reduction (units[1:-2]: the embedding shares its bucket with the
+    # tied head, which completes last) starts before every earlier unit's backward ends.
+    for k, unit in enumerate(units[1:-2], start=1):
+        start = position[("reduce_start", unit)]
+        assert position[("unit_backward_end", unit)] < start, (unit, events)
+        for earlier in units[:k]:
+            assert start < position[("unit_backward_end", earlier)], (unit, earlier, events)
+            checked += 1
+    assert checked >= 6
