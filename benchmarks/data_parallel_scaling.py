@@ -1,12 +1,17 @@
-"""Data-parallel scaling on this machine: samples/sec with 1 and 2 local ranks.
+"""Data-parallel scaling on this machine: samples/sec with 1, 2 and 4 local ranks.
 
 Runs the run command (weight streaming) on a GPT with a fixed global batch: one
-rank, then two ranks with the replicated store and with the sharded store
+rank, then 2 and 4 ranks with the replicated store and with the sharded store
 (the default), and prints samples/sec from each run's performance.json, the
 speed-ups, and the scaling model of docs/scaling.md evaluated with the
 measured one-rank step time and this machine's measured collective bandwidth.
 
-    .venv/bin/python benchmarks/data_parallel_scaling.py [--steps 20]
+``--compare-with REV`` runs the same grid on the code of git revision REV too
+(a temporary worktree), interleaved run by run, and prints the ratio of this
+tree's samples/sec to REV's: a before/after measured side by side.
+
+    .venv/bin/python benchmarks/data_parallel_scaling.py [--steps 20] [--ranks 1 2 4]
+        [--compare-with REV]
 """
 
 from __future__ import annotations
@@ -43,13 +48,17 @@ PARAMS = {
 }
 
 
-def run(num_ranks: int, sharding: str, steps: int, work: Path) -> dict:
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(num_ranks: int, sharding: str, steps: int, work: Path, src: Path | None = None) -> dict:
+    """One run of the run command; ``src``: another tree's ``src`` to run instead."""
     params = work / f"params_{sharding}.yaml"
     cfg = json.loads(json.dumps(PARAMS))
     cfg["runconfig"]["max_steps"] = steps
     cfg["runconfig"]["store_sharding"] = sharding
     params.write_text(yaml.safe_dump(cfg))
-    model_dir = work / f"ranks{num_ranks}_{sharding}"
+    model_dir = work / f"ranks{num_ranks}_{sharding}_{'other' if src else 'this'}"
     cmd = [
         sys.executable,
         "-m",
@@ -63,8 +72,23 @@ def run(num_ranks: int, sharding: str, steps: int, work: Path) -> dict:
         "--num_csx",
         str(num_ranks),
     ]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    env = dict(os.environ)
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")])
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
     return json.loads((model_dir / "performance" / "performance.json").read_text())
+
+
+def worktree(rev: str, into: Path) -> Path:
+    """A checkout of ``rev`` (git worktree) under ``into``; returns its ``src``."""
+    path = into / "other"
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), rev],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    return path / "src"
 
 
 def allreduce_bandwidth(nbytes: int = 64 * 2**20) -> float:
@@ -97,37 +121,62 @@ if dist.get_rank() == 0:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--compare-with", metavar="REV", default=None)
     args = ap.parse_args()
+    grid = [(1, "replicated")] + [
+        (n, sharding) for n in args.ranks if n > 1 for sharding in ("replicated", "sharded")
+    ]
+    results: dict = {}
+    other: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        runs = [(1, "replicated"), (2, "replicated"), (2, "sharded")]
-        results = {key: run(*key, args.steps, work) for key in runs}
+        src = worktree(args.compare_with, work) if args.compare_with else None
+        try:
+            for key in grid:  # interleaved: both trees see the same machine phases
+                results[key] = run(*key, args.steps, work)
+                if src is not None:
+                    other[key] = run(*key, args.steps, work, src)
+        finally:
+            if src is not None:
+                subprocess.run(
+                    ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(src.parent)],
+                    check=False,
+                )
     bw = allreduce_bandwidth()
     batch = PARAMS["train_input"]["batch_size"]
     one = results[(1, "replicated")]["samples_per_sec"]
     t1 = batch / one
     n_params = 4 * 12 * 256**2 + 2 * 256 * 256 + 128 * 256  # blocks + embeddings (approx.)
     weight_bytes = grad_bytes = 4 * n_params
-    # Both ranks share this machine's cores: each computes half the batch at half
-    # the machine's throughput, so the compute term stays t1 (docs/scaling.md).
-    # Replicated: a ring all-reduce of the gradients. Sharded: each unit's weights
-    # broadcast from its owner in forward and in backward, its gradients reduced
-    # to it; each rank receives (N-1)/N of the bytes of each.
-    comm = {
-        "replicated": 2 * (2 - 1) / 2 * grad_bytes / bw,
-        "sharded": (2 * weight_bytes + grad_bytes) * (2 - 1) / 2 / bw,
-    }
-    print(f"global batch {batch}, {args.steps} steps, {time.strftime('%Y-%m-%d')}")
-    print(f"  1 rank             : {one:8.2f} samples/s  (step {t1:.3f} s)")
-    for sharding in ("replicated", "sharded"):
-        two = results[(2, sharding)]["samples_per_sec"]
-        model_t2 = t1 + comm[sharding]
-        print(
-            f"  2 ranks, {sharding:<10}: {two:8.2f} samples/s  (step {batch / two:.3f} s)  "
-            f"speed-up {two / one:.2f}x; model (docs/scaling.md) step {model_t2:.3f} s = "
-            f"{t1:.3f} compute + {comm[sharding]:.3f} collectives -> "
-            f"{batch / model_t2:.2f} samples/s"
+    print(f"global batch {batch}, {args.steps} steps, {time.strftime('%Y-%m-%d %H:%M')}")
+    line = f"  1 rank              : {one:8.2f} samples/s  (step {t1:.3f} s)"
+    if other:
+        before = other[(1, "replicated")]["samples_per_sec"]
+        line += f"  | {args.compare_with}: {before:8.2f}, this/before {one / before:.2f}"
+    print(line)
+    for n, sharding in grid[1:]:
+        # The ranks share this machine's cores: each computes 1/N of the batch at
+        # 1/N of the machine's throughput, so the compute term stays t1
+        # (docs/scaling.md). Replicated: a ring all-reduce of the gradients.
+        # Sharded: each unit's weights broadcast from its owner in forward and in
+        # backward, its gradients reduced to it; each rank receives (N-1)/N of
+        # the bytes of each.
+        comm = {
+            "replicated": 2 * (n - 1) / n * grad_bytes / bw,
+            "sharded": (2 * weight_bytes + grad_bytes) * (n - 1) / n / bw,
+        }[sharding]
+        got = results[(n, sharding)]["samples_per_sec"]
+        model_t = t1 + comm
+        line = (
+            f"  {n} ranks, {sharding:<10}: {got:8.2f} samples/s  (step {batch / got:.3f} s)  "
+            f"speed-up {got / one:.2f}x; model step {model_t:.3f} s = {t1:.3f} compute + "
+            f"{comm:.3f} collectives -> {batch / model_t:.2f} samples/s"
         )
+        if other:
+            before = other[(n, sharding)]["samples_per_sec"]
+            line += f"  | {args.compare_with}: {before:8.2f}, this/before {got / before:.2f}"
+        print(line)
     print(f"  collective bandwidth (gloo all-reduce, loopback): {bw / 1e9:.2f} GB/s")
 
 

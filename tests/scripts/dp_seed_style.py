@@ -23,15 +23,20 @@ import weightstream as cstorch
 
 OUT = sys.argv[1]
 STEPS = 4
-GLOBAL_BATCH = 8  # divides over 1, 2 and 4 ranks
+GLOBAL_BATCH = 16  # two micro-batches of each share of 1, 2 and 4 ranks
 VOCAB, WIDTH, SEQ = 48, 24, 6
 
-# (store_sharding, optimizer, loss scaling): the grid of the acceptance test.
+# (store_sharding, optimizer, loss scaling, micro-batches): the grid of the
+# acceptance test. "no_sync": two micro-batches, the first under
+# compiled.no_sync(); "twice": two backwards before the step, both reduced.
 CONFIGS = [
-    ("replicated", "SGD", "dynamic"),
-    ("replicated", "AdamW", "dynamic"),
-    ("sharded", "SGD", "dynamic"),
-    ("sharded", "AdamW", None),
+    ("replicated", "SGD", "dynamic", None),
+    ("replicated", "AdamW", "dynamic", None),
+    ("sharded", "SGD", "dynamic", None),
+    ("sharded", "AdamW", None, None),
+    ("sharded", "AdamW", "dynamic", "no_sync"),
+    ("sharded", "SGD", None, "twice"),
+    ("replicated", "AdamW", None, "twice"),
 ]
 
 
@@ -61,7 +66,7 @@ def input_fn():
     return torch.utils.data.DataLoader(data, batch_size=GLOBAL_BATCH, shuffle=False)
 
 
-def train(sharding, optimizer_type, loss_scale):
+def train(sharding, optimizer_type, loss_scale, micro):
     # Each rank draws other weights: compile() broadcasts rank 0's to all.
     torch.manual_seed(1 + (dist.get_rank() if dist.is_initialized() else 0))
     model = TinyLM()
@@ -76,11 +81,26 @@ def train(sharding, optimizer_type, loss_scale):
     compiled.engine.events.enabled = True
     losses = []
 
+    def loss_of(inputs, targets):
+        logits = compiled(inputs)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
     @cstorch.compile_step
     def training_step(batch):
         inputs, targets = batch
-        logits = compiled(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        if micro is None:
+            loss = loss_of(inputs, targets)
+        else:
+            # Gradient accumulation over two halves of the share.
+            half = inputs.shape[0] // 2
+            first = loss_of(inputs[:half], targets[:half]) / 2
+            scaled = first if scaler is None else scaler.scale(first)
+            if micro == "no_sync":
+                with compiled.no_sync():
+                    scaled.backward()
+            else:
+                scaled.backward()
+            loss = loss_of(inputs[half:], targets[half:]) / 2
         # A norm far below the gradients': every step clips, by the whole model's norm.
         cstorch.amp.optimizer_step(loss, optimizer, scaler, max_gradient_norm=0.05)
         return loss
@@ -95,7 +115,7 @@ def train(sharding, optimizer_type, loss_scale):
         shapes.append(list(batch[0].shape))
         compiled.engine.events.events.clear()  # keep the last step's events
         record(training_step(batch))
-    name = f"{sharding}-{optimizer_type}"
+    name = f"{sharding}-{optimizer_type}" + (f"-{micro}" if micro else "")
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     cstorch.save(state, os.path.join(OUT, f"{name}.mdl"))
     events = [(e, i) for e, i, _ in compiled.engine.events.events]
