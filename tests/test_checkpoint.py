@@ -1245,3 +1245,19 @@ def test_memory_of_save_and_load_stays_under_largest_tensor(tmp_path):
         assert out[phase] <= bound, (phase, out[phase] / 2**20, "MiB", out)
     # Saving copies at most one piece of a strided tensor, not the tensor.
     assert out["save"] <= writer_module.SLAB_BYTES + MEMORY_CONSTANT, out
+
+
+def test_a_lazily_loaded_checkpoint_and_h5py_coexist_in_one_process(tmp_path):
+    """HDF5 refuses a second open of one file with other locking flags: a lazy load
+    must open the file as plain h5py does, both ways round."""
+    path = tmp_path / "c.mdl"
+    weightstream.save({"w": torch.arange(4.0)}, path)
+    lazy = weightstream.load(path)  # holds the file open
+    with h5py.File(path) as f:
+        assert len(f.keys()) > 0
+    assert torch.equal(lazy["w"], torch.arange(4.0))
+    held = h5py.File(path)  # the other way round: h5py first
+    try:
+        assert torch.equal(weightstream.load(path)["w"], torch.arange(4.0))
+    finally:
+        held.close()

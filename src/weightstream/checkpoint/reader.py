@@ -24,6 +24,7 @@ would (SIGBUS on access), which is why copying is the default.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import mmap
 import os
@@ -129,6 +130,35 @@ def _version(value: Any) -> float | None:
         return None
 
 
+def open_h5(path: str | os.PathLike) -> h5py.File:
+    """``path`` opened read-only with h5py, as plain ``h5py.File(path)`` would open it.
+
+    HDF5 refuses a second open of a file in one process with other file-locking
+    flags ("file locking flag values don't match"), so a checkpoint held by a
+    lazy :func:`~weightstream.checkpoint.load` uses h5py's default flags, the
+    ones a user's own ``h5py.File(path)`` uses; where the file system cannot
+    lock (some network and read-only mounts) it opens without locking. A file
+    that cannot be opened for a reason of its own (missing, no permission) is
+    reported as such; only one that HDF5 cannot read is called damaged.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(errno.ENOENT, "no such checkpoint file", path)
+    if not os.access(path, os.R_OK):
+        raise PermissionError(errno.EACCES, "the checkpoint file is not readable", path)
+    try:
+        return h5py.File(path, "r")
+    except OSError as e:
+        if "lock" not in str(e).lower():
+            raise CorruptCheckpointError(
+                f"{path}: cannot open it as HDF5 ({e}). {_DAMAGED_FIX}"
+            ) from e
+    try:
+        return h5py.File(path, "r", locking=False)
+    except OSError as e:
+        raise CorruptCheckpointError(f"{path}: cannot open it as HDF5 ({e}). {_DAMAGED_FIX}") from e
+
+
 class H5Source(Source):
     """An H5 checkpoint opened for reading (kept open until :meth:`close`)."""
 
@@ -151,12 +181,7 @@ class H5Source(Source):
         self._uid = next(_source_ids)
         self._fd: int | None = None
         self._last: tuple[str, h5py.Dataset] | None = None  # see _dataset
-        try:
-            self._f = h5py.File(self.path, "r", locking=False)
-        except OSError as e:
-            raise CorruptCheckpointError(
-                f"{self.path}: cannot open it as HDF5 ({e}). {_DAMAGED_FIX}"
-            ) from e
+        self._f = open_h5(self.path)
         try:
             self._open(allow_incomplete)
         except BaseException:

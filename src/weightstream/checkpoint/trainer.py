@@ -44,10 +44,10 @@ def list_checkpoints(model_dir: str | os.PathLike) -> list[tuple[int, Path]]:
 
 def is_complete_checkpoint(path: str | os.PathLike) -> bool:
     """True when ``path`` opens as HDF5 and has ``__SUCCESS__`` (no data is read)."""
-    import h5py
+    from weightstream.checkpoint.reader import open_h5
 
     try:
-        with h5py.File(os.fspath(path), "r", locking=False) as f:
+        with open_h5(path) as f:
             return bool(f.attrs.get(ATTR_SUCCESS, False))
     except Exception:  # any failure to open or read means: not usable
         return False
