@@ -9,6 +9,7 @@ the same, so losses, final weights and buffers must be bitwise equal.
 from __future__ import annotations
 
 import gc
+import re
 
 import models as zoo
 import pytest
@@ -339,3 +340,32 @@ def test_exception_in_forward_restores_the_masters():
     assert runner.engine.streamer.resident_bytes() == 0
     x, y = _batch("fc_mnist", 0)
     _loss(runner(x), y).backward()  # still usable
+
+
+def test_unit_classes_are_honoured_when_an_ancestor_fits_the_unit_size_target():
+    """A small transformers Llama fits unit_size_target whole; its decoder layers,
+    chosen by class, must still be units of their own under granularity='auto'."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    runner = cstorch.compile(model, backend="ws", unit_classes=["LlamaDecoderLayer"])
+    runner(torch.randint(0, 64, (2, 5)))
+    names = [u.display_name for u in runner.plan.units]
+    layers = [f"model.layers.{i}" for i in range(3)]
+    assert [n for n in names if n in layers] == layers, names
+    runner.close()
+    by_name = cstorch.compile(zoo.gpt_tied(), backend="ws", unit_modules=["blocks.1"])
+    assert "blocks.1" in [u.display_name for u in by_name.plan.units]
+
+
+def test_nested_chosen_units_are_refused_with_a_message():
+    with pytest.raises(ValueError, match=re.escape("'blocks.1' and module 'blocks.1.attn'")):
+        cstorch.compile(zoo.gpt_tied(), backend="ws", unit_modules=["blocks.1", "blocks.1.attn"])

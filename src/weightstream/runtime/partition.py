@@ -164,10 +164,30 @@ def build_plan(model: nn.Module, config: StreamingConfig, trace: Trace | None = 
             "Use qualified names as printed by model.named_modules()."
         )
 
+    def is_forced(m: nn.Module) -> bool:
+        return names.get(id(m)) in explicit or _class_matches(m, config.unit_classes)
+
+    # Modules with a chosen unit strictly below them never merge into one unit:
+    # the chosen module must stay a unit of its own under every granularity.
+    forced_below: dict[int, nn.Module] = {}  # id(ancestor) -> a chosen module below it
+    for m in model.modules():
+        if is_forced(m):
+            a = parent[id(m)]
+            while a is not None:
+                forced_below.setdefault(id(a), m)
+                a = parent[id(a)]
+
     heads: dict[int, tuple[nn.Module, str]] = {}  # id -> (module, "subtree" | "direct")
 
     def visit(m: nn.Module, is_root: bool) -> None:
-        forced = names[id(m)] in explicit or _class_matches(m, config.unit_classes)
+        forced = is_forced(m)
+        if forced and id(m) in forced_below:
+            inner = forced_below[id(m)]
+            raise ValueError(
+                f"streaming units conflict: module {names[id(m)] or '<root>'!r} and module "
+                f"{names[id(inner)]!r} below it are both chosen as units (unit_modules / "
+                "unit_classes), but a unit covers its whole subtree. Choose one of them."
+            )
         if forced and not runs(m):
             raise ValueError(
                 f"module {names[id(m)] or '<root>'!r} was chosen as a streaming unit but it is "
@@ -178,6 +198,7 @@ def build_plan(model: nn.Module, config: StreamingConfig, trace: Trace | None = 
             and not is_root
             and runs(m)
             and subtree_bytes[id(m)] <= config.unit_size_target
+            and id(m) not in forced_below
         )
         if subtree_bytes[id(m)] > 0 and (forced or mergeable):
             heads[id(m)] = (m, "subtree")
