@@ -184,3 +184,18 @@ def test_killing_one_rank_stops_the_run_naming_it(tmp_path):
     assert launcher.returncode != 0
     assert elapsed < 60, elapsed
     assert "rank 1 of 2 was killed by signal 9" in out
+
+
+@pytest.mark.slow
+def test_two_ranks_measure_the_machine_profile_with_a_cold_cache(tmp_path):
+    """The compile phase measures this rank's speed with streamed models of its own
+    (StreamingConfig(data_parallel=False)): under data parallel they must not join
+    the ranks, whose collectives would then differ (measured: a gloo timeout)."""
+    params = _params(tmp_path, "gpt2", max_steps=2)
+    env = dict(os.environ, WEIGHTSTREAM_CACHE_DIR=str(tmp_path / "cold"))
+    env.pop("WEIGHTSTREAM_QUICK_MACHINE_PROFILE", None)
+    cmd = [sys.executable, "-m", "weightstream", "run", "CPU", "-p", str(params),
+           "-o", str(tmp_path / "m"), "--num_csx", "2"]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert (tmp_path / "m" / "checkpoint_2.mdl").exists()

@@ -852,7 +852,12 @@ def _software_figures(device: torch.device, sizes: _Sizes, copy_bandwidth: float
     costs = function_costs(eager, (x,))
     streamed_model = _tiny_chain(sizes.tiny_units)
     streamed = ws_compile(
-        streamed_model, "wse_ws", device=device, unit_classes=[_TinyBlock], prefetch_depth=1
+        streamed_model,
+        "wse_ws",
+        device=device,
+        unit_classes=[_TinyBlock],
+        prefetch_depth=1,
+        data_parallel=False,  # this rank's own speed, also under data parallel
     )
 
     # The same blocks streamed as a single unit, and half of them: the same
@@ -865,6 +870,7 @@ def _software_figures(device: torch.device, sizes: _Sizes, copy_bandwidth: float
             device=device,
             unit_classes=[_TinyGroup],
             prefetch_depth=1,
+            data_parallel=False,
         )
 
     half_blocks = max(1, sizes.tiny_units // 2)
@@ -877,7 +883,12 @@ def _software_figures(device: torch.device, sizes: _Sizes, copy_bandwidth: float
     wide_x = torch.randn(4, d, device=device)
     wide_model = _tiny_chain(sizes.tiny_units, d)
     wide = ws_compile(
-        wide_model, "wse_ws", device=device, unit_classes=[_TinyBlock], prefetch_depth=1
+        wide_model,
+        "wse_ws",
+        device=device,
+        unit_classes=[_TinyBlock],
+        prefetch_depth=1,
+        data_parallel=False,
     )
     wide_bytes = 3 * sum(p.numel() * p.element_size() for p in wide_model.parameters())
     tiny_bytes = 3 * sum(p.numel() * p.element_size() for p in streamed_model.parameters())
@@ -1008,7 +1019,12 @@ def _in_situ_factor(partial: MachineProfile, sizes: _Sizes) -> tuple[float, list
     model = nn.Sequential(_ProxyBlock(d, heads, gated=False), _ProxyBlock(d, heads, gated=True))
     x = torch.randn(batch, seq, d, device=device)
     compiled = ws_compile(
-        model, "wse_ws", device=device, unit_classes=[_ProxyBlock], prefetch_depth=1
+        model,
+        "wse_ws",
+        device=device,
+        unit_classes=[_ProxyBlock],
+        prefetch_depth=1,
+        data_parallel=False,
     )
     try:
         costs = unit_costs(model, compiled.engine.prepare(x), (x,))

@@ -62,6 +62,10 @@ class StreamingConfig:
         weight_servers: how many ranks own units of a sharded store (ranks
             0 .. weight_servers-1); None: every rank. More than the world size
             means every rank.
+        data_parallel: under torch.distributed with more than one rank, join
+            them (rank 0's weights broadcast, gradients reduced in the backward,
+            the store sharded if so configured). False: this model is this
+            rank's alone (a measurement, a local evaluation copy).
     """
 
     prefetch_depth: int = 1
@@ -77,8 +81,11 @@ class StreamingConfig:
     host_memory_budget: int | None = None
     store_sharding: str = "replicated"
     weight_servers: int | None = None
+    data_parallel: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.data_parallel, bool):
+            raise TypeError(f"data_parallel must be a bool, got {self.data_parallel!r}.")
         if self.store_sharding not in STORE_SHARDINGS:
             raise ValueError(
                 f"store_sharding must be one of {', '.join(map(repr, STORE_SHARDINGS))}, "

@@ -115,7 +115,8 @@ class StreamingEngine:
         # Owner: this engine. Why: tests and traces read the order of streaming
         # and reduce events; recording is off unless enabled.
         self.events = swarm.EventLog()
-        swarm.init_from_env(self.device)  # data parallel under torchrun, by itself
+        if config.data_parallel:
+            swarm.init_from_env(self.device)  # data parallel under torchrun, by itself
         self.plan: Plan = build_plan(module, config)  # structural; refined at the first call
         check_budget(self.plan, config)
         self.streamer: Streamer | None = None
@@ -128,7 +129,7 @@ class StreamingEngine:
             self.store.take_module(module)  # may replace meta parameters by stored ones
         self._params = {id(p): p for p in module.parameters()}
         on_meta = any(p.is_meta for p in module.parameters())
-        if swarm.world_size() > 1 and not on_meta:
+        if config.data_parallel and swarm.world_size() > 1 and not on_meta:
             swarm.broadcast_module(module)  # every rank starts from rank 0's weights
             self._join_swarm(module)
         # Every unit's share of an optimizer step, in forward order (Note [overlapped updates]).
