@@ -160,7 +160,10 @@ def test_zoo_model_built_on_meta_equals_the_eager_build(tmp_path, name):
     runner.engine.close()
 
 
-def test_meta_parameter_without_reset_parameters_is_an_error(tmp_path):
+def test_meta_parameter_without_reset_parameters_waits_for_a_load(tmp_path):
+    """No initialization rule: the store gives the parameter storage; running before a
+    state dict filled it is an error naming it and the fix, and a load makes it run."""
+
     class Raw(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -171,8 +174,14 @@ def test_meta_parameter_without_reset_parameters_is_an_error(tmp_path):
 
     with torch.device("meta"):
         model = Raw()
-    with pytest.raises(ValueError, match=r"meta device .* no reset_parameters\(\)"):
-        cstorch.compile(model, backend="ws", store="disk", store_dir=str(tmp_path))
+    runner = cstorch.compile(model, backend="ws", store="disk", store_dir=str(tmp_path))
+    x = torch.ones(2, 4)
+    with pytest.raises(ValueError, match=r"parameters 'w' .* no values.* reset_parameters\(\)"):
+        runner(x)
+    w = torch.arange(16.0).view(4, 4)
+    model.load_state_dict({"w": w})
+    assert torch.equal(runner(x), x @ w)
+    runner.close()
 
 
 def test_bad_store_settings_name_the_fix():

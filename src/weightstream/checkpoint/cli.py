@@ -42,14 +42,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--allow-pickle", action="store_true", help="read torch.save files")
 
-    p = sub.add_parser("convert", help="convert between H5, safetensors and torch files")
+    p = sub.add_parser(
+        "convert", help="convert between H5, safetensors and torch files, or to a HF folder"
+    )
     p.add_argument("src", help="checkpoint to read")
     p.add_argument(
         "dst",
         help="output: .mdl/.h5 (H5), .safetensors, a directory or .index.json "
-        "(Hugging Face sharded safetensors), .pt/.pth/.bin (torch)",
+        "(Hugging Face sharded safetensors), .pt/.pth/.bin (torch); with --to hf a "
+        "Hugging Face model folder (config.json + model.safetensors)",
     )
-    p.add_argument("--to", choices=["h5", "safetensors", "torch"], help="output format")
+    p.add_argument("--to", choices=["h5", "safetensors", "torch", "hf"], help="output format")
+    p.add_argument(
+        "--config",
+        help="with --to hf: the config.json (or its folder) to write; default: the run's",
+    )
     p.add_argument("--key", help="convert only this subtree, e.g. 'model'")
     p.add_argument("--max-shard-size", type=parse_size, help="safetensors shard size, e.g. 5GB")
     p.add_argument("--compression", choices=["none", "gzip", "lz4"], help="H5 compression")
@@ -91,6 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 max_shard_size=args.max_shard_size,
                 compression=None if args.compression in (None, "none") else args.compression,
                 fsync=not args.no_fsync,
+                config=args.config,
             )
             for path in written:
                 print(path)

@@ -17,7 +17,7 @@ from weightstream.checkpoint.format import Node, TreeView, find_subtree
 from weightstream.checkpoint.opener import open_source
 from weightstream.checkpoint.source import Source
 
-FORMATS = ("h5", "safetensors", "torch")
+FORMATS = ("h5", "safetensors", "torch", "hf")
 
 _SUFFIXES = {
     ".safetensors": "safetensors",
@@ -50,17 +50,32 @@ class SourceView(TreeView):
         return self.node, self.source.read, self.source.tie, self.source.describe
 
 
-def output_format(path: Path, to: str | None) -> str:
-    """The format to write: ``to`` if given, else from the path's suffix (default H5)."""
+def _looks_like_a_directory(dst: str | os.PathLike) -> bool:
+    """An existing directory, a path written with a trailing separator, or a new name
+    without a suffix: never silently an H5 file named like a folder."""
+    text = os.fspath(dst)
+    path = Path(text)
+    return path.is_dir() or text.endswith((os.sep, "/")) or (not path.exists() and not path.suffix)
+
+
+def output_format(path: str | os.PathLike, to: str | None) -> str:
+    """The format to write: ``to`` if given, else from the path's suffix: a directory-like
+    destination is a safetensors folder, a file without a known suffix H5."""
     if to is not None:
         aliases = {"pt": "torch", "pth": "torch", "hdf5": "h5", "mdl": "h5"}
         fmt = aliases.get(to.lower(), to.lower())
         if fmt not in FORMATS:
             raise ValueError(f"convert(): unknown format {to!r}; choose one of {FORMATS}.")
+        if fmt in ("h5", "torch") and _looks_like_a_directory(path):
+            raise ValueError(
+                f"convert(): {os.fspath(path)} is (or is named like) a directory, but --to "
+                f"{fmt} writes one file. Fix: give a file name ({'.mdl' if fmt == 'h5' else '.pt'}), "
+                "or --to safetensors / --to hf for a folder."
+            )
         return fmt
-    if path.is_dir() or path.suffix == "":
-        return "safetensors" if path.is_dir() else "h5"
-    return _SUFFIXES.get(path.suffix.lower(), "h5")
+    if _looks_like_a_directory(path):
+        return "safetensors"
+    return _SUFFIXES.get(Path(os.fspath(path)).suffix.lower(), "h5")
 
 
 def convert(
@@ -73,6 +88,7 @@ def convert(
     max_shard_size: int | None = None,
     compression: str | None = None,
     fsync: bool = True,
+    config: str | os.PathLike | None = None,
 ) -> list[Path]:
     """Convert the checkpoint ``src`` to ``dst``; returns the files written.
 
@@ -87,11 +103,19 @@ def convert(
         allow_pickle: needed to read a torch file (or pickled values).
         max_shard_size: bytes per safetensors shard (Hugging Face layout).
         compression: for H5 output: None, "gzip" or "lz4".
+        config: with ``to="hf"``, the ``config.json`` (or a folder holding one) to
+            write beside the weights; default: the one the run recorded.
+
+    ``to="hf"`` writes a Hugging Face model folder (Note [export to hf]).
     """
     dst_path = Path(os.fspath(dst))
     if to is None and max_shard_size is not None:
         to = "safetensors"  # sharding exists only for safetensors
-    fmt = output_format(dst_path, to)
+    fmt = output_format(dst, to)
+    if fmt == "hf":
+        return _to_hf(src, dst_path, config, allow_pickle, max_shard_size, fsync)
+    if config is not None:
+        raise ValueError("convert(): config applies only to --to hf.")
     if fmt != "safetensors" and max_shard_size is not None:
         raise ValueError("convert(): max_shard_size applies only to safetensors output.")
     if fmt != "h5" and compression is not None:
@@ -113,3 +137,73 @@ def convert(
         return [write_torch(view, dst_path, fsync=fsync)]
     finally:
         source.close()
+
+
+# Note [export to hf]
+# -------------------
+# ``convert(CKPT, OUT_DIR, to="hf")`` hands a run's weights back to the
+# Hugging Face ecosystem: OUT_DIR gets ``model.safetensors`` (or shards and
+# ``model.safetensors.index.json`` above ``max_shard_size``), written tensor by
+# tensor from the checkpoint, and ``config.json``, so that
+# ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` builds the model and loads
+# every weight. The weights are the trainer checkpoint's ``model`` entry (or the
+# whole file when it holds weights only), under the names they have: a model of
+# ``name: hf`` has transformers' own names. The configuration is ``config``
+# when given, else the one the run recorded (the checkpoint's params: the
+# ``hf_config`` file with the section's overrides applied); ``use_cache``,
+# turned off for training, is turned on again, as transformers' default.
+
+
+def _to_hf(
+    src, dst: Path, config, allow_pickle: bool, max_shard_size: int | None, fsync: bool
+) -> list[Path]:
+    from weightstream.checkpoint.safetensors_io import write_safetensors
+    from weightstream.checkpoint.writer import atomic_path
+
+    if dst.exists() and not dst.is_dir():
+        raise ValueError(f"convert(): --to hf writes a folder, but {dst} is a file.")
+    source = open_source(src, allow_pickle=allow_pickle)
+    try:
+        top = list(getattr(source.tree, "keys", []))
+        key = "model" if "model" in top else None
+        config_json = _hf_config_json(source, config)
+        dst.mkdir(parents=True, exist_ok=True)
+        written = write_safetensors(
+            SourceView(source, key), dst, max_shard_size=max_shard_size, fsync=fsync
+        )
+        target = dst / "config.json"
+        with atomic_path(target, fsync=fsync) as tmp:
+            tmp.write_text(config_json, encoding="utf-8")
+        return [*written, target]
+    finally:
+        source.close()
+
+
+def _hf_config_json(source: Source, config) -> str:
+    """The text of the ``config.json`` to export (Note [export to hf])."""
+    from weightstream.common.hf_config import load_config
+
+    if config is not None:
+        cfg = load_config(config)
+    else:
+        from weightstream.checkpoint.lazy import load
+
+        with load(source.path) as state:
+            metadata = state.get("metadata") if isinstance(state, dict) else None
+            params = metadata.get("params") if isinstance(metadata, dict) else None
+            model = params.get("model") if isinstance(params, dict) else None
+            model = dict(model) if isinstance(model, dict) else None
+        if not isinstance(model, dict) or model.get("name") != "hf":
+            raise ValueError(
+                f"convert(): {source.path} does not record a Hugging Face configuration "
+                "(it was not written by a run of 'model: {name: hf, ...}'). Fix: pass "
+                "--config with the model's config.json (or its folder)."
+            )
+        overrides = {
+            k: v
+            for k, v in model.items()
+            if k not in ("name", "hf_config", "mixed_precision", "fp16_type")
+        }
+        cfg = load_config(model["hf_config"], overrides)
+    cfg.use_cache = True  # off for training (models/hf.py); transformers' default
+    return cfg.to_json_string()

@@ -145,6 +145,13 @@ class LazyStateDict(dict, TreeView):
     def __getitem__(self, key: Any) -> Any:
         return self._resolve(key, dict.__getitem__(self, key))
 
+    def describe(self, key: Any):
+        """Facts of leaf ``key`` (shape, dtype, ...: a ``LeafInfo``) without reading its data."""
+        node = dict.__getitem__(self, key)
+        if not isinstance(node, Leaf):
+            raise TypeError(f"{join_key(self._key, key)!r} is a container, not a leaf.")
+        return self._loader.source.describe(node.key)
+
     def get(self, key: Any, default: Any = None) -> Any:
         if not dict.__contains__(self, key):
             return default

@@ -441,6 +441,9 @@ class ModelParams:
 
         _check_fields(self, "model", skip=("fields",))
         _convert("model.fields", self.fields, dict[str, Any])
+        if self.name == "hf":
+            self._hf_post_init()
+            return
         try:
             spec = get_model_spec(self.name)
         except ValueError as e:
@@ -476,6 +479,24 @@ class ModelParams:
             raise error(f"model ({self.name}): {e} Fix the key in the model section.") from None
         self.fields = given
 
+    def _hf_post_init(self) -> None:
+        """``name: hf``: a transformers causal LM from ``hf_config`` (models/hf.py)."""
+        from weightstream.models import hf
+
+        if self.preset is not None:
+            raise ValueError(
+                "model.preset: a Hugging Face model ('name: hf') has no presets. Fix: remove "
+                "'preset' and override config fields directly (num_hidden_layers: 2)."
+            )
+        fields = dict(self.fields)
+        path = fields.pop("hf_config", None)
+        if not isinstance(path, str) or not path:
+            raise ValueError(
+                "model.hf_config: 'name: hf' needs hf_config, the path of a Hugging Face "
+                "model folder or its config.json. Fix: add hf_config: path/to/model."
+            )
+        self.config = hf.load_config(path, fields)
+
     @property
     def spec(self):
         """The registry entry (:class:`weightstream.models.registry.ModelSpec`)."""
@@ -489,10 +510,15 @@ class ModelParams:
         The zoo's models are built on the meta device and materialized module by
         module (``common.materialize``): the same numbers as the disk store
         draws when it materializes them, and no draws thrown away. ``"meta"``
-        leaves them without storage.
+        leaves them without storage. A Hugging Face model (``name: hf``) is
+        built by ``AutoModelForCausalLM.from_config`` the same way.
         """
         from weightstream.common.materialize import build_materialized
 
+        if self.name == "hf":
+            from weightstream.models import hf
+
+            return hf.build(self.config, device)
         return build_materialized(lambda: self.spec.build(self.config), device)
 
     @classmethod
@@ -515,6 +541,10 @@ class ModelParams:
         out: dict[str, Any] = {k: getattr(self, k) for k in _MODEL_OWN_KEYS}
         if not self.mixed_precision:  # ignored then; writing it back would warn on reading
             del out["fp16_type"]
+        if self.name == "hf":  # the config file and the overrides, as written
+            del out["preset"]
+            out.update(_plain(self.fields))
+            return out
         out.update(_plain(self.config))
         return out
 
@@ -719,6 +749,10 @@ def _check_optimizer_extra(optimizer_type: str, extra: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------- runconfig
 
 
+# The states a warm start may take from a checkpoint (runconfig.load_checkpoint_states).
+WARM_START_STATES = ("model", "optimizer", "lr_scheduler", "grad_scaler", "dataloader")
+
+
 @dataclass
 class RunConfigParams:
     """``runconfig``: steps, checkpoints, logging, cluster size and execution mode.
@@ -740,6 +774,8 @@ class RunConfigParams:
     max_checkpoints: int | None = None
     autoload_last_checkpoint: bool = True
     checkpoint_path: str | None = None
+    # Warm start: which states to take from checkpoint_path (comma-separated).
+    load_checkpoint_states: str | None = None
     log_steps: int = 10
     seed: int = 1
     num_csx: int = 1
@@ -814,6 +850,21 @@ class RunConfigParams:
                 f"{s}: compile_only and validate_only are both true; they are mutually "
                 f"exclusive. Fix: set at most one of them."
             )
+        if self.load_checkpoint_states is not None:
+            states = [x.strip() for x in str(self.load_checkpoint_states).split(",")]
+            bad = [x for x in states if x not in WARM_START_STATES]
+            if bad or not states:
+                raise ValueError(
+                    f"{s}.load_checkpoint_states: unknown state(s) {', '.join(map(repr, bad))}. "
+                    f"Fix: a comma-separated subset of {', '.join(WARM_START_STATES)}, e.g. "
+                    "'model' for the weights only."
+                )
+            if not self.checkpoint_path:
+                raise ValueError(
+                    f"{s}.load_checkpoint_states needs {s}.checkpoint_path, the checkpoint to "
+                    "warm-start from (one of ours, a safetensors file or a Hugging Face model "
+                    "folder). Fix: set checkpoint_path."
+                )
         if self.steps_per_epoch is not None and self.num_epochs is None:
             warnings.warn(
                 f"{s}.steps_per_epoch is ignored because num_epochs is not set.",
@@ -832,6 +883,13 @@ class RunConfigParams:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @property
+    def warm_start_states(self) -> list[str]:
+        """The states of ``load_checkpoint_states`` (empty: no warm start)."""
+        if self.load_checkpoint_states is None:
+            return []
+        return [x.strip() for x in self.load_checkpoint_states.split(",")]
 
     @property
     def has_train_steps(self) -> bool:

@@ -28,6 +28,7 @@ from weightstream import checkpoint as ckpt
 from weightstream.cli.params import Params, save_params
 from weightstream.cli.run_args import build_run_parser, params_from_args
 from weightstream.config import run_configuration
+from weightstream.models import hf
 from weightstream.runtime import swarm
 from weightstream.runtime.performance import PerformanceTracker
 from weightstream.runtime.rng import capture_rng_state, restore_rng_state
@@ -105,17 +106,25 @@ class Run:
             return torch.autocast(self.device.type, dtype=getattr(torch, dt))
         return contextlib.nullcontext()
 
-    def _build_model(self):
+    def _build_model(self, weights_from_checkpoint: bool = False):
+        """The model and its compiled form. ``weights_from_checkpoint``: a warm start
+        will fill the weights (runconfig.load_checkpoint_states), so none are drawn."""
         # Validating or compiling needs shapes only, and a model of billions of
         # parameters fits no host's memory: both build on the meta device. The
         # disk store materializes a meta model in its files, module by module,
-        # drawing what the in-memory build draws (common.materialize).
+        # drawing what the in-memory build draws (common.materialize); for a warm
+        # start the engine gives it storage and the checkpoint gives the values.
         rc = self.rc
         shapes_only = rc.validate_only or rc.compile_only
-        on_meta = shapes_only or (self.ws and rc.store == "disk")
+        warm = weights_from_checkpoint and self.ws and not shapes_only
+        on_meta = shapes_only or (self.ws and rc.store == "disk") or warm
         model = self.params.model.build("meta" if on_meta else "cpu")
         kwargs = {"device": self.device}
         if self.ws:
+            # The sharded store runs on gloo (CPU) only so far (Note [sharded store]).
+            default_sharding = (
+                "sharded" if rc.store != "disk" and self.device.type == "cpu" else "replicated"
+            )
             kwargs.update(
                 prefetch_depth=self.rc.prefetch_depth,
                 unit_size_target=self.rc.unit_size_target,
@@ -123,10 +132,13 @@ class Run:
                 overlap_updates=self.rc.overlap_updates,
                 # num_wgt_servers bounds the owner ranks of a sharded store
                 # (Note [sharded store]); more than the ranks means every rank.
-                store_sharding=self.rc.store_sharding
-                or ("replicated" if self.rc.store == "disk" else "sharded"),
+                store_sharding=self.rc.store_sharding or default_sharding,
                 weight_servers=self.rc.num_wgt_servers,
+                init_weights=not warm,
             )
+            if hf.is_hf_model(model):
+                # A transformers model streams decoder layer by decoder layer.
+                kwargs.update(unit_classes=hf.unit_classes(model))
             if self.rc.store == "disk" and not shapes_only:  # nothing to store then
                 kwargs.update(
                     store="disk",
@@ -243,7 +255,11 @@ class Run:
 
     def train(self) -> None:
         p, rc = self.params, self.rc
-        model, compiled = self._build_model()
+        # A run resumes from its own newest checkpoint; only a run that has none
+        # warm-starts (runconfig.load_checkpoint_states) from checkpoint_path.
+        own = ckpt.find_latest_checkpoint(self.model_dir) if rc.autoload_last_checkpoint else None
+        warm = rc.warm_start_states if own is None else []
+        model, compiled = self._build_model(weights_from_checkpoint="model" in warm)
         if rc.validate_only or rc.compile_only:
             self.compile(compiled, p.train_input)
             self._write_params("train")
@@ -303,13 +319,16 @@ class Run:
             steps_per_epoch=rc.steps_per_epoch,
             grad_accum_steps=opt_params.grad_accum_steps,
         )
-        resume = Path(rc.checkpoint_path) if rc.checkpoint_path else None
-        if resume is None and rc.autoload_last_checkpoint:
-            resume = ckpt.find_latest_checkpoint(self.model_dir)
+        if rc.warm_start_states:
+            resume = own  # checkpoint_path is the warm start's source
+        else:
+            resume = Path(rc.checkpoint_path) if rc.checkpoint_path else own
         if resume is not None and self._finished(resume):
             return
         if resume is not None:
             self._resume(trainer, resume, dataloader)
+        elif warm:
+            trainer.warm_start(Path(rc.checkpoint_path), warm, dataloader)
         self.perf.programming_time = time.perf_counter() - t_program
         # Compiling reads the first batch (checking the data) and writes only the
         # compile directory, and that only once everything compiled.

@@ -11,7 +11,10 @@ bit: the random numbers are drawn in the same order, by the same rules.
 The rule for a module is the root model's ``init_module(name, module)`` when
 the model defines one (the zoo's models do: their normal(0.02) matrices, scaled
 residual projections, zero biases), else the module's own
-``reset_parameters()`` (every ``torch.nn`` layer with parameters has one).
+``reset_parameters()`` (every ``torch.nn`` layer with parameters has one), else,
+for a transformers model, the library's ``_init_weights(module)``. Parameters a
+checkpoint will provide can be left undrawn (``skip``); so can those of modules
+without any rule, for a load to fill (``without_rule="leave"``).
 
 A module is initialized when it owns a parameter not seen earlier in the walk
 (``named_modules`` order). A parameter tied to an earlier one is pointed at its
@@ -29,21 +32,30 @@ from torch import nn
 Allocate = Callable[[nn.Parameter], torch.Tensor]
 
 
-def init_rule(model: nn.Module) -> Callable[[str, nn.Module], None]:
-    """How :func:`materialize` initializes one module of ``model`` (see the module doc)."""
+def init_rule(model: nn.Module) -> Callable[[str, nn.Module], bool]:
+    """How :func:`materialize` initializes one module of ``model`` (see the module doc).
+
+    The returned function initializes ``module``'s own parameters and returns
+    True, or returns False when there is no rule for it.
+    """
     own = getattr(model, "init_module", None)
     if own is not None:
-        return own
 
-    def reset(name: str, module: nn.Module) -> None:
-        if not hasattr(module, "reset_parameters"):
-            raise ValueError(
-                f"parameters of module {name or '<root>'!r} ({type(module).__name__}) on the "
-                "meta device cannot be initialized: the module has no reset_parameters() and "
-                "the model no init_module(name, module). Fix: give the module a "
-                "reset_parameters() method, or build the model on the CPU."
-            )
-        module.reset_parameters()
+        def by_model(name: str, module: nn.Module) -> bool:
+            own(name, module)
+            return True
+
+        return by_model
+    hf = getattr(model, "_init_weights", None)  # a transformers PreTrainedModel
+
+    def reset(name: str, module: nn.Module) -> bool:
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+            return True
+        if hf is not None:
+            hf(module)  # the library's own rule (config.initializer_range)
+            return True
+        return False
 
     return reset
 
@@ -52,18 +64,29 @@ def materialize(
     model: nn.Module,
     allocate: Allocate | None = None,
     after: Callable[[Iterable[torch.Tensor]], None] | None = None,
-) -> nn.Module:
+    *,
+    skip: Callable[[str], bool] | None = None,
+    without_rule: str = "error",
+) -> list[str]:
     """Initialize ``model`` module by module. With ``allocate``, only the modules that own
     meta parameters: those get storage first (``allocate(meta_param)`` returns a
-    tensor of its shape and dtype) and parameters that have storage are kept.
+    tensor of its shape and dtype, zeros) and parameters that have storage are kept.
 
     ``after(tensors)`` is called with each module's newly initialized parameters
-    (the disk store gives their pages back). Returns ``model``.
+    (the disk store gives their pages back). ``skip(name)``: parameters whose
+    values will come from elsewhere (a checkpoint) are not drawn; a module is
+    initialized when any of its new parameters is not skipped. ``without_rule``:
+    a module without an initialization rule is an error (``"error"``), or its
+    parameters are left at zero for a later load (``"leave"``).
+
+    Returns the qualified names of the parameters left without initial values.
     """
     init = init_rule(model)
     twins: dict[int, nn.Parameter] = {}  # id(parameter as built) -> the parameter kept
+    left: list[str] = []
     for name, m in model.named_modules():
         fresh: list[nn.Parameter] = []
+        names: list[str] = []
         for key, p in m._parameters.items():
             if p is None:
                 continue
@@ -73,17 +96,67 @@ def materialize(
             q = p
             if allocate is None:
                 fresh.append(q)
+                names.append(f"{name}.{key}" if name else key)
             elif p.is_meta:
                 q = nn.Parameter(allocate(p), requires_grad=p.requires_grad)
                 m._parameters[key] = q
                 fresh.append(q)
+                names.append(f"{name}.{key}" if name else key)
             twins[id(p)] = q
-        if fresh:
+        if not fresh:
+            continue
+        if skip is not None and all(skip(n) for n in names):
+            left.extend(names)
+        else:
             with torch.no_grad():
-                init(name, m)
-            if after is not None:
-                after(fresh)
-    return model
+                done = init(name, m)
+            if not done and without_rule == "leave":
+                left.extend(names)
+            elif not done:
+                raise ValueError(
+                    f"parameters of module {name or '<root>'!r} ({type(m).__name__}) on the "
+                    "meta device cannot be initialized: the module has no reset_parameters() "
+                    "and the model no init_module(name, module). Fix: give the module a "
+                    "reset_parameters() method, build the model on the CPU, or load its "
+                    "weights from a checkpoint (load_state_dict, or the run command's "
+                    "load_checkpoint_states)."
+                )
+        if after is not None:
+            after(fresh)
+    return left
+
+
+def materialize_buffers(model: nn.Module, device: torch.device | str = "cpu") -> None:
+    """Compute ``model``'s buffers that are on the meta device, on ``device``.
+
+    Buffers (rotary frequency tables, causal masks) are derived from the
+    configuration, not trained: a module holding one on meta is built again on
+    ``device`` from the configuration it was built with (``type(m)(m.config)``,
+    the convention of transformers' modules), and its buffers are taken from
+    that copy. A module that cannot be rebuilt so is an error naming the buffer.
+    """
+    for name, m in model.named_modules():
+        meta = [k for k, b in m._buffers.items() if b is not None and b.is_meta]
+        if not meta:
+            continue
+        config = getattr(m, "config", None)
+        fresh = None
+        if config is not None:
+            try:
+                with torch.device(device):
+                    fresh = type(m)(config)
+            except Exception:  # any constructor failure: reported below
+                fresh = None
+        for key in meta:
+            value = None if fresh is None else fresh._buffers.get(key)
+            if value is None or value.shape != m._buffers[key].shape:
+                raise ValueError(
+                    f"buffer {key!r} of module {name or '<root>'!r} ({type(m).__name__}) is on "
+                    "the meta device and cannot be computed: the module cannot be built again "
+                    "from a `config` attribute. Fix: create the model's buffers on the CPU "
+                    "(e.g. register them after building on meta)."
+                )
+            m._buffers[key] = value.to(device)
 
 
 def build_materialized(
@@ -101,4 +174,5 @@ def build_materialized(
     if getattr(model, "init_module", None) is None or any(b.is_meta for b in model.buffers()):
         with torch.device(device):
             return build()
-    return materialize(model, lambda p: torch.empty(p.shape, dtype=p.dtype, device=device))
+    materialize(model, lambda p: torch.empty(p.shape, dtype=p.dtype, device=device))
+    return model

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -249,9 +250,20 @@ def run(run, compiled, args: tuple, batch_size: int) -> dict:
     machine = load_or_measure(run.device, quick=quick)
     input_s = input_seconds_per_batch(run.params.train_input.to_dict(), run.device, quick)
     settings_e = estimate_settings(run.params, run.device, batch_size, machine, input_s, model)
-    costs, est = estimate_for(
-        model, plan, args, batch_size, task=run.task, machine=machine, settings=settings_e
-    )
+    try:
+        costs, est = estimate_for(
+            model, plan, args, batch_size, task=run.task, machine=machine, settings=settings_e
+        )
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        # A forward with data-dependent Python on tensor values (transformers'
+        # mask helpers read mask values) cannot run on the meta device.
+        warnings.warn(
+            "weightstream: no compile estimate: the model's forward does not run on the meta "
+            f"device ({type(exc).__name__}: {exc}). Training is unaffected; the run reports "
+            "its measured samples/sec without an estimate beside it.",
+            stacklevel=2,
+        )
+        return {"est_samples_per_sec": None, "cache_hit": False}
     path = write_compile_dir(root, checksum, plan, costs, est, machine, settings=settings)
     log.info(
         "Compiled into %s: estimated %.3g samples/sec (bound by %s)",

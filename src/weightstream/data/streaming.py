@@ -4,8 +4,10 @@ In the reference system the input workers of each CS-X stream the data. Here
 every data-parallel rank of ``torch.distributed`` builds and streams its own
 loader (design.md: past one machine we run data parallel over
 torch.distributed), so the streamers are the ranks: ``num_streamers()`` is the
-world size and ``get_streaming_rank()`` the rank. Without an initialized
-process group a run is one streamer of rank 0.
+world size and ``get_streaming_rank()`` the rank. Before the process group
+is initialized they come from torchrun's environment (RANK, WORLD_SIZE), so a
+loader built before ``cstorch.compile`` joins the ranks sees them too; without
+either a run is one streamer of rank 0.
 
 These are functions, not cached values, because the process group may be
 initialized after this module is imported.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 from collections.abc import Iterator
 
 import torch.distributed as dist
@@ -54,16 +57,36 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _launched() -> tuple[int, int] | None:
+    """(rank, world size) from torchrun's environment, before the process group exists.
+
+    ``cstorch.compile`` joins the ranks; a DataLoader built before it must see
+    them already (Note [rank share] in data/dataloader.py).
+    """
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return None
+    return (rank, world) if world > 1 else None
+
+
 def num_streamers() -> int:
     """The number of processes streaming input: the world size, or 1 when not distributed."""
     _consulted()
-    return dist.get_world_size() if _distributed() else 1
+    if _distributed():
+        return dist.get_world_size()
+    launched = _launched()
+    return 1 if launched is None else launched[1]
 
 
 def get_streaming_rank() -> int:
     """This process's index among the streamers: the rank, or 0 when not distributed."""
     _consulted()
-    return dist.get_rank() if _distributed() else 0
+    if _distributed():
+        return dist.get_rank()
+    launched = _launched()
+    return 0 if launched is None else launched[0]
 
 
 def is_streamer() -> bool:

@@ -83,3 +83,21 @@ register_model(
         description="GPT-2 style decoder with tied input/output embeddings",
     )
 )
+
+
+def _build_hf(config):
+    from weightstream.models import hf
+
+    return hf.build(config, "meta")
+
+
+register_model(
+    ModelSpec(
+        "hf",
+        dict,  # not a dataclass: the section's keys override the transformers config
+        _build_hf,
+        "lm",
+        description="any Hugging Face transformers causal LM from its config.json "
+        "(hf_config: PATH; other keys override config fields)",
+    )
+)

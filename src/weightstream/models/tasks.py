@@ -11,7 +11,7 @@ import torch.nn.functional as F
 def task_loss(task: str, model: Callable, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Forward one batch; returns (mean loss, logits, extra) for the task's batch format."""
     if task == "lm":
-        logits = model(batch["input_ids"])  # [B, T, V]
+        logits = _logits(model(batch["input_ids"]))  # [B, T, V]
         labels = batch["labels"].to(logits.device)
         per_token = F.cross_entropy(
             logits.flatten(0, 1).float(), labels.flatten(), reduction="none"
@@ -28,3 +28,8 @@ def task_loss(task: str, model: Callable, batch: dict) -> tuple[torch.Tensor, to
         labels = batch["labels"].to(logits.device)
         return F.cross_entropy(logits.float(), labels), logits, {"labels": labels}
     raise ValueError(f"unknown task {task!r}; expected 'lm' or 'classification'.")
+
+
+def _logits(out):
+    """The logits of a model's output: a tensor, or a transformers output's ``logits``."""
+    return out if isinstance(out, torch.Tensor) else out.logits

@@ -62,6 +62,11 @@ class StreamingConfig:
         weight_servers: how many ranks own units of a sharded store (ranks
             0 .. weight_servers-1); None: every rank. More than the world size
             means every rank.
+        init_weights: draw the initial values of a meta-device model's parameters
+            when the store materializes it (the model's rule: ``init_module``,
+            ``reset_parameters()``, transformers' ``_init_weights``). False: leave
+            them at zero for a checkpoint to fill (a warm start); the first call
+            then refuses to run while any of them was never loaded.
         data_parallel: under torch.distributed with more than one rank, join
             them (rank 0's weights broadcast, gradients reduced in the backward,
             the store sharded if so configured). False: this model is this
@@ -82,8 +87,11 @@ class StreamingConfig:
     store_sharding: str = "replicated"
     weight_servers: int | None = None
     data_parallel: bool = True
+    init_weights: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.init_weights, bool):
+            raise TypeError(f"init_weights must be a bool, got {self.init_weights!r}.")
         if not isinstance(self.data_parallel, bool):
             raise TypeError(f"data_parallel must be a bool, got {self.data_parallel!r}.")
         if self.store_sharding not in STORE_SHARDINGS:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from weightstream.common.materialize import materialize, materialize_buffers
 from weightstream.optim.binding import hosts
 from weightstream.runtime import swarm
 from weightstream.runtime.config import StreamingConfig
@@ -123,10 +124,23 @@ class StreamingEngine:
         self.store: DiskStore | None = None
         self.shards: ShardedStore | None = None
         self.reducer: swarm.GradientReducer | None = None
+        if config.store == "disk" or not config.init_weights:
+            # A meta-device model that will run: its buffers (rotary tables) are
+            # derived from the configuration, computed on the host, then placed.
+            materialize_buffers(module, "cpu")
         _place(module, self.device)
+        # Parameters a meta-device model leaves without values, for a load to fill.
+        self._awaiting: set[str] = set()
         if config.store == "disk":
             self.store = DiskStore(config.store_dir)
-            self.store.take_module(module)  # may replace meta parameters by stored ones
+            # May replace meta parameters by stored ones (Note [disk tier]).
+            self._awaiting.update(self.store.take_module(module, config.init_weights))
+        elif not config.init_weights and any(p.is_meta for p in module.parameters()):
+            # A warm start in host memory: storage now, the values from the checkpoint.
+            left = materialize(
+                module, lambda p: torch.zeros(p.shape, dtype=p.dtype), skip=lambda _n: True
+            )
+            self._awaiting.update(left)
         self._params = {id(p): p for p in module.parameters()}
         on_meta = any(p.is_meta for p in module.parameters())
         if config.data_parallel and swarm.world_size() > 1 and not on_meta:
@@ -231,6 +245,11 @@ class StreamingEngine:
     ) -> None:
         self.synchronize()
         self._skipped_on_load = []
+        if self._awaiting:
+            # Filled by this load (a warm start, or a model built on meta).
+            self._awaiting.difference_update(
+                k[len(prefix) :] for k in state if k.startswith(prefix)
+            )
         if self.shards is None:
             return
         # Parameters owned elsewhere keep their placeholders: their entries are
@@ -253,6 +272,15 @@ class StreamingEngine:
 
     def _compile(self, args: tuple, kwargs: dict) -> None:
         """Trace the real batch shape on the meta device and fix the streaming plan."""
+        if self._awaiting:
+            names = sorted(self._awaiting)
+            more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+            raise ValueError(
+                f"parameters {', '.join(map(repr, names[:8]))}{more} of the model built on the "
+                "meta device have no values: they have no initialization rule (or "
+                "init_weights=False) and no state dict filled them. Fix: load the weights "
+                "first (model.load_state_dict), or give their modules reset_parameters()."
+            )
         try:
             trace = trace_forward(self.module, args, kwargs)
         except Exception as exc:

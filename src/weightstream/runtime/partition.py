@@ -32,7 +32,10 @@ from weightstream.runtime.trace import Trace
 # (nn.ParameterList, or a module whose weight is read by its parent) belong to
 # the nearest ancestor that runs. A unit whose window encloses another unit's
 # window is pinned: it stays resident while its forward runs (the root's own
-# parameters, for example).
+# parameters, for example). Modules chosen by unit_modules / unit_classes are
+# units with their whole subtree under either granularity: their ancestors
+# never merge (so "auto" cannot swallow them), and a chosen module inside
+# another chosen one is an error.
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 

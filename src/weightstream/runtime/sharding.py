@@ -44,6 +44,9 @@ is split across the ranks acting as weight servers (MemoryX with
 The model is built whole on every rank, rank 0's weights are broadcast to all
 (the engine does it when it is built), and then the masters owned elsewhere
 are dropped.
+
+Limits: the sharded store runs on gloo (CPU compute) and in host memory only;
+with accelerators or ``store="disk"`` the store is replicated.
 """
 
 from __future__ import annotations

@@ -229,30 +229,31 @@ class DiskStore:
 
     # ---- the module's training state -------------------------------------------------------
 
-    def take_module(self, module: nn.Module) -> None:
+    def take_module(self, module: nn.Module, init_weights: bool = True) -> list[str]:
         """Move every parameter of ``module`` into the store; materialize meta ones.
 
         A parameter on the meta device (a model built under ``torch.device("meta")``,
         larger than RAM) is allocated in the store and initialized by the model's
         rule (``common.materialize``), one module at a time, so the model is never
-        whole in memory.
+        whole in memory. With ``init_weights=False``, or for a module without a
+        rule, it is left at zero for a load to fill. Returns the names of the
+        parameters left so.
         """
-        for name, m in module.named_modules():
-            for bname, b in m._buffers.items():
-                if b is not None and b.is_meta:
-                    raise ValueError(
-                        f"buffer {bname!r} of module {name or '<root>'!r} is on the meta "
-                        "device; the disk store materializes parameters only. Fix: create "
-                        "buffers on the CPU (e.g. register them after building on meta)."
-                    )
         for p in module.parameters():
             if not p.is_meta and not self.holds(p.data):
                 with torch.no_grad():
                     p.data = self.adopt(p.data, "master")
-        materialize(module, lambda p: self.zeros(p.shape, p.dtype, "master"), self.release)
+        left = materialize(
+            module,
+            lambda p: self.zeros(p.shape, p.dtype, "master"),
+            self.release,
+            skip=None if init_weights else lambda _name: True,
+            without_rule="leave",
+        )
         for p in module.parameters():
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_into_store))
+        return left
 
     def _grad_into_store(self, p: torch.Tensor) -> None:
         """Post-accumulate-grad hook: keep ``p.grad`` in the store (Note [disk tier])."""

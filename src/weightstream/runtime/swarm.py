@@ -115,13 +115,16 @@ def shutdown() -> None:
 # ``loss.backward(); optimizer.step()``): nothing but the backward itself has to
 # happen for the ranks' gradients to be averaged.
 #
-# * Buckets. A streaming engine's bucket is a unit of its plan (units sharing a
-#   parameter, a tied embedding, form one bucket); a resident model's are runs
-#   of about BUCKET_BYTES of parameters. A post-accumulate-grad hook on each
-#   parameter notes that its gradient of this backward is final (autograd has
-#   summed every use of it); when a bucket's last parameter is final its
-#   gradients are flattened and the collective starts asynchronously, so it
-#   runs while the backward goes on through the units before it. At the end
+# * Buckets. A streaming engine's bucket is a unit of its structural plan,
+#   fixed when the engine is built (units sharing a parameter, a tied
+#   embedding, form one bucket; the traced plan of the first call may group
+#   parameters otherwise, and only the streaming follows it); a resident
+#   model's are runs of about BUCKET_BYTES of parameters. A post-accumulate-grad
+#   hook on each parameter notes that its gradient of this backward is final
+#   (autograd has summed every use of it); when a bucket's last parameter is
+#   final its gradients are flattened and the collective starts
+#   asynchronously, so it runs while the backward goes on through the units
+#   before it. At the end
 #   of the backward (a callback queued on autograd's engine) buckets whose
 #   parameters got no gradient in part are reduced over the parameters that
 #   did, and every collective is waited for: ``p.grad`` after ``backward()``
@@ -140,6 +143,12 @@ def shutdown() -> None:
 #   hook), the new local sum is reduced alone, and the mean is added back.
 #   Reducing the sum of a mean and a local part again would count the mean
 #   N times on a sharded owner.
+# * What "the mean" assumes: every rank's loss is a mean over an equal share
+#   of the global batch, so the mean of the ranks' gradients is the gradient
+#   of the global mean. A loss weighted by a per-rank count (tokens kept by an
+#   attention mask) gives each rank's mean its own denominator, and the
+#   average of the ranks then differs from one device's mean over the whole
+#   batch, as with DDP; weight such losses by a global count.
 # * Its own process group: the collectives are issued from the autograd
 #   thread while a sharded store's weight broadcasts run on the prefetch
 #   thread; each thread's collectives must reach every rank in one order.

@@ -31,6 +31,7 @@ from weightstream import checkpoint as ckpt
 from weightstream.amp import GradScaler
 from weightstream.amp.step_helper import apply_gradients
 from weightstream.checkpoint.crash import counting_ops
+from weightstream.checkpoint.weights import load_weights
 from weightstream.data.state import aggregate_state_dict
 from weightstream.models.tasks import task_loss
 from weightstream.runtime import swarm
@@ -183,6 +184,40 @@ class Trainer:
                 "with another checkpoint, or train in a new model_dir."
             ) from e
         log.info("Resumed from %s at global step %d", path, self.global_step)
+
+    def warm_start(self, path, states: list[str], dataloader=None) -> None:
+        """Take ``states`` (runconfig.load_checkpoint_states) from the checkpoint at ``path``.
+
+        ``model``: the weights, tensor by tensor (``checkpoint.weights``), from any
+        checkpoint format; the other states need a trainer checkpoint. Training
+        starts at global step 0 either way.
+        """
+        if "model" in states:
+            load_weights(self.model, path)
+        others = [x for x in states if x != "model"]
+        if others:
+            state = ckpt.load(path)
+            if not isinstance(state, dict) or "model" not in state:
+                raise ValueError(
+                    f"load_checkpoint_states {', '.join(others)}: {path} holds weights only. "
+                    "Fix: take only 'model' from it, or name a checkpoint written by this "
+                    "command."
+                )
+            entries = {
+                "optimizer": (self.optimizer, "optimizer"),
+                "lr_scheduler": (self.lr_scheduler, "schedulers"),
+                "grad_scaler": (self.grad_scaler, "grad_scaler"),
+                "dataloader": (dataloader, "dataloader"),
+            }
+            for name in others:
+                target, key = entries[name]
+                if key not in state:
+                    raise ValueError(f"{path} has no {key!r} state to warm-start {name} from.")
+                if target is None:
+                    continue
+                value = state[key][0] if key == "schedulers" else state[key]
+                target.load_state_dict(value)
+        log.info("Warm-started from %s (%s) at global step 0", path, ", ".join(states))
 
     # ---- training ---------------------------------------------------------------------
 

@@ -1,0 +1,120 @@
+"""Warm start: a model's weights from a checkpoint, one tensor at a time.
+
+``load_weights(model, path)`` fills every parameter and persistent buffer of
+``model`` from a checkpoint: one of ours (a trainer checkpoint's ``model``
+entry, or a saved state dict), a safetensors file, or a Hugging Face model
+folder (``model.safetensors`` or a sharded index). The file is read lazily:
+each tensor is read, checked and copied into the model (through
+``model.load_state_dict``, so a streaming engine's store takes it where it
+keeps that tensor: host memory, a disk-store file, only on the owning rank of
+a sharded store), and then dropped, so the load holds one checkpoint tensor at
+a time besides the model. A tied parameter is filled once, from whichever of
+its names the checkpoint has (a Hugging Face GPT-2 file holds the embedding
+and not the tied head). Every tensor the model needs must be there with its
+shape: a missing or misshapen one is an error naming it, raised before
+anything is copied.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import nn
+
+from weightstream.checkpoint.lazy import load
+from weightstream.common.pages import release_pages
+
+
+def _weights_of(state) -> Mapping:
+    """The name -> tensor mapping of a loaded checkpoint."""
+    inner = state.get("model") if isinstance(state, Mapping) else None
+    if isinstance(inner, Mapping):
+        return inner  # a trainer checkpoint (or {"model": state_dict, ...})
+    if not isinstance(state, Mapping):
+        raise ValueError("the checkpoint holds no mapping of weights")
+    return state
+
+
+def _targets(model: nn.Module) -> list[list[tuple[str, torch.Tensor]]]:
+    """The model's tensors to fill, each with all of its names (tied ones share one)."""
+    by_tensor: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(p), []).append((name, p))
+    for mod_name, m in model.named_modules():
+        for key, b in m._buffers.items():
+            if b is not None and key not in m._non_persistent_buffers_set:
+                name = f"{mod_name}.{key}" if mod_name else key
+                by_tensor.setdefault(id(b), []).append((name, b))
+    return list(by_tensor.values())
+
+
+def load_weights(
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    name_map: Callable[[str], str] | None = None,
+) -> list[str]:
+    """Fill ``model``'s weights from the checkpoint at ``path`` (see the module doc).
+
+    ``name_map(model_name) -> checkpoint_name`` translates names (a zoo model
+    read from a Hugging Face file). Returns the checkpoint names read. Raises
+    ValueError naming the tensors that are missing or of another shape.
+    """
+    rename = name_map or (lambda n: n)
+    with load(path) as state:
+        weights = _weights_of(state)
+        available = set(weights)
+        plan: list[tuple[str, str, torch.Tensor]] = []  # (model name, file name, tensor)
+        missing: list[str] = []
+        for names in _targets(model):
+            found = next(((n, rename(n)) for n, _ in names if rename(n) in available), None)
+            if found is None:
+                missing.append(rename(names[0][0]))
+                continue
+            plan.append((found[0], found[1], names[0][1]))
+        if missing:
+            shown = ", ".join(map(repr, missing[:8]))
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            raise ValueError(
+                f"cannot warm-start from {path}: it has no tensor {shown}{more} that the model "
+                f"needs ({len(available)} tensors in the file). Fix: give a checkpoint of this "
+                "architecture (the same model config), or load only what it holds."
+            )
+        wrong = []
+        for _, file_name, target in plan:
+            info = weights.describe(file_name) if hasattr(weights, "describe") else None
+            shape = tuple(info.shape) if info is not None else None
+            if shape is not None and shape != tuple(target.shape):
+                wrong.append(f"{file_name!r} is {shape} in the file, {tuple(target.shape)} here")
+        if wrong:
+            raise ValueError(
+                f"cannot warm-start from {path}: {'; '.join(wrong[:5])}. Fix: give a checkpoint "
+                "of the same model shape (hidden size, layers, vocabulary)."
+            )
+        used = set()
+        for model_name, file_name, target in plan:
+            value = weights[file_name]  # reads this one tensor
+            if tuple(value.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"cannot warm-start from {path}: {file_name!r} is {tuple(value.shape)} in "
+                    f"the file, {tuple(target.shape)} here. Fix: give a checkpoint of the same "
+                    "model shape."
+                )
+            result = model.load_state_dict({model_name: value}, strict=False)
+            assert not result.unexpected_keys, result.unexpected_keys
+            release_pages([target])  # a disk store's file: written, its pages go back
+            used.add(file_name)
+            del value
+        unused = sorted(available - used)
+        if unused:
+            warnings.warn(
+                f"warm start from {path}: {len(unused)} tensor(s) of the file are not used by "
+                f"the model ({', '.join(map(repr, unused[:5]))}"
+                f"{', ...' if len(unused) > 5 else ''}).",
+                UserWarning,
+                stacklevel=2,
+            )
+        return sorted(used)

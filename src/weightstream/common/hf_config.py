@@ -1,0 +1,73 @@
+"""Read a Hugging Face ``transformers`` configuration (``config.json``) from local files.
+
+Shared by the models (``name: hf`` builds from it) and the checkpoint
+converter (``--to hf`` writes it back); transformers is imported only when
+used. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+CONFIG_FILE = "config.json"
+
+
+def transformers_module():
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError(
+            "model name 'hf' needs the transformers package: pip install transformers"
+        ) from e
+    return transformers
+
+
+def config_path(path: str | os.PathLike) -> Path:
+    """The ``config.json`` that ``path`` names (the file, or the folder holding it)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / CONFIG_FILE
+    if not p.is_file():
+        raise FileNotFoundError(
+            f"model.hf_config: {path} is not a config.json nor a folder holding one. Fix: "
+            "give the path of a Hugging Face model folder (as save_pretrained writes it) or "
+            "of its config.json."
+        )
+    return p
+
+
+def load_config(path: str | os.PathLike, overrides: dict[str, Any] | None = None):
+    """The transformers configuration at ``path``, with ``overrides`` applied."""
+    transformers = transformers_module()
+    file = config_path(path)
+    try:
+        values = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model.hf_config: cannot read {file} as JSON ({e}).") from e
+    model_type = values.pop("model_type", None)
+    if model_type is None:
+        raise ValueError(
+            f"model.hf_config: {file} has no 'model_type'; it is not a transformers "
+            "configuration. Fix: point hf_config at the config.json of a transformers model."
+        )
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **values)
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"model.hf_config: {file}: {e}") from e
+    known = set(config.to_dict())
+    for key, value in (overrides or {}).items():
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=3)
+            hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+            raise ValueError(
+                f"model.{key}: {model_type!r} configurations have no field {key!r}.{hint} "
+                "Fix: use a field of the model's config.json, or remove the key."
+            )
+        setattr(config, key, value)
+    # Training never reads a key/value cache; building one each step costs memory.
+    config.use_cache = False
+    return config

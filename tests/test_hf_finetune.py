@@ -1,0 +1,255 @@
+"""Pretrained in: a Hugging Face causal LM fine-tuned by the run command.
+
+A small transformers Llama (grouped-query attention, untied head) and GPT-2
+(tied head), saved with ``save_pretrained``, are named by ``model: {name: hf,
+hf_config: FOLDER}`` and warm-started from the same folder
+(``load_checkpoint_states: model``) in weight streaming, with the store in host
+memory and on disk. Their losses and final weights must equal eager
+transformers training of the same batches with torch.optim.AdamW: bit for bit,
+as the engine's HF tests show for the API (same fp32 kernels, same update
+arithmetic; Note [matching torch.optim bit for bit]).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import params_files as pf
+import pytest
+import torch
+import torch.nn.functional as F
+
+from weightstream import checkpoint as ckpt
+from weightstream import config, executor
+from weightstream.cli.main import main
+from weightstream.data.processors import get_data_processor
+
+transformers = pytest.importorskip("transformers")
+
+BATCH, SEQ, STEPS, LR = 4, 16, 3, 2e-3
+
+
+def _llama():
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=pf.VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+        )
+    )
+
+
+def _gpt2():
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            vocab_size=pf.VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )
+
+
+def _save_pretrained(make, folder: Path) -> Path:
+    torch.manual_seed(0)
+    make().save_pretrained(folder)
+    return folder
+
+
+def _section() -> dict:
+    return pf.text_input(BATCH, SEQ, shuffle=False)
+
+
+def _params(tmp_path: Path, folder: Path, store: str) -> Path:
+    runconfig = {
+        "max_steps": STEPS,
+        "checkpoint_steps": 0,
+        "log_steps": 1,
+        "seed": 1,
+        "checkpoint_path": str(folder),
+        "load_checkpoint_states": "model",
+        "store": store,
+    }
+    return pf.write(
+        tmp_path / f"hf_{store}.yaml",
+        pf.params(
+            train_input=_section(),
+            model={"name": "hf", "hf_config": str(folder)},
+            optimizer=pf.adamw(LR, weight_decay=0.0),
+            runconfig=runconfig,
+        ),
+    )
+
+
+def _eager(folder: Path) -> tuple[list[float], dict]:
+    """transformers' own model from the folder, trained on the run's batches."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    model.config.use_cache = False
+    model.train()
+    # weightstream's AdamW defaults to eps=1e-6 (the reference API), torch's to 1e-8.
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-6, weight_decay=0.0, foreach=False)
+    loader = get_data_processor("TextCorpusProcessor")(_section(), True)
+    losses = []
+    for step, batch in enumerate(loader):
+        if step == STEPS:
+            break
+        logits = model(input_ids=batch["input_ids"]).logits
+        # The run's LM loss: the mean of the per-token losses, as a weighted sum.
+        per_token = F.cross_entropy(
+            logits.flatten(0, 1).float(), batch["labels"].flatten(), reduction="none"
+        )
+        weights = torch.ones_like(per_token)
+        loss = (per_token * weights).sum() / weights.sum().clamp_min(1.0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("store", ["ram", "disk"])
+@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
+def test_warm_started_hf_model_trains_like_eager_transformers(tmp_path, make, store):
+    folder = _save_pretrained(make, tmp_path / "pretrained")
+    model_dir = tmp_path / "run"
+    params = _params(tmp_path, folder, store)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WEIGHTSTREAM_QUICK_MACHINE_PROFILE", "1")
+        mp.setenv("WEIGHTSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+        assert main(["run", "CPU", "-p", str(params), "-o", str(model_dir)]) == 0
+    config._reset_for_tests()
+    executor._reset_for_tests()
+    losses = [json.loads(line)["loss"] for line in (model_dir / "train" / "losses.jsonl").open()]
+    want_losses, want = _eager(folder)
+    assert losses == want_losses
+    got = ckpt.load(model_dir / f"checkpoint_{STEPS}.mdl", map_location="cpu")["model"]
+    for name, value in want.items():
+        if name in got:
+            assert torch.equal(got[name], value), name
+    assert set(got) <= set(want)
+
+
+def _run(tmp_path: Path, params: Path, model_dir: Path, capsys=None) -> int:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WEIGHTSTREAM_QUICK_MACHINE_PROFILE", "1")
+        mp.setenv("WEIGHTSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+        try:
+            return main(["run", "CPU", "-p", str(params), "-o", str(model_dir)])
+        finally:
+            config._reset_for_tests()
+            executor._reset_for_tests()
+
+
+def test_warm_start_names_a_missing_tensor(tmp_path):
+    """A Llama warm-started from a GPT-2 folder: the error names what is missing."""
+    import subprocess
+    import sys
+
+    other = _save_pretrained(_gpt2, tmp_path / "other")
+    folder = _save_pretrained(_llama, tmp_path / "pretrained")
+    values = pf.params(
+        train_input=_section(),
+        model={"name": "hf", "hf_config": str(folder)},
+        optimizer=pf.adamw(LR),
+        runconfig={
+            "max_steps": 1,
+            "checkpoint_path": str(other),
+            "load_checkpoint_states": "model",
+        },
+    )
+    params = pf.write(tmp_path / "p.yaml", values)
+    cmd = [sys.executable, "-m", "weightstream", "run", "CPU", "-p", str(params),
+           "-o", str(tmp_path / "run")]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert "cannot warm-start" in done.stdout and "'model.embed_tokens.weight'" in done.stdout
+
+
+def test_export_to_hf_loads_with_from_pretrained_and_gives_the_runs_logits(tmp_path):
+    folder = _save_pretrained(_llama, tmp_path / "pretrained")
+    model_dir = tmp_path / "run"
+    assert _run(tmp_path, _params(tmp_path, folder, "disk"), model_dir) == 0
+    out = tmp_path / "exported"
+    assert main(["checkpoint", "convert", str(model_dir / f"checkpoint_{STEPS}.mdl"), str(out),
+                 "--to", "hf"]) == 0  # fmt: skip
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    exported, info = transformers.AutoModelForCausalLM.from_pretrained(
+        out, output_loading_info=True
+    )
+    assert info["missing_keys"] == set() or not info["missing_keys"], info
+    assert not info["unexpected_keys"], info
+    # The run's final weights in transformers' own model give the same logits.
+    final = dict(ckpt.load(model_dir / f"checkpoint_{STEPS}.mdl", map_location="cpu")["model"])
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    reference.load_state_dict(final)
+    x = torch.randint(0, pf.VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(exported(input_ids=x).logits, reference(input_ids=x).logits)
+
+
+def test_export_with_learning_rate_zero_is_the_pretrained_model(tmp_path):
+    folder = _save_pretrained(_gpt2, tmp_path / "pretrained")
+    params = _params(tmp_path, folder, "ram")
+    import yaml
+
+    values = yaml.safe_load(params.read_text())
+    values["optimizer"]["learning_rate"] = 0.0
+    params.write_text(yaml.safe_dump(values))
+    model_dir = tmp_path / "run"
+    assert _run(tmp_path, params, model_dir) == 0
+    out = tmp_path / "exported"
+    ckpt_file = model_dir / f"checkpoint_{STEPS}.mdl"
+    assert main(["checkpoint", "convert", str(ckpt_file), str(out), "--to", "hf"]) == 0
+    pretrained = transformers.AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert pretrained.keys() == exported.keys()
+    for key, value in pretrained.items():
+        assert torch.equal(exported[key], value), key
+
+
+def test_convert_to_a_directory_never_writes_an_h5_file_named_like_it(tmp_path):
+    src = tmp_path / "c.mdl"
+    ckpt.save({"model": {"w": torch.ones(2)}}, src)
+    for dst in (tmp_path / "new_folder", str(tmp_path / "slash") + "/"):
+        assert main(["checkpoint", "convert", str(src), str(dst)]) == 0
+        assert Path(dst).is_dir(), dst
+        assert (Path(dst) / "model.safetensors").is_file()
+    assert main(["checkpoint", "convert", str(src), str(tmp_path / "x"), "--to", "h5"]) != 0
+    assert not (tmp_path / "x").exists()
+
+
+def test_api_meta_model_on_the_disk_store_is_filled_by_load_state_dict(tmp_path):
+    """No init hook: a transformers Llama built on meta (rotary tables, RMSNorm) is given
+    storage by the disk store and its values by load_state_dict, then trains like eager."""
+    import weightstream as cstorch
+
+    torch.manual_seed(0)
+    ref = _llama()
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(ref.config)
+    compiled = cstorch.compile(
+        model, backend="ws", store="disk", store_dir=str(tmp_path / "store"), init_weights=False
+    )
+    x = torch.randint(0, pf.VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="have no values"):
+        compiled(input_ids=x)
+    model.load_state_dict(ref.state_dict())
+    opt, opt_ref = (torch.optim.AdamW(m.parameters(), lr=LR, foreach=False) for m in (model, ref))
+    for _ in range(2):
+        for m, o in ((compiled, opt), (ref, opt_ref)):
+            m(input_ids=x, labels=x).loss.backward()
+            o.step()
+            o.zero_grad()
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b), name
+    compiled.close()
