@@ -4,7 +4,8 @@ A small transformers Llama (grouped-query attention, untied head) and GPT-2
 (tied head), saved with ``save_pretrained``, are named by ``model: {name: hf,
 hf_config: FOLDER}`` and warm-started from the same folder
 (``load_checkpoint_states: model``) in weight streaming, with the store in host
-memory and on disk. Their losses and final weights must equal eager
+memory and on disk, on text encoded by a BPE tokenizer trained here with the
+`tokenizers` library (saved in the model folder, as Hugging Face keeps it). Their losses and final weights must equal eager
 transformers training of the same batches with torch.optim.AdamW: bit for bit,
 as the engine's HF tests show for the API (same fp32 kernels, same update
 arithmetic; Note [matching torch.optim bit for bit]).
@@ -13,12 +14,14 @@ arithmetic; Note [matching torch.optim bit for bit]).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import params_files as pf
 import pytest
 import torch
 import torch.nn.functional as F
+from local_tokenizer import train_bpe
 
 from weightstream import checkpoint as ckpt
 from weightstream import config, executor
@@ -28,12 +31,13 @@ from weightstream.data.processors import get_data_processor
 transformers = pytest.importorskip("transformers")
 
 BATCH, SEQ, STEPS, LR = 4, 16, 3, 2e-3
+MODEL_VOCAB, TOKENIZER_VOCAB = 320, 300
 
 
 def _llama():
     return transformers.LlamaForCausalLM(
         transformers.LlamaConfig(
-            vocab_size=pf.VOCAB,
+            vocab_size=MODEL_VOCAB,
             hidden_size=32,
             intermediate_size=64,
             num_hidden_layers=2,
@@ -48,7 +52,7 @@ def _llama():
 def _gpt2():
     return transformers.GPT2LMHeadModel(
         transformers.GPT2Config(
-            vocab_size=pf.VOCAB,
+            vocab_size=MODEL_VOCAB,
             n_embd=32,
             n_layer=2,
             n_head=4,
@@ -60,14 +64,24 @@ def _gpt2():
     )
 
 
-def _save_pretrained(make, folder: Path) -> Path:
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Path:
+    return train_bpe(tmp_path_factory.mktemp("tokenizer"), TOKENIZER_VOCAB)
+
+
+def _save_pretrained(make, folder: Path, tokenizer: Path) -> Path:
+    """The model as save_pretrained writes it, with the tokenizer beside it."""
     torch.manual_seed(0)
     make().save_pretrained(folder)
+    shutil.copy(tokenizer, folder / "tokenizer.json")
     return folder
 
 
-def _section() -> dict:
-    return pf.text_input(BATCH, SEQ, shuffle=False)
+def _section(folder: Path) -> dict:
+    """Text through the model folder's tokenizer, in order (no shuffle)."""
+    section = pf.text_input(BATCH, SEQ, shuffle=False, max_bytes=2**18, tokenizer=str(folder))
+    section["vocab_size"] = MODEL_VOCAB
+    return section
 
 
 def _params(tmp_path: Path, folder: Path, store: str) -> Path:
@@ -83,7 +97,7 @@ def _params(tmp_path: Path, folder: Path, store: str) -> Path:
     return pf.write(
         tmp_path / f"hf_{store}.yaml",
         pf.params(
-            train_input=_section(),
+            train_input=_section(folder),
             model={"name": "hf", "hf_config": str(folder)},
             optimizer=pf.adamw(LR, weight_decay=0.0),
             runconfig=runconfig,
@@ -98,7 +112,7 @@ def _eager(folder: Path) -> tuple[list[float], dict]:
     model.train()
     # weightstream's AdamW defaults to eps=1e-6 (the reference API), torch's to 1e-8.
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-6, weight_decay=0.0, foreach=False)
-    loader = get_data_processor("TextCorpusProcessor")(_section(), True)
+    loader = get_data_processor("TextCorpusProcessor")(_section(folder), True)
     losses = []
     for step, batch in enumerate(loader):
         if step == STEPS:
@@ -119,8 +133,8 @@ def _eager(folder: Path) -> tuple[list[float], dict]:
 
 @pytest.mark.parametrize("store", ["ram", "disk"])
 @pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
-def test_warm_started_hf_model_trains_like_eager_transformers(tmp_path, make, store):
-    folder = _save_pretrained(make, tmp_path / "pretrained")
+def test_warm_started_hf_model_trains_like_eager_transformers(tmp_path, tokenizer, make, store):
+    folder = _save_pretrained(make, tmp_path / "pretrained", tokenizer)
     model_dir = tmp_path / "run"
     params = _params(tmp_path, folder, store)
     with pytest.MonkeyPatch.context() as mp:
@@ -150,15 +164,15 @@ def _run(tmp_path: Path, params: Path, model_dir: Path, capsys=None) -> int:
             executor._reset_for_tests()
 
 
-def test_warm_start_names_a_missing_tensor(tmp_path):
+def test_warm_start_names_a_missing_tensor(tmp_path, tokenizer):
     """A Llama warm-started from a GPT-2 folder: the error names what is missing."""
     import subprocess
     import sys
 
-    other = _save_pretrained(_gpt2, tmp_path / "other")
-    folder = _save_pretrained(_llama, tmp_path / "pretrained")
+    other = _save_pretrained(_gpt2, tmp_path / "other", tokenizer)
+    folder = _save_pretrained(_llama, tmp_path / "pretrained", tokenizer)
     values = pf.params(
-        train_input=_section(),
+        train_input=_section(folder),
         model={"name": "hf", "hf_config": str(folder)},
         optimizer=pf.adamw(LR),
         runconfig={
@@ -175,8 +189,8 @@ def test_warm_start_names_a_missing_tensor(tmp_path):
     assert "cannot warm-start" in done.stdout and "'model.embed_tokens.weight'" in done.stdout
 
 
-def test_export_to_hf_loads_with_from_pretrained_and_gives_the_runs_logits(tmp_path):
-    folder = _save_pretrained(_llama, tmp_path / "pretrained")
+def test_export_to_hf_loads_with_from_pretrained_and_gives_the_runs_logits(tmp_path, tokenizer):
+    folder = _save_pretrained(_llama, tmp_path / "pretrained", tokenizer)
     model_dir = tmp_path / "run"
     assert _run(tmp_path, _params(tmp_path, folder, "disk"), model_dir) == 0
     out = tmp_path / "exported"
@@ -192,13 +206,13 @@ def test_export_to_hf_loads_with_from_pretrained_and_gives_the_runs_logits(tmp_p
     final = dict(ckpt.load(model_dir / f"checkpoint_{STEPS}.mdl", map_location="cpu")["model"])
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder)
     reference.load_state_dict(final)
-    x = torch.randint(0, pf.VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
+    x = torch.randint(0, MODEL_VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         assert torch.equal(exported(input_ids=x).logits, reference(input_ids=x).logits)
 
 
-def test_export_with_learning_rate_zero_is_the_pretrained_model(tmp_path):
-    folder = _save_pretrained(_gpt2, tmp_path / "pretrained")
+def test_export_with_learning_rate_zero_is_the_pretrained_model(tmp_path, tokenizer):
+    folder = _save_pretrained(_gpt2, tmp_path / "pretrained", tokenizer)
     params = _params(tmp_path, folder, "ram")
     import yaml
 
@@ -240,7 +254,7 @@ def test_api_meta_model_on_the_disk_store_is_filled_by_load_state_dict(tmp_path)
     compiled = cstorch.compile(
         model, backend="ws", store="disk", store_dir=str(tmp_path / "store"), init_weights=False
     )
-    x = torch.randint(0, pf.VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    x = torch.randint(0, MODEL_VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
     with pytest.raises(ValueError, match="have no values"):
         compiled(input_ids=x)
     model.load_state_dict(ref.state_dict())

@@ -259,6 +259,7 @@ class Run:
         # warm-starts (runconfig.load_checkpoint_states) from checkpoint_path.
         own = ckpt.find_latest_checkpoint(self.model_dir) if rc.autoload_last_checkpoint else None
         warm = rc.warm_start_states if own is None else []
+        self._check_vocabulary()
         model, compiled = self._build_model(weights_from_checkpoint="model" in warm)
         if rc.validate_only or rc.compile_only:
             self.compile(compiled, p.train_input)
@@ -368,6 +369,28 @@ class Run:
         if trainer.losses:
             log.info("Loss for final step: %.5f", trainer.losses[-1])
         self.trainer = trainer
+
+    def _check_vocabulary(self) -> None:
+        """Data whose token ids the model has no embedding for fails here, before step 1."""
+        from weightstream.data.processors import data_vocab_size
+
+        model_vocab = getattr(self.params.model.config, "vocab_size", None)
+        if self.task != "lm" or not isinstance(model_vocab, int):
+            return
+        for name in ("train_input", "eval_input"):
+            section = getattr(self.params, name)
+            if section is None:
+                continue
+            values = section.to_dict()
+            data_vocab = data_vocab_size(values)
+            if data_vocab is not None and data_vocab > model_vocab:
+                source = values.get("tokenizer") or "bytes"
+                raise ValueError(
+                    f"{name}: the data's token ids go up to {data_vocab - 1} (vocabulary "
+                    f"{data_vocab}, tokenizer: {source}), but the model's vocab_size is "
+                    f"{model_vocab}. Fix: set the model's vocab_size to at least {data_vocab}, "
+                    "or use the tokenizer the model was made for."
+                )
 
     def _finished(self, path: Path) -> bool:
         """True when the checkpoint to resume from already reached max_steps.

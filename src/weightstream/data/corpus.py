@@ -32,10 +32,10 @@ def stdlib_source_files() -> list[Path]:
     return files
 
 
-def read_corpus(
+def read_texts(
     paths: Sequence[str | os.PathLike] | None = None, max_bytes: int = 8 * 2**20
-) -> np.ndarray:
-    """Concatenate the files (default: the standard library) into one uint8 array."""
+) -> list[bytes]:
+    """The files' contents (default: the standard library), ``max_bytes`` of them in all."""
     files = [Path(p) for p in paths] if paths else stdlib_source_files()
     if not files:
         raise ValueError("the text corpus is empty: no files were given or found.")
@@ -51,11 +51,22 @@ def read_corpus(
         total += len(chunks[-1])
         if total >= max_bytes:
             break
-    return np.frombuffer(b"\n".join(chunks), dtype=np.uint8).copy()
+    return chunks
+
+
+def read_corpus(
+    paths: Sequence[str | os.PathLike] | None = None, max_bytes: int = 8 * 2**20
+) -> np.ndarray:
+    """Concatenate the files (default: the standard library) into one uint8 array."""
+    return np.frombuffer(b"\n".join(read_texts(paths, max_bytes)), dtype=np.uint8).copy()
 
 
 class ByteCorpusDataset(Dataset):
-    """Windows of a byte corpus: sample -> (input_ids [seq_len], labels [seq_len])."""
+    """Windows of a token corpus: sample -> (input_ids [seq_len], labels [seq_len]).
+
+    The tokens are the corpus's bytes, or ``tokens`` when given (ids from a
+    tokenizer, ``data/tokenize.py``).
+    """
 
     def __init__(
         self,
@@ -65,18 +76,20 @@ class ByteCorpusDataset(Dataset):
         eval_fraction: float = 0.05,
         max_bytes: int = 8 * 2**20,
         seed: int = 0,
+        tokens: np.ndarray | None = None,
     ):
         if split not in ("train", "eval"):
             raise ValueError(f"split must be 'train' or 'eval', got {split!r}.")
         if not 0.0 < eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}.")
-        data = read_corpus(paths, max_bytes)
+        data = read_corpus(paths, max_bytes) if tokens is None else tokens
         cut = int(len(data) * (1.0 - eval_fraction))
         self.data = torch.from_numpy(data[:cut] if split == "train" else data[cut:])
         self.seq_len = seq_len
+        unit = "bytes" if tokens is None else "tokens"
         if len(self.data) <= seq_len + 1:
             raise ValueError(
-                f"the {split} corpus has {len(self.data)} bytes, fewer than seq_len + 2 = "
+                f"the {split} corpus has {len(self.data)} {unit}, fewer than seq_len + 2 = "
                 f"{seq_len + 2}; give more text or a shorter seq_len."
             )
         n_windows = len(self.data) - seq_len - 1

@@ -404,8 +404,14 @@ def write_gpt_hdf5(
     *,
     compression: str | None = None,
     overwrite: bool = False,
+    tokenizer=None,
+    tokenizer_name: str | None = None,
 ) -> list[Path]:
-    """Tokenize text into bytes and write it as GPT HDF5 files; return the paths written.
+    """Tokenize text and write it as GPT HDF5 files; return the paths written.
+
+    Tokens are bytes (a vocabulary of 256) unless ``tokenizer`` (a
+    ``tokenizers.Tokenizer``, ``data/tokenize.py``) is given; its vocabulary and
+    ``tokenizer_name`` are recorded in ``data_params.json``.
 
     Example k is the ``seq_len`` bytes starting at byte ``k * seq_len``
     (input_ids), the same window shifted by one byte (labels, so every
@@ -426,11 +432,23 @@ def write_gpt_hdf5(
             raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
     if compression not in (None, "gzip", "lz4"):
         raise ValueError(f"compression must be None, 'gzip' or 'lz4', got {compression!r}.")
-    tokens = _as_bytes(texts_or_corpus)
+    vocab, unit = 256, "bytes"
+    if tokenizer is not None:
+        from weightstream.data.tokenize import encode, vocab_size
+
+        # A list of texts is a list of documents, each encoded on its own.
+        many = not isinstance(texts_or_corpus, (np.ndarray, torch.Tensor, bytes, bytearray, str))
+        docs = list(texts_or_corpus) if many else [_as_bytes(texts_or_corpus).tobytes()]
+        source_bytes = sum(len(d.encode("utf-8") if isinstance(d, str) else d) for d in docs)
+        tokens = encode(docs, tokenizer)
+        vocab, unit = vocab_size(tokenizer), "tokens"
+    else:
+        tokens = _as_bytes(texts_or_corpus)
+        source_bytes = len(tokens)
     n = (len(tokens) - 1) // seq_len if len(tokens) else 0
     if n < 1:
         raise ValueError(
-            f"the text has {len(tokens)} bytes, too few for one example of seq_len {seq_len} "
+            f"the text has {len(tokens)} {unit}, too few for one example of seq_len {seq_len} "
             f"(which needs {seq_len + 1}); give more text or a shorter seq_len."
         )
     out = Path(output_dir)
@@ -478,12 +496,12 @@ def write_gpt_hdf5(
     params = {
         "features": list(FEATURES),
         "max_seq_length": seq_len,
-        "vocab_size": 256,
-        "tokenizer": "bytes",
+        "vocab_size": vocab,
+        "tokenizer": "bytes" if tokenizer is None else (tokenizer_name or "tokenizers"),
         "n_examples": n,
         "examples_per_file": examples_per_file,
         "n_files": len(written),
-        "source_bytes": len(tokens),
+        "source_bytes": source_bytes,
     }
     (out / PARAMS_FILE).write_text(json.dumps(params, indent=2) + "\n")
     return written

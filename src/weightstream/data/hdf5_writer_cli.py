@@ -1,7 +1,9 @@
 """``weightstream data write-gpt-hdf5``: text files -> GPT HDF5 files for GptHDF5DataProcessor.
 
-Tokens are bytes (vocabulary 256), so any text works without a tokenizer file;
-the default input is the Python standard library's source, present everywhere.
+Tokens are bytes (vocabulary 256), so any text works without a tokenizer file,
+or the ids of ``--tokenizer PATH`` (a tokenizers ``tokenizer.json`` or a Hugging
+Face folder holding one); the default input is the Python standard library's
+source, present everywhere.
 
     weightstream data write-gpt-hdf5 -o data/train --seq_len 256 --examples_per_file 1000
     weightstream data write-gpt-hdf5 -o data/mine --input notes/ book.txt --seq_len 512
@@ -13,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from weightstream.data.corpus import read_corpus, stdlib_source_files
+from weightstream.data.corpus import read_corpus, read_texts, stdlib_source_files
 
 
 def _files(inputs: list[str]) -> list[Path]:
@@ -39,8 +41,9 @@ def _files(inputs: list[str]) -> list[Path]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="weightstream data write-gpt-hdf5",
-        description="Write text as byte-level GPT HDF5 files (data [N, 3, seq]: input_ids, "
-        "attention_mask, labels) for data_processor: GptHDF5DataProcessor.",
+        description="Write text as GPT HDF5 files (data [N, 3, seq]: input_ids, "
+        "attention_mask, labels) for data_processor: GptHDF5DataProcessor; byte-level "
+        "unless --tokenizer is given.",
     )
     p.add_argument("-o", "--output_dir", required=True, help="directory to write the .h5 files to")
     p.add_argument(
@@ -55,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max_bytes", type=int, default=8 * 2**20, help="bytes of text to read (default 8 MiB)"
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="a tokenizers tokenizer.json, or a Hugging Face folder holding one (default: bytes)",
     )
     p.add_argument("--compression", choices=["none", "gzip", "lz4"], default="none")
     p.add_argument(
@@ -72,7 +80,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_bytes < 1:
             raise ValueError(f"--max_bytes must be >= 1, got {args.max_bytes}.")
         files = _files(args.input) if args.input else stdlib_source_files()
-        corpus = read_corpus(files, max_bytes=args.max_bytes)
+        tokenizer = None
+        if args.tokenizer:
+            from weightstream.data.tokenize import load_tokenizer
+
+            tokenizer = load_tokenizer(args.tokenizer)
+            # Each file is a document, encoded on its own (data/tokenize.py).
+            corpus = read_texts(files, max_bytes=args.max_bytes)
+        else:
+            corpus = read_corpus(files, max_bytes=args.max_bytes)
         written = write_gpt_hdf5(
             args.output_dir,
             corpus,
@@ -80,15 +96,13 @@ def main(argv: list[str] | None = None) -> int:
             examples_per_file=args.examples_per_file,
             compression=None if args.compression == "none" else args.compression,
             overwrite=args.overwrite,
+            tokenizer=tokenizer,
+            tokenizer_name=args.tokenizer,
         )
     except (ValueError, TypeError) as exc:
         print(f"weightstream data write-gpt-hdf5: error: {exc}", file=sys.stderr)
         return 2
-    examples = (len(corpus) - 1) // args.seq_len
-    print(
-        f"wrote {examples} examples of {args.seq_len} tokens from {len(corpus)} bytes of text "
-        f"in {len(written)} file(s) to {args.output_dir}"
-    )
+    print(f"wrote {len(written)} file(s) of {args.seq_len}-token examples to {args.output_dir}")
     return 0
 
 

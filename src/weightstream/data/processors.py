@@ -44,9 +44,11 @@ import torch.nn.functional as F
 import torch.utils.data
 from torch.utils.data import Dataset
 
-from weightstream.data.corpus import VOCAB_SIZE, ByteCorpusDataset
+from weightstream.data.corpus import VOCAB_SIZE, ByteCorpusDataset, read_texts
 from weightstream.data.gpt_hdf5 import GptHDF5Dataset, scan_gpt_hdf5_dir, write_gpt_hdf5
 from weightstream.data.sampler import DistributedSampler
+from weightstream.data.tokenize import encode, load_tokenizer
+from weightstream.data.tokenize import vocab_size as tokenizer_vocab_size
 
 __all__ = [
     "COMMON_KEYS",
@@ -167,6 +169,12 @@ class _Section:
         if value < minimum:
             raise ValueError(f"{self.where(key)} must be >= {minimum}, got {value}.")
         return value
+
+    def path_(self, key: str) -> str:
+        value = self.get(key, None)
+        if not isinstance(value, (str, os.PathLike)) or not str(value):
+            raise ValueError(f"{self.where(key)} must be a path, got {value!r}.")
+        return os.fspath(value)
 
     def float_(self, key: str, default: float, low: float, high: float) -> float:
         value = self.get(key, default)
@@ -350,24 +358,34 @@ def _text_files(s: _Section) -> list[Path] | None:
 
 @_register(
     "TextCorpusProcessor",
-    _SEQ_KEYS | {"vocab_size", "max_bytes", "eval_fraction"},
+    _SEQ_KEYS | {"vocab_size", "max_bytes", "eval_fraction", "tokenizer"},
 )
 def text_corpus_processor(params: dict, is_training: bool) -> torch.utils.data.DataLoader:
-    """Byte-level lm batches from text files (default: the Python standard library's source).
+    """lm batches from text files (default: the Python standard library's source).
 
     Keys: ``seq_len`` / ``max_sequence_length`` (default 256); ``data_dir``: a
     text file, a directory (every non-hidden file below it) or a list of those;
     ``max_bytes`` of text read (default 8 MiB); ``eval_fraction`` (default 0.05):
-    the tail of the text kept for eval_input; ``vocab_size``, if given, must be
-    at least 256 (the byte vocabulary).
+    the tail of the text kept for eval_input; ``tokenizer``: a tokenizers
+    ``tokenizer.json`` or a Hugging Face folder holding one (default: bytes,
+    a vocabulary of 256); ``vocab_size``, if given, must be at least the
+    tokenizer's vocabulary.
     """
     s = _Section("TextCorpusProcessor", params, is_training)
     settings = _loader_settings(s, is_training)
     seq_len = s.seq_len(256)
-    if s.has("vocab_size") and s.int_("vocab_size", None, minimum=1) < VOCAB_SIZE:
+    tokens = None
+    vocab = VOCAB_SIZE
+    if s.has("tokenizer"):
+        tokenizer = load_tokenizer(s.path_("tokenizer"))
+        vocab = tokenizer_vocab_size(tokenizer)
+        texts = read_texts(_text_files(s), s.int_("max_bytes", 8 * 2**20, minimum=1))
+        tokens = encode(texts, tokenizer)
+    if s.has("vocab_size") and s.int_("vocab_size", None, minimum=1) < vocab:
+        what = "tokens are bytes, which need" if tokens is None else "the tokenizer has"
         raise ValueError(
-            f"{s.where('vocab_size')} = {params['vocab_size']}: tokens are bytes, which need a "
-            f"vocabulary of at least {VOCAB_SIZE}. Set vocab_size (and the model's) to >= 256."
+            f"{s.where('vocab_size')} = {params['vocab_size']}: {what} a vocabulary of "
+            f"{vocab}. Set vocab_size (and the model's) to >= {vocab}."
         )
     windows = ByteCorpusDataset(
         seq_len,
@@ -375,8 +393,26 @@ def text_corpus_processor(params: dict, is_training: bool) -> torch.utils.data.D
         split="train" if is_training else "eval",
         eval_fraction=s.float_("eval_fraction", 0.05, 0.0, 1.0),
         max_bytes=s.int_("max_bytes", 8 * 2**20, minimum=1),
+        tokens=tokens,
     )
     return _map_style_loader(s, settings, _LMWindows(windows))
+
+
+def data_vocab_size(params: dict) -> int | None:
+    """The token ids a section's data can hold (exclusive bound), where it is known.
+
+    TextCorpusProcessor: its tokenizer's vocabulary, or 256 for bytes;
+    GptHDF5DataProcessor: its ``vocab_size`` (ids beyond it are refused when read).
+    """
+    name = params.get("data_processor")
+    if name == "TextCorpusProcessor":
+        if params.get("tokenizer"):
+            return tokenizer_vocab_size(load_tokenizer(params["tokenizer"]))
+        return VOCAB_SIZE
+    if name == "GptHDF5DataProcessor":
+        value = params.get("vocab_size")
+        return int(value) if isinstance(value, int) else None
+    return None
 
 
 # -- GptHDF5DataProcessor -------------------------------------------------------------

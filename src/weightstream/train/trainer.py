@@ -238,7 +238,7 @@ class Trainer:
             # last only accumulate (Note [swarm reduce]).
             last = i == len(batches) - 1
             with contextlib.nullcontext() if last else self.compiled.no_sync():
-                loss, _, _ = task_loss(self.s.task, self.compiled, batch)
+                loss, _, _ = _task_loss(self.s.task, self.compiled, batch)
                 scaled = loss / len(batches)
                 self.grad_scaler.scale(scaled).backward()
             total = total + swarm.average(scaled.detach()).cpu()
@@ -351,7 +351,7 @@ class Trainer:
         for i, batch in enumerate(dataloader):
             if num_steps is not None and i >= num_steps:
                 break
-            loss, logits, extra = task_loss(self.s.task, self.compiled, batch)
+            loss, logits, extra = _task_loss(self.s.task, self.compiled, batch)
             loss_sum += loss.item()  # host sync point
             steps += 1
             labels = extra["labels"]
@@ -385,6 +385,18 @@ class Trainer:
             ", ".join(f"{k} = {v:.5f}" for k, v in results.items()),
         )
         return results
+
+
+def _task_loss(task: str, model, batch: dict):
+    """``task_loss``, with an embedding's raw IndexError told as the data problem it is."""
+    try:
+        return task_loss(task, model, batch)
+    except IndexError as e:
+        raise ValueError(
+            f"a batch holds an index the model has no row for ({e}): most likely a token id "
+            "at or beyond the model's vocab_size. Fix: set the model's vocab_size to the "
+            "data's vocabulary (its tokenizer's), or write the data with the model's tokenizer."
+        ) from e
 
 
 class LossLog:
