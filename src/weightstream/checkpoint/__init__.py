@@ -31,6 +31,7 @@ from weightstream.checkpoint.trainer import (
     checkpoint_path,
     find_latest_checkpoint,
     is_complete_checkpoint,
+    is_trainer_checkpoint,
     list_checkpoints,
     prune_checkpoints,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "find_latest_checkpoint",
     "info",
     "is_complete_checkpoint",
+    "is_trainer_checkpoint",
     "list_checkpoints",
     "load",
     "prune_checkpoints",

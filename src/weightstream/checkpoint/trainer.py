@@ -53,6 +53,20 @@ def is_complete_checkpoint(path: str | os.PathLike) -> bool:
         return False
 
 
+def is_trainer_checkpoint(path: str | os.PathLike) -> bool:
+    """True when ``path`` is one of our checkpoints with a ``model`` entry (read lazily)."""
+    from weightstream.checkpoint.lazy import load
+    from weightstream.checkpoint.source import sniff_format
+
+    try:
+        if sniff_format(Path(path)) != "h5":
+            return False
+        with load(path) as state:
+            return isinstance(state, dict) and isinstance(state.get("model"), dict)
+    except Exception:  # unreadable: the caller's own load reports what is wrong
+        return False
+
+
 def find_latest_checkpoint(model_dir: str | os.PathLike) -> Path | None:
     """The complete checkpoint with the highest step in ``model_dir``, or None.
 

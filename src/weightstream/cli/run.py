@@ -243,9 +243,13 @@ class Run:
         return 0
 
     def _latest_or_given(self) -> Path:
-        if self.rc.checkpoint_path:
+        # With load_checkpoint_states, checkpoint_path is where training started
+        # from: evaluate the run's own newest checkpoint, else that start.
+        if self.rc.checkpoint_path and not self.rc.warm_start_states:
             return Path(self.rc.checkpoint_path)
         latest = ckpt.find_latest_checkpoint(self.model_dir)
+        if latest is None and self.rc.checkpoint_path:
+            return Path(self.rc.checkpoint_path)
         if latest is None:
             raise ValueError(
                 f"no checkpoint to evaluate: {self.model_dir} has no complete checkpoint_*.mdl. "
@@ -436,7 +440,8 @@ class Run:
         p, rc = self.params, self.rc
         if p.eval_input is None:
             raise ValueError("evaluation needs an eval_input section in the params file.")
-        model, compiled = self._build_model()
+        # The checkpoint gives every weight: nothing is drawn for them first.
+        model, compiled = self._build_model(weights_from_checkpoint=True)
         trainer = Trainer(
             TrainerSettings(task=self.task, model_dir=self.model_dir),
             model,

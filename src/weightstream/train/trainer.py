@@ -148,6 +148,12 @@ class Trainer:
         return path
 
     def load_checkpoint(self, path, dataloader=None, weights_only: bool = False) -> None:
+        if weights_only and not ckpt.is_trainer_checkpoint(path):
+            # Evaluation of weights from elsewhere (a Hugging Face folder, a
+            # safetensors file): tensor by tensor, at global step 0.
+            load_weights(self.model, path)
+            self.global_step = 0
+            return
         state = ckpt.load(path, map_location="cpu")
         if not isinstance(state, dict) or "model" not in state:
             keys = sorted(map(str, state)) if isinstance(state, dict) else []
