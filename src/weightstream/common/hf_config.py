@@ -26,18 +26,25 @@ def transformers_module():
     return transformers
 
 
-def config_path(path: str | os.PathLike) -> Path:
-    """The ``config.json`` that ``path`` names (the file, or the folder holding it)."""
+def file_in(path: str | os.PathLike, name: str) -> Path | None:
+    """``path`` itself when it is a file, ``path/name`` when ``path`` is a folder holding
+    it (a Hugging Face model folder), else None."""
     p = Path(path)
     if p.is_dir():
-        p = p / CONFIG_FILE
-    if not p.is_file():
+        p = p / name
+    return p if p.is_file() else None
+
+
+def config_path(path: str | os.PathLike) -> Path:
+    """The ``config.json`` that ``path`` names (the file, or the folder holding it)."""
+    found = file_in(path, CONFIG_FILE)
+    if found is None:
         raise FileNotFoundError(
-            f"model.hf_config: {path} is not a config.json nor a folder holding one. Fix: "
-            "give the path of a Hugging Face model folder (as save_pretrained writes it) or "
-            "of its config.json."
+            f"hf_config: {path} is not a config.json nor a folder holding one. Fix: give "
+            "the path of a Hugging Face model folder (as save_pretrained writes it) or of its "
+            "config.json."
         )
-    return p
+    return found
 
 
 def load_config(path: str | os.PathLike, overrides: dict[str, Any] | None = None):

@@ -75,7 +75,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from weightstream.runtime.partition import Plan
-from weightstream.runtime.trace import _to_meta
+from weightstream.runtime.trace import _to_meta, clear_hooks
 
 OUTSIDE_NAME = "<outside units>"
 
@@ -454,17 +454,6 @@ def _shadow(model: torch.nn.Module):
     return shadow, resident
 
 
-def _clear_hooks(m: torch.nn.Module) -> None:
-    # The user's hooks (and an installed streamer's) must not run in a dry run.
-    m._forward_pre_hooks.clear()
-    m._forward_hooks.clear()
-    m._forward_hooks_always_called.clear()
-    m._forward_hooks_with_kwargs.clear()
-    m._forward_pre_hooks_with_kwargs.clear()
-    m._backward_hooks.clear()
-    m._backward_pre_hooks.clear()
-
-
 def unit_costs(
     model: torch.nn.Module,
     plan: Plan,
@@ -486,7 +475,7 @@ def unit_costs(
     shadow, resident = _shadow(model)
     shadow_of = {id(r): s for r, s in zip(model.modules(), shadow.modules())}
     for m in shadow.modules():
-        _clear_hooks(m)
+        clear_hooks(m)  # the user's hooks (and a streamer's) must not run in a dry run
 
     counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
     att = _Attribution(counter, n)

@@ -12,6 +12,7 @@ source, present everywhere.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -73,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command; returns the exit status (0 written, 2 bad arguments or input)."""
-    from weightstream.data.gpt_hdf5 import write_gpt_hdf5
+    from weightstream.data.gpt_hdf5 import PARAMS_FILE, write_gpt_hdf5
 
     args = build_parser().parse_args(argv)
     try:
@@ -102,7 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as exc:
         print(f"weightstream data write-gpt-hdf5: error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {len(written)} file(s) of {args.seq_len}-token examples to {args.output_dir}")
+    params = json.loads((Path(args.output_dir) / PARAMS_FILE).read_text())
+    print(
+        f"wrote {params['n_examples']} examples of {args.seq_len} tokens from "
+        f"{params['source_bytes']} bytes of text in {len(written)} file(s) to {args.output_dir}"
+    )
     return 0
 
 

@@ -17,21 +17,21 @@ from pathlib import Path
 
 import numpy as np
 
+from weightstream.common.hf_config import file_in
+
 TOKENIZER_FILE = "tokenizer.json"
 
 
 def tokenizer_file(path: str | os.PathLike) -> Path:
     """The ``tokenizer.json`` that ``path`` names (the file, or a folder holding it)."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / TOKENIZER_FILE
-    if not p.is_file():
+    found = file_in(path, TOKENIZER_FILE)
+    if found is None:
         raise ValueError(
             f"tokenizer {os.fspath(path)!r} is not a tokenizer.json nor a folder holding one. "
             "Fix: give the tokenizer.json of a tokenizers tokenizer, or a Hugging Face model "
             "folder (as save_pretrained writes it)."
         )
-    return p
+    return found
 
 
 def load_tokenizer(path: str | os.PathLike):
