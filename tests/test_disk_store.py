@@ -323,3 +323,68 @@ def test_peak_rss_stays_under_the_cap_while_the_store_is_several_times_larger(tm
     # Saving the 288 MiB of masters and moments from the disk store holds at
     # most about one tensor (4 MiB) beyond the writer's own buffers.
     assert disk["save_growth"] <= 16 * 2**20, disk["save_growth"]
+
+
+_WARM_START_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    import weightstream as cstorch
+    from weightstream.checkpoint.weights import load_weights
+
+    def rss(field):
+        for line in open("/proc/self/status"):
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+
+    checkpoint, store_dir, budget = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(24)])
+    runner = cstorch.compile(model, backend="ws", granularity="module", store="disk",
+                             store_dir=store_dir, host_memory_budget=budget, init_weights=False)
+    baseline = rss("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak (VmHWM) to the current RSS
+    load_weights(model, checkpoint)
+    peak = rss("VmHWM")
+    x = torch.ones(2, 1024)
+    out = runner(x)
+    print(json.dumps({"growth": peak - baseline, "sum": float(out.detach().sum())}))
+    """
+)
+
+
+def test_warm_start_into_the_disk_store_holds_one_tensor_at_a_time(tmp_path):
+    """A new process warm-starts a 96 MiB model (24 Linear(1024, 1024)) into a disk
+    store whose budget is a quarter of that (and the training state, with gradients
+    and AdamW's moments, 16x it): the load reads, copies and gives back one tensor
+    at a time, so RSS grows by at most the budget, the largest tensor (4 MiB) and
+    the reader's buffers (16 MiB), never by the model."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(24)])
+    checkpoint = tmp_path / "weights.mdl"
+    cstorch.save({"model": model.state_dict()}, checkpoint)
+    unit = 1024 * 1024 * 4 + 1024 * 4
+    budget = (1 + 1 + 4) * unit  # the disk store's compile-time bound, 24 MiB
+    weights = 24 * unit
+    assert weights >= 4 * budget
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _WARM_START_SCRIPT,
+            str(checkpoint),
+            str(tmp_path / "s"),
+            str(budget),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    largest, reader = 4 * 2**20, 16 * 2**20
+    assert got["growth"] <= budget + largest + reader, (got["growth"], budget)
+    with torch.no_grad():
+        assert got["sum"] == pytest.approx(float(model(torch.ones(2, 1024)).sum()), rel=1e-6)

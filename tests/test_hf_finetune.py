@@ -267,3 +267,77 @@ def test_api_meta_model_on_the_disk_store_is_filled_by_load_state_dict(tmp_path)
     for (name, a), b in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(a, b), name
     compiled.close()
+
+
+def _gptj():
+    return transformers.GPTJForCausalLM(
+        transformers.GPTJConfig(
+            vocab_size=MODEL_VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            rotary_dim=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )
+
+
+_ZOO_SHAPES = {
+    # The zoo's config of the same shape as each transformers model above.
+    "llama": (
+        _llama,
+        {"n_layer": 2, "d_model": 32, "n_head": 4, "n_kv_head": 2, "d_ff": 64, "norm_eps": 1e-6},
+        ("blocks.1.attn.k_proj.weight", "model.layers.1.self_attn.k_proj.weight", False),
+    ),
+    "gpt2": (
+        _gpt2,
+        {"n_layer": 2, "d_model": 32, "n_head": 4},
+        ("blocks.1.attn.qkv.weight", "transformer.h.1.attn.c_attn.weight", True),
+    ),
+    "gptj": (
+        _gptj,
+        {"n_layer": 2, "d_model": 32, "n_head": 4, "rotary_dim": 4},
+        ("blocks.0.mlp.fc_in.weight", "transformer.h.0.mlp.fc_in.weight", False),
+    ),
+}
+
+
+@pytest.mark.parametrize("zoo_name", sorted(_ZOO_SHAPES))
+def test_zoo_model_warm_starts_from_a_hugging_face_folder_of_its_architecture(
+    tmp_path, tokenizer, zoo_name
+):
+    """A zoo model of the same shape reads transformers' weights by their names
+    (models/hf_names.py; GPT-2's Conv1D matrices transposed) and computes
+    transformers' logits with them."""
+    make, fields, (zoo_key, hf_key, transposed) = _ZOO_SHAPES[zoo_name]
+    folder = _save_pretrained(make, tmp_path / "pretrained", tokenizer)
+    zoo = {"name": zoo_name, "vocab_size": MODEL_VOCAB, "seq_len": 64, **fields}
+    values = pf.params(
+        train_input=_section(folder),
+        model=zoo,
+        optimizer=pf.adamw(0.0),
+        runconfig={
+            "max_steps": 1,
+            "checkpoint_path": str(folder),
+            "load_checkpoint_states": "model",
+        },
+    )
+    params = pf.write(tmp_path / "zoo.yaml", values)
+    model_dir = tmp_path / "run"
+    assert _run(tmp_path, params, model_dir) == 0
+    weights = dict(ckpt.load(model_dir / "checkpoint_1.mdl", map_location="cpu")["model"])
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    hf_value = hf_model.state_dict()[hf_key]
+    assert torch.equal(weights[zoo_key], hf_value.t() if transposed else hf_value)
+    from weightstream.cli.params import ModelParams
+
+    model = ModelParams.from_dict(dict(zoo)).build("cpu")
+    model.load_state_dict(weights)
+    model.eval()
+    x = torch.randint(0, MODEL_VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        # The same formulas with other kernels and operation order: a few ulps.
+        torch.testing.assert_close(model(x), hf_model(input_ids=x).logits, rtol=1e-5, atol=1e-5)

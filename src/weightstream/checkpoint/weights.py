@@ -55,24 +55,35 @@ def load_weights(
     model: nn.Module,
     path: str | os.PathLike,
     *,
-    name_map: Callable[[str], str] | None = None,
+    name_map: Callable[[str], tuple[str, bool]] | None = None,
 ) -> list[str]:
     """Fill ``model``'s weights from the checkpoint at ``path`` (see the module doc).
 
-    ``name_map(model_name) -> checkpoint_name`` translates names (a zoo model
-    read from a Hugging Face file). Returns the checkpoint names read. Raises
+    ``name_map(model_name) -> (checkpoint_name, transposed)`` translates names
+    (a zoo model read from a Hugging Face file, models/hf_names.py); a name is
+    looked up as it is first. Returns the checkpoint names read. Raises
     ValueError naming the tensors that are missing or of another shape.
     """
-    rename = name_map or (lambda n: n)
     with load(path) as state:
         weights = _weights_of(state)
         available = set(weights)
+        transposed: set[str] = set()  # file names stored as the transpose
+
+        def candidates(name: str) -> list[str]:
+            out = [name]
+            if name_map is not None:
+                mapped, flip = name_map(name)
+                if flip:
+                    transposed.add(mapped)
+                out.append(mapped)
+            return out
+
         plan: list[tuple[str, str, torch.Tensor]] = []  # (model name, file name, tensor)
         missing: list[str] = []
         for names in _targets(model):
-            found = next(((n, rename(n)) for n, _ in names if rename(n) in available), None)
+            found = next(((n, c) for n, _ in names for c in candidates(n) if c in available), None)
             if found is None:
-                missing.append(rename(names[0][0]))
+                missing.append(candidates(names[0][0])[-1])
                 continue
             plan.append((found[0], found[1], names[0][1]))
         if missing:
@@ -87,6 +98,8 @@ def load_weights(
         for _, file_name, target in plan:
             info = weights.describe(file_name) if hasattr(weights, "describe") else None
             shape = tuple(info.shape) if info is not None else None
+            if shape is not None and file_name in transposed:
+                shape = shape[::-1]
             if shape is not None and shape != tuple(target.shape):
                 wrong.append(f"{file_name!r} is {shape} in the file, {tuple(target.shape)} here")
         if wrong:
@@ -97,6 +110,8 @@ def load_weights(
         used = set()
         for model_name, file_name, target in plan:
             value = weights[file_name]  # reads this one tensor
+            if file_name in transposed:
+                value = value.t()
             if tuple(value.shape) != tuple(target.shape):
                 raise ValueError(
                     f"cannot warm-start from {path}: {file_name!r} is {tuple(value.shape)} in "

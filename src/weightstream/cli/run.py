@@ -29,6 +29,7 @@ from weightstream.cli.params import Params, save_params
 from weightstream.cli.run_args import build_run_parser, params_from_args
 from weightstream.config import run_configuration
 from weightstream.models import hf
+from weightstream.models.hf_names import hf_name_map
 from weightstream.runtime import swarm
 from weightstream.runtime.performance import PerformanceTracker
 from weightstream.runtime.rng import capture_rng_state, restore_rng_state
@@ -333,7 +334,10 @@ class Run:
         if resume is not None:
             self._resume(trainer, resume, dataloader)
         elif warm:
-            trainer.warm_start(Path(rc.checkpoint_path), warm, dataloader)
+            # A zoo model reads a Hugging Face checkpoint of its architecture by its
+            # transformers names (models/hf_names.py).
+            names = hf_name_map(p.model.name)
+            trainer.warm_start(Path(rc.checkpoint_path), warm, dataloader, name_map=names)
         self.perf.programming_time = time.perf_counter() - t_program
         # Compiling reads the first batch (checking the data) and writes only the
         # compile directory, and that only once everything compiled.

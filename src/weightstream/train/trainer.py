@@ -191,7 +191,7 @@ class Trainer:
             ) from e
         log.info("Resumed from %s at global step %d", path, self.global_step)
 
-    def warm_start(self, path, states: list[str], dataloader=None) -> None:
+    def warm_start(self, path, states: list[str], dataloader=None, name_map=None) -> None:
         """Take ``states`` (runconfig.load_checkpoint_states) from the checkpoint at ``path``.
 
         ``model``: the weights, tensor by tensor (``checkpoint.weights``), from any
@@ -199,7 +199,7 @@ class Trainer:
         starts at global step 0 either way.
         """
         if "model" in states:
-            load_weights(self.model, path)
+            load_weights(self.model, path, name_map=name_map)
         others = [x for x in states if x != "model"]
         if others:
             state = ckpt.load(path)
