@@ -224,11 +224,17 @@ def test_export_with_learning_rate_zero_is_the_pretrained_model(tmp_path, tokeni
     out = tmp_path / "exported"
     ckpt_file = model_dir / f"checkpoint_{STEPS}.mdl"
     assert main(["checkpoint", "convert", str(ckpt_file), str(out), "--to", "hf"]) == 0
+    sharded = tmp_path / "sharded"  # above --max-shard-size: shards and an index
+    args = ["checkpoint", "convert", str(ckpt_file), str(sharded), "--to", "hf"]
+    assert main([*args, "--max-shard-size", "20000"]) == 0
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("model-*-of-*.safetensors"))) > 1
     pretrained = transformers.AutoModelForCausalLM.from_pretrained(folder).state_dict()
-    exported = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
-    assert pretrained.keys() == exported.keys()
-    for key, value in pretrained.items():
-        assert torch.equal(exported[key], value), key
+    for directory in (out, sharded):
+        exported = transformers.AutoModelForCausalLM.from_pretrained(directory).state_dict()
+        assert pretrained.keys() == exported.keys()
+        for key, value in pretrained.items():
+            assert torch.equal(exported[key], value), key
 
 
 def test_convert_to_a_directory_never_writes_an_h5_file_named_like_it(tmp_path):
