@@ -45,6 +45,8 @@ CONFIGS = [
     "sharded-AdamW-no_sync",
     "sharded-SGD-twice",
     "replicated-AdamW-twice",
+    "replicated-AdamW-buckets",
+    "sharded-SGD-no_sync-buckets",
 ]
 
 
@@ -130,3 +132,19 @@ def test_a_units_reduction_starts_before_the_backward_of_the_units_before_it_end
             assert start < position[("unit_backward_end", earlier)], (unit, earlier, events)
             checked += 1
     assert checked >= 6
+
+
+def test_coalesce_merges_neighbours_of_one_owner_up_to_the_cap():
+    """Backward order (last unit first): units close a bucket once it holds the cap;
+    an owner change closes it too; the result is in forward order."""
+    from weightstream.runtime.swarm import coalesce
+
+    sizes = [4, 1, 1, 3, 1, 1]  # numel of each unit's one fp32 parameter (x4 bytes)
+    units = [[torch.nn.Parameter(torch.zeros(n))] for n in sizes]
+    buckets, owners, taken = coalesce(units, None, cap=8)
+    # From the back: [5, 4] holds 8 bytes, [3] 12 bytes, [2, 1] 8 bytes, [0] 16.
+    assert taken == [[0], [1, 2], [3], [4, 5]]
+    assert owners is None and [len(b) for b in buckets] == [1, 2, 1, 2]
+    buckets, owners, taken = coalesce(units, [0, 0, 1, 1, 1, 1], cap=100)
+    assert taken == [[0, 1], [2, 3, 4, 5]] and owners == [0, 1]
+    assert coalesce(units, None, cap=0)[2] == [[i] for i in range(6)]

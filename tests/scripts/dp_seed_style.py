@@ -26,17 +26,20 @@ STEPS = 4
 GLOBAL_BATCH = 16  # two micro-batches of each share of 1, 2 and 4 ranks
 VOCAB, WIDTH, SEQ = 48, 24, 6
 
-# (store_sharding, optimizer, loss scaling, micro-batches): the grid of the
-# acceptance test. "no_sync": two micro-batches, the first under
+# (store_sharding, optimizer, loss scaling, micro-batches, reduce_bucket_bytes):
+# the grid of the acceptance test; bucket bytes 0 is one collective per unit. "no_sync": two micro-batches, the first under
 # compiled.no_sync(); "twice": two backwards before the step, both reduced.
 CONFIGS = [
-    ("replicated", "SGD", "dynamic", None),
-    ("replicated", "AdamW", "dynamic", None),
-    ("sharded", "SGD", "dynamic", None),
-    ("sharded", "AdamW", None, None),
-    ("sharded", "AdamW", "dynamic", "no_sync"),
-    ("sharded", "SGD", None, "twice"),
-    ("replicated", "AdamW", None, "twice"),
+    ("replicated", "SGD", "dynamic", None, 0),
+    ("replicated", "AdamW", "dynamic", None, 0),
+    ("sharded", "SGD", "dynamic", None, 0),
+    ("sharded", "AdamW", None, None, 0),
+    ("sharded", "AdamW", "dynamic", "no_sync", 0),
+    ("sharded", "SGD", None, "twice", 0),
+    ("replicated", "AdamW", None, "twice", 0),
+    # The default buckets: neighbouring units share a collective up to 4 MiB.
+    ("replicated", "AdamW", "dynamic", None, None),
+    ("sharded", "SGD", None, "no_sync", None),
 ]
 
 
@@ -66,12 +69,17 @@ def input_fn():
     return torch.utils.data.DataLoader(data, batch_size=GLOBAL_BATCH, shuffle=False)
 
 
-def train(sharding, optimizer_type, loss_scale, micro):
+def train(sharding, optimizer_type, loss_scale, micro, bucket_bytes):
     # Each rank draws other weights: compile() broadcasts rank 0's to all.
     torch.manual_seed(1 + (dist.get_rank() if dist.is_initialized() else 0))
     model = TinyLM()
     compiled = cstorch.compile(
-        model, backend="wse_ws", device="cpu", granularity="module", store_sharding=sharding
+        model,
+        backend="wse_ws",
+        device="cpu",
+        granularity="module",
+        store_sharding=sharding,
+        **({} if bucket_bytes is None else {"reduce_bucket_bytes": bucket_bytes}),
     )
     kwargs = {"lr": 0.05, "momentum": 0.9} if optimizer_type == "SGD" else {"lr": 0.01}
     optimizer = cstorch.optim.configure_optimizer(
@@ -116,6 +124,7 @@ def train(sharding, optimizer_type, loss_scale, micro):
         compiled.engine.events.events.clear()  # keep the last step's events
         record(training_step(batch))
     name = f"{sharding}-{optimizer_type}" + (f"-{micro}" if micro else "")
+    name += "-buckets" if bucket_bytes is None else ""
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     cstorch.save(state, os.path.join(OUT, f"{name}.mdl"))
     events = [(e, i) for e, i, _ in compiled.engine.events.events]

@@ -62,6 +62,10 @@ class StreamingConfig:
         weight_servers: how many ranks own units of a sharded store (ranks
             0 .. weight_servers-1); None: every rank. More than the world size
             means every rank.
+        reduce_bucket_bytes: under data parallel, neighbouring streaming units
+            share one gradient collective until it holds this many bytes (a
+            larger unit has its own); 0: one collective per unit (Note [swarm
+            reduce] in runtime/swarm.py).
         init_weights: draw the initial values of a meta-device model's parameters
             when the store materializes it (the model's rule: ``init_module``,
             ``reset_parameters()``, transformers' ``_init_weights``). False: leave
@@ -88,8 +92,18 @@ class StreamingConfig:
     weight_servers: int | None = None
     data_parallel: bool = True
     init_weights: bool = True
+    reduce_bucket_bytes: int = 4 * 2**20
 
     def __post_init__(self) -> None:
+        if (
+            isinstance(self.reduce_bucket_bytes, bool)
+            or not isinstance(self.reduce_bucket_bytes, int)
+            or self.reduce_bucket_bytes < 0
+        ):
+            raise ValueError(
+                "reduce_bucket_bytes must be a number of bytes >= 0 (0: one collective per "
+                f"unit), got {self.reduce_bucket_bytes!r}."
+            )
         if not isinstance(self.init_weights, bool):
             raise TypeError(f"init_weights must be a bool, got {self.init_weights!r}.")
         if not isinstance(self.data_parallel, bool):

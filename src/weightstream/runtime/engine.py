@@ -182,8 +182,10 @@ class StreamingEngine:
             buckets, owners = self.shards.group_params, self.shards.group_owner
         else:
             buckets = unit_group_params(unit_params)
+        buckets, owners, taken = swarm.coalesce(buckets, owners, self.config.reduce_bucket_bytes)
+        names = [first_unit[idx[0]] for idx in taken]  # a bucket by its first unit
         self.reducer = swarm.GradientReducer(
-            buckets, owners, note=lambda event, b: self.events(event, first_unit[b])
+            buckets, owners, note=lambda event, b: self.events(event, names[b])
         )
 
     # ---- the ParameterHost protocol (Note [engine binding]) ---------------------------------

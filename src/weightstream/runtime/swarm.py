@@ -118,8 +118,11 @@ def shutdown() -> None:
 # * Buckets. A streaming engine's bucket is a unit of its structural plan,
 #   fixed when the engine is built (units sharing a parameter, a tied
 #   embedding, form one bucket; the traced plan of the first call may group
-#   parameters otherwise, and only the streaming follows it); a resident
-#   model's are runs of about BUCKET_BYTES of parameters. A post-accumulate-grad
+#   parameters otherwise, and only the streaming follows it), merged with its
+#   neighbours of the same owner until it holds StreamingConfig's
+#   reduce_bucket_bytes (``coalesce``): small units share a collective, a
+#   large unit keeps its own; a resident model's are runs of about
+#   BUCKET_BYTES of parameters. A post-accumulate-grad
 #   hook on each parameter notes that its gradient of this backward is final
 #   (autograd has summed every use of it); when a bucket's last parameter is
 #   final its gradients are flattened and the collective starts
@@ -310,6 +313,37 @@ class GradientReducer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def coalesce(
+    buckets: Sequence[Sequence[torch.nn.Parameter]],
+    owners: Sequence[int] | None,
+    cap: int,
+) -> tuple[list[list[torch.nn.Parameter]], list[int] | None, list[list[int]]]:
+    """Merge neighbouring buckets of one owner into buckets of at least ``cap`` bytes.
+
+    Walks the buckets in backward order (the order their gradients become final)
+    and closes a merged bucket once it holds ``cap`` bytes, so small units share
+    one collective while a unit of ``cap`` bytes or more keeps its own (as DDP's
+    bucket_cap_mb). Returns the merged buckets and owners in forward order, and
+    for each the indices of the buckets it took.
+    """
+    merged: list[tuple[list[int], int | None]] = []
+    current: list[int] = []
+    size = 0
+    for b in reversed(range(len(buckets))):
+        owner = None if owners is None else owners[b]
+        if current and (size >= cap or (owners is not None and owners[current[0]] != owner)):
+            merged.append((current, None if owners is None else owners[current[0]]))
+            current, size = [], 0
+        current.append(b)
+        size += sum(p.numel() * p.element_size() for p in buckets[b])
+    if current:
+        merged.append((current, None if owners is None else owners[current[0]]))
+    merged.reverse()
+    out_buckets = [[p for b in sorted(idx) for p in buckets[b]] for idx, _ in merged]
+    out_owners = None if owners is None else [o for _, o in merged]
+    return out_buckets, out_owners, [sorted(idx) for idx, _ in merged]
 
 
 def resident_buckets(params: Sequence[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
