@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -118,25 +119,38 @@ if dist.get_rank() == 0:
     return float(out[0].strip())
 
 
+def _versus(this: list[float], before: list[float], rev: str) -> str:
+    """Median samples/s of ``rev`` and this/before per interleaved pair: min/median/max."""
+    ratios = sorted(a / b for a, b in zip(this, before))
+    return (
+        f"  | {rev}: {statistics.median(before):8.2f}, this/before min/median/max "
+        f"{ratios[0]:.2f}/{statistics.median(ratios):.2f}/{ratios[-1]:.2f}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--compare-with", metavar="REV", default=None)
+    ap.add_argument(
+        "--repeats", type=int, default=1, help="runs of each configuration (min/median/max)"
+    )
     args = ap.parse_args()
     grid = [(1, "replicated")] + [
         (n, sharding) for n in args.ranks if n > 1 for sharding in ("replicated", "sharded")
     ]
-    results: dict = {}
-    other: dict = {}
+    results: dict = {key: [] for key in grid}
+    other: dict = {key: [] for key in grid}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         src = worktree(args.compare_with, work) if args.compare_with else None
         try:
-            for key in grid:  # interleaved: both trees see the same machine phases
-                results[key] = run(*key, args.steps, work)
-                if src is not None:
-                    other[key] = run(*key, args.steps, work, src)
+            for _ in range(args.repeats):
+                for key in grid:  # interleaved: both trees see the same machine phases
+                    results[key].append(run(*key, args.steps, work)["samples_per_sec"])
+                    if src is not None:
+                        other[key].append(run(*key, args.steps, work, src)["samples_per_sec"])
         finally:
             if src is not None:
                 subprocess.run(
@@ -145,15 +159,17 @@ def main() -> None:
                 )
     bw = allreduce_bandwidth()
     batch = PARAMS["train_input"]["batch_size"]
-    one = results[(1, "replicated")]["samples_per_sec"]
+    one = statistics.median(results[(1, "replicated")])
     t1 = batch / one
     n_params = 4 * 12 * 256**2 + 2 * 256 * 256 + 128 * 256  # blocks + embeddings (approx.)
     weight_bytes = grad_bytes = 4 * n_params
-    print(f"global batch {batch}, {args.steps} steps, {time.strftime('%Y-%m-%d %H:%M')}")
+    print(
+        f"global batch {batch}, {args.steps} steps, {args.repeats} run(s) each (medians), "
+        f"{time.strftime('%Y-%m-%d %H:%M')}"
+    )
     line = f"  1 rank              : {one:8.2f} samples/s  (step {t1:.3f} s)"
-    if other:
-        before = other[(1, "replicated")]["samples_per_sec"]
-        line += f"  | {args.compare_with}: {before:8.2f}, this/before {one / before:.2f}"
+    if src is not None:
+        line += _versus(results[(1, "replicated")], other[(1, "replicated")], args.compare_with)
     print(line)
     for n, sharding in grid[1:]:
         # The ranks share this machine's cores: each computes 1/N of the batch at
@@ -166,16 +182,15 @@ def main() -> None:
             "replicated": 2 * (n - 1) / n * grad_bytes / bw,
             "sharded": (2 * weight_bytes + grad_bytes) * (n - 1) / n / bw,
         }[sharding]
-        got = results[(n, sharding)]["samples_per_sec"]
+        got = statistics.median(results[(n, sharding)])
         model_t = t1 + comm
         line = (
             f"  {n} ranks, {sharding:<10}: {got:8.2f} samples/s  (step {batch / got:.3f} s)  "
             f"speed-up {got / one:.2f}x; model step {model_t:.3f} s = {t1:.3f} compute + "
             f"{comm:.3f} collectives -> {batch / model_t:.2f} samples/s"
         )
-        if other:
-            before = other[(n, sharding)]["samples_per_sec"]
-            line += f"  | {args.compare_with}: {before:8.2f}, this/before {got / before:.2f}"
+        if src is not None:
+            line += _versus(results[(n, sharding)], other[(n, sharding)], args.compare_with)
         print(line)
     print(f"  collective bandwidth (gloo all-reduce, loopback): {bw / 1e9:.2f} GB/s")
 

@@ -203,8 +203,18 @@ class Run:
     # ---- modes ------------------------------------------------------------------------
 
     def execute(self) -> int:
+        joined_here = swarm.world_size() == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1
         if swarm.init_from_env(self.device) and not swarm.is_main():
             log.setLevel(logging.WARNING)  # rank 0 reports for the run
+        try:
+            return self._execute_configured()
+        finally:
+            if joined_here:
+                # The process group this run joined ends with it: its threads are
+                # stopped before the interpreter exits.
+                swarm.shutdown()
+
+    def _execute_configured(self) -> int:
         self.model_dir.mkdir(parents=True, exist_ok=True)
         with run_configuration(
             model_dir=str(self.model_dir),
