@@ -52,14 +52,19 @@ PARAMS = {
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(num_ranks: int, sharding: str, steps: int, work: Path, src: Path | None = None) -> dict:
-    """One run of the run command; ``src``: another tree's ``src`` to run instead."""
+def run(
+    num_ranks: int, sharding: str, steps: int, work: Path, src: Path | None = None, repeat: int = 0
+) -> dict:
+    """One run of the run command, in a model_dir of its own (a second run in one
+    directory would resume from the first's checkpoint and train nothing);
+    ``src``: another tree's ``src`` to run instead."""
     params = work / f"params_{sharding}.yaml"
     cfg = json.loads(json.dumps(PARAMS))
     cfg["runconfig"]["max_steps"] = steps
     cfg["runconfig"]["store_sharding"] = sharding
     params.write_text(yaml.safe_dump(cfg))
-    model_dir = work / f"ranks{num_ranks}_{sharding}_{'other' if src else 'this'}"
+    tree = "other" if src else "this"
+    model_dir = work / f"ranks{num_ranks}_{sharding}_{tree}_{repeat}"
     cmd = [
         sys.executable,
         "-m",
@@ -146,11 +151,13 @@ def main() -> None:
         work = Path(tmp)
         src = worktree(args.compare_with, work) if args.compare_with else None
         try:
-            for _ in range(args.repeats):
+            for i in range(args.repeats):
                 for key in grid:  # interleaved: both trees see the same machine phases
-                    results[key].append(run(*key, args.steps, work)["samples_per_sec"])
+                    got = run(*key, args.steps, work, repeat=i)
+                    results[key].append(got["samples_per_sec"])
                     if src is not None:
-                        other[key].append(run(*key, args.steps, work, src)["samples_per_sec"])
+                        got = run(*key, args.steps, work, src, repeat=i)
+                        other[key].append(got["samples_per_sec"])
         finally:
             if src is not None:
                 subprocess.run(
