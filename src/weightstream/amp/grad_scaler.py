@@ -281,10 +281,8 @@ class GradScaler:
                 "before step(), or update() to start the next iteration."
             )
         engine = getattr(optimizer, "engine", None)
-        if engine is not None:
-            engine.finish_gradients()  # every rank's share has landed (Note [swarm reduce])
-            if engine.grads_sharded:
-                self._sharded_engine = engine
+        if engine is not None and engine.grads_sharded:
+            self._sharded_engine = engine
         grads = _grads_of(optimizer)
         if self._scaling:
             # Correctly rounded float32 reciprocal, as the reference: exact for

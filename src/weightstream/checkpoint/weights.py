@@ -67,25 +67,23 @@ def load_weights(
     with load(path) as state:
         weights = _weights_of(state)
         available = set(weights)
-        transposed: set[str] = set()  # file names stored as the transpose
 
-        def candidates(name: str) -> list[str]:
-            out = [name]
-            if name_map is not None:
-                mapped, flip = name_map(name)
-                if flip:
-                    transposed.add(mapped)
-                out.append(mapped)
-            return out
+        def candidates(name: str) -> list[tuple[str, bool]]:
+            """(file name, stored transposed): the name itself, then the mapped one."""
+            return [(name, False)] + ([name_map(name)] if name_map is not None else [])
 
-        plan: list[tuple[str, str, torch.Tensor]] = []  # (model name, file name, tensor)
+        # (model name, file name, stored transposed, the model's tensor)
+        plan: list[tuple[str, str, bool, torch.Tensor]] = []
         missing: list[str] = []
         for names in _targets(model):
-            found = next(((n, c) for n, _ in names for c in candidates(n) if c in available), None)
+            found = next(
+                ((n, c, flip) for n, _ in names for c, flip in candidates(n) if c in available),
+                None,
+            )
             if found is None:
-                missing.append(candidates(names[0][0])[-1])
+                missing.append(candidates(names[0][0])[-1][0])
                 continue
-            plan.append((found[0], found[1], names[0][1]))
+            plan.append((*found, names[0][1]))
         if missing:
             shown = ", ".join(map(repr, missing[:8]))
             more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
@@ -95,10 +93,10 @@ def load_weights(
                 "architecture (the same model config), or load only what it holds."
             )
         wrong = []
-        for _, file_name, target in plan:
+        for _, file_name, flip, target in plan:
             info = weights.describe(file_name) if hasattr(weights, "describe") else None
             shape = tuple(info.shape) if info is not None else None
-            if shape is not None and file_name in transposed:
+            if shape is not None and flip:
                 shape = shape[::-1]
             if shape is not None and shape != tuple(target.shape):
                 wrong.append(f"{file_name!r} is {shape} in the file, {tuple(target.shape)} here")
@@ -108,9 +106,9 @@ def load_weights(
                 "of the same model shape (hidden size, layers, vocabulary)."
             )
         used = set()
-        for model_name, file_name, target in plan:
+        for model_name, file_name, flip, target in plan:
             value = weights[file_name]  # reads this one tensor
-            if file_name in transposed:
+            if flip:
                 value = value.t()
             if tuple(value.shape) != tuple(target.shape):
                 raise ValueError(

@@ -461,7 +461,9 @@ class Run:
             model,
             _Autocast(compiled, self._autocast),
         )
-        trainer.load_checkpoint(checkpoint_path, weights_only=True)
+        trainer.load_checkpoint(
+            checkpoint_path, weights_only=True, name_map=hf_name_map(p.model.name)
+        )
         steps = rc.eval_steps
         loader = self._dataloader(p.eval_input, False, num_steps=steps) if steps else None
         if loader is None:

@@ -210,7 +210,6 @@ class StreamingEngine:
 
     def apply_step(self, optimizer) -> None:
         """The optimizer's update of the masters: by unit through the updater, or at once."""
-        self.finish_gradients()
         if self.updater is not None:
             self.updater.defer(optimizer)
         else:

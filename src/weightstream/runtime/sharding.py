@@ -233,6 +233,8 @@ class ShardedStore:
             else:
                 flat = torch.empty(numel, dtype=dtype, device=tensors[idx[0]].device)
             dist.broadcast(flat, src=owner, group=self.state_group)  # host sync point
+            if owner == self.rank:
+                continue  # the owner's tensors are the values
             offset = 0
             for i in idx:
                 n = tensors[i].numel()

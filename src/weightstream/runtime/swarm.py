@@ -122,15 +122,14 @@ def shutdown() -> None:
 #   neighbours of the same owner until it holds StreamingConfig's
 #   reduce_bucket_bytes (``coalesce``): small units share a collective, a
 #   large unit keeps its own; a resident model's are runs of about
-#   BUCKET_BYTES of parameters. A post-accumulate-grad
-#   hook on each parameter notes that its gradient of this backward is final
-#   (autograd has summed every use of it); when a bucket's last parameter is
-#   final its gradients are flattened and the collective starts
-#   asynchronously, so it runs while the backward goes on through the units
-#   before it. At the end
-#   of the backward (a callback queued on autograd's engine) buckets whose
-#   parameters got no gradient in part are reduced over the parameters that
-#   did, and every collective is waited for: ``p.grad`` after ``backward()``
+#   BUCKET_BYTES of parameters. A post-accumulate-grad hook on each parameter
+#   notes that its gradient of this backward is final (autograd has summed
+#   every use of it); when a bucket's last parameter is final its gradients
+#   are flattened and the collective starts asynchronously, so it runs while
+#   the backward goes on through the units before it. At the end of the
+#   backward (a callback queued on autograd's engine) buckets whose parameters
+#   got no gradient in part are reduced over the parameters that did, and
+#   every collective is waited for: ``p.grad`` after ``backward()``
 #   holds the mean over the ranks, as with DDP. Which gradients exist is a
 #   property of the graph, the same on every rank, so every rank issues the
 #   same collectives in the same order.

@@ -147,11 +147,14 @@ class Trainer:
         swarm.barrier()
         return path
 
-    def load_checkpoint(self, path, dataloader=None, weights_only: bool = False) -> None:
+    def load_checkpoint(
+        self, path, dataloader=None, weights_only: bool = False, name_map=None
+    ) -> None:
         if weights_only and not ckpt.is_trainer_checkpoint(path):
             # Evaluation of weights from elsewhere (a Hugging Face folder, a
-            # safetensors file): tensor by tensor, at global step 0.
-            load_weights(self.model, path)
+            # safetensors file): tensor by tensor, at global step 0, by the zoo
+            # model's Hugging Face names where it has them (``name_map``).
+            load_weights(self.model, path, name_map=name_map)
             self.global_step = 0
             return
         state = ckpt.load(path, map_location="cpu")
