@@ -51,8 +51,6 @@ def test_config_names_the_bad_sharding_setting():
         StreamingConfig(store_sharding="zero3")
     with pytest.raises(ValueError, match="weight_servers must be a positive"):
         StreamingConfig(store_sharding="sharded", weight_servers=0)
-    with pytest.raises(ValueError, match="does not support store='disk'"):
-        StreamingConfig(store_sharding="sharded", store="disk")
 
 
 # ---------------------------------------------------------------------- run command
@@ -71,7 +69,17 @@ def gpt_runs(tmp_path_factory):
     for path, how in ((sharded, "sharded"), (replicated, "replicated")):
         values["runconfig"]["store_sharding"] = how
         path.write_text(yaml.safe_dump(values))
-    runs = {"one": tmp / "one", "replicated": tmp / "replicated", "sharded": tmp / "sharded"}
+    # Each rank's units in a disk store of its own (both in model_dir/store), with
+    # a budget that keeps part of them in RAM and the rest in files.
+    sharded_disk = tmp / "gpt2_sharded_disk.yaml"
+    values["runconfig"].update(store_sharding="sharded", store="disk", host_memory_budget=300_000)
+    sharded_disk.write_text(yaml.safe_dump(values))
+    runs = {
+        "one": tmp / "one",
+        "replicated": tmp / "replicated",
+        "sharded": tmp / "sharded",
+        "sharded_disk": tmp / "sharded_disk",
+    }
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WEIGHTSTREAM_CACHE_DIR", str(tmp / "cache"))
         mp.setenv("WEIGHTSTREAM_QUICK_MACHINE_PROFILE", "1")
@@ -79,6 +87,7 @@ def gpt_runs(tmp_path_factory):
             ("one", params, []),
             ("replicated", replicated, ["--num_csx", "2"]),
             ("sharded", sharded, ["--num_csx", "2"]),
+            ("sharded_disk", sharded_disk, ["--num_csx", "2"]),
         ):
             common = ["run", "CPU", "-p", str(p), "-o", str(runs[name])]
             assert main([*common, *ranks]) == 0, name
@@ -91,17 +100,30 @@ def _checkpoint(model_dir: Path, step: int) -> dict:
     return ckpt.load(model_dir / f"checkpoint_{step}.mdl", map_location="cpu")
 
 
-def test_two_ranks_sharded_equal_one_rank_and_two_ranks_replicated(gpt_runs):
-    one, rep, shd = (_losses(gpt_runs[k]) for k in ("one", "replicated", "sharded"))
+@pytest.mark.parametrize("sharded", ["sharded", "sharded_disk"])
+def test_two_ranks_sharded_equal_one_rank_and_two_ranks_replicated(gpt_runs, sharded):
+    one, rep, shd = (_losses(gpt_runs[k]) for k in ("one", "replicated", sharded))
     assert len(one) == len(rep) == len(shd) == 6
     torch.testing.assert_close(torch.tensor(shd), torch.tensor(one), rtol=LOSS_RTOL, atol=0)
     torch.testing.assert_close(torch.tensor(shd), torch.tensor(rep), rtol=LOSS_RTOL, atol=0)
     w1 = _checkpoint(gpt_runs["one"], 6)["model"]
-    ws = _checkpoint(gpt_runs["sharded"], 6)["model"]
+    ws = _checkpoint(gpt_runs[sharded], 6)["model"]
     assert w1.keys() == ws.keys()
     for k in w1:
         torch.testing.assert_close(ws[k], w1[k], rtol=0, atol=WEIGHT_ATOL, msg=k)
-    assert [s for s, _ in ckpt.list_checkpoints(gpt_runs["sharded"])] == [3, 6]
+    assert [s for s, _ in ckpt.list_checkpoints(gpt_runs[sharded])] == [3, 6]
+
+
+@pytest.mark.parametrize("step", [3, 6])
+def test_sharded_disk_store_writes_the_sharded_ram_stores_checkpoint(gpt_runs, step):
+    """The disk tier changes where the shards live, not one bit of what they hold."""
+    ram = _checkpoint(gpt_runs["sharded"], step)
+    disk = _checkpoint(gpt_runs["sharded_disk"], step)
+    assert list(_flatten(ram)) and [k for k, _ in _flatten(ram)] == [k for k, _ in _flatten(disk)]
+    for (key, x), (_, y) in zip(_flatten(ram), _flatten(disk)):
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y), key
+    assert not any((gpt_runs["sharded_disk"] / "store").iterdir())  # nothing left behind
 
 
 def _flatten(value, prefix=""):
@@ -243,6 +265,70 @@ def test_per_rank_store_memory_is_half_with_two_ranks_and_stays_so_after_a_load(
     # A checkpoint's state gathered from the shards is whole, and loading it into
     # the sharded store fills the owned tensors only: memory stays at the share.
     assert [g["reload"] for g in got] == [{"whole": True, "restored": True, "bytes": sharded}] * 2
+
+
+def _disk_memory_rank(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    import weightstream as cstorch
+    from weightstream.common.pages import is_store_mapped
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    result = {}
+    try:
+        for sharding in ("replicated", "sharded"):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(N_UNITS)))
+            optimizer = cstorch.optim.AdamW(model.parameters(), lr=1e-3)
+            compiled = cstorch.compile(
+                model,
+                backend="wse_ws",
+                device="cpu",
+                granularity="module",
+                store_sharding=sharding,
+                store="disk",
+                store_dir=str(Path(out, "store")),  # one directory for both ranks
+                # The disk tier's working set (6 units) and no RAM tier: all in files.
+                host_memory_budget=(1 + 1 + 4) * UNIT_BYTES,
+            )
+            x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
+            for _ in range(2):
+                loss = compiled(x).square().mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            result[sharding] = compiled.engine.store.bytes_mapped
+            if sharding == "sharded":
+                # A whole-model read gathers the other rank's tensors into scratch
+                # files of the store, never into memory.
+                state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+                owned = {id(p) for p in model.parameters() if compiled.engine.shards.owns(p)}
+                others = [
+                    t for t in state["model"].values() if id(t) not in owned and t.numel() > 1
+                ]
+                result["gathered_on_disk"] = bool(others) and all(map(is_store_mapped, others))
+            compiled.close()
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"disk{rank}.json").write_text(json.dumps(result))
+
+
+def test_sharded_disk_store_keeps_half_the_files_on_each_of_two_ranks(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.start_processes(
+        _disk_memory_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    got = [json.loads((tmp_path / f"disk{r}.json").read_text()) for r in range(2)]
+    # Files of the training state: masters, gradients and AdamW's two moments,
+    # 4 x 16,640 bytes a unit; the scalar step counts stay in memory. Replicated:
+    # all 4 units on each rank; sharded: each rank's 2 units, exactly half.
+    assert [g["replicated"] for g in got] == [4 * N_UNITS * UNIT_BYTES] * 2 == [266_240] * 2
+    assert [g["sharded"] for g in got] == [4 * (N_UNITS // 2) * UNIT_BYTES] * 2
+    assert [g["gathered_on_disk"] for g in got] == [True, True]
+    assert not any((tmp_path / "store").iterdir())  # nothing left behind
 
 
 def test_sharded_gradient_clipping_uses_the_whole_models_norm(tmp_path):

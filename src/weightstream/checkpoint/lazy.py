@@ -46,6 +46,7 @@ from weightstream.checkpoint.format import (
     Leaf,
     Node,
     TreeView,
+    iter_leaves,
     join_key,
     restore_metadata,
     unflatten,
@@ -174,6 +175,15 @@ class LazyStateDict(dict, TreeView):
 
     __copy__ = copy
 
+    def read_small_values(self) -> None:
+        """Read every leaf below this node that is not a tensor, and drop it: a
+        damaged value or a pickle (refused without ``allow_pickle``) raises now,
+        before a caller that loads tensor by tensor has changed anything."""
+        source = self._loader.source
+        for leaf in iter_leaves(self._node):
+            if source.describe(leaf.key).kind != "tensor":
+                self._loader.read(leaf.key)
+
     def to_dict(self) -> Any:
         """Everything below this node read into ordinary dicts, lists and tuples."""
         return self._loader.materialize(self._node)
@@ -241,7 +251,7 @@ def load(
     *,
     allow_pickle: bool = False,
     allow_incomplete: bool = False,
-    mmap: bool = False,
+    mmap: bool | None = None,
     verify: bool = True,
 ) -> Any:
     """Load a checkpoint saved by :func:`save` (or the reference system, or another format).
@@ -265,6 +275,10 @@ def load(
             (copy-on-write; see Note [fast reads]). Faster and lighter for
             large checkpoints; the file must not be truncated in place while
             the tensors live (weightstream's saves replace, never truncate).
+            None (default): mapped in lazy mode, where a value is read for a
+            use and then dropped (so ``model.load_state_dict(load(p)["model"])``
+            never holds the whole model: Note [bounded loads]), copied in the
+            other modes.
         verify: check each tensor's stored checksum (default) when reading it.
 
     Raises:
@@ -273,6 +287,8 @@ def load(
         a pickle without ``allow_pickle``.
     """
     mode, device = _parse_map_location(map_location)
+    if mmap is None:
+        mmap = mode == "lazy"
     source = open_source(
         path,
         allow_pickle=allow_pickle,

@@ -96,6 +96,7 @@ from weightstream.checkpoint.format import (
 )
 from weightstream.checkpoint.refspec import decode_reference_spec
 from weightstream.checkpoint.source import LeafInfo, Source, read_exact
+from weightstream.common.pages import register_read_mapping, release_pages
 
 # Tags of the reference system's newer storage layer (`__TYPE__` attribute).
 _TENSOR_TAGS = {TYPE_TENSOR, "TorchTensorSerializer"}
@@ -510,6 +511,7 @@ class H5Source(Source):
             if expected is not None:  # reads every mapped page, on threads
                 actual = pieces.parallel_checksum(storage_array(out).view(stored_dtype))
                 self._compare(key, name, actual, expected)
+                release_pages([out])  # verified: touched again only when used
         else:
             out = torch.empty(shape, dtype=dtype)
             if out.numel() > 0:
@@ -535,6 +537,7 @@ class H5Source(Source):
             if size == 0:
                 return None
             self._mapping = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
+            register_read_mapping(self._mapping)
         if offset + nbytes > len(self._mapping):
             return None  # past the end: the copying path reports the truncation
         return map_tensor(self._mapping, offset, dtype, shape)

@@ -14,6 +14,7 @@ import torch
 from weightstream.checkpoint.errors import PickleNotAllowedError
 from weightstream.checkpoint.opener import open_source
 from weightstream.checkpoint.source import LeafInfo
+from weightstream.common.units import format_bytes
 
 
 def info(path: str | os.PathLike, *, allow_pickle: bool = False) -> dict[str, Any]:
@@ -60,8 +61,8 @@ def format_info(result: dict[str, Any]) -> str:
         if result.get(name) is not None:
             lines.append(f"  {name}: {result[name]}")
     lines.append(
-        f"  leaves: {result['num_leaves']}, data: {_human(result['data_bytes'])}, "
-        f"file: {_human(result['file_bytes'])}"
+        f"  leaves: {result['num_leaves']}, data: {format_bytes(result['data_bytes'])}, "
+        f"file: {format_bytes(result['file_bytes'])}"
     )
     width = max([len(e.key) for e in result["entries"]] + [3])
     for e in result["entries"]:
@@ -69,17 +70,9 @@ def format_info(result: dict[str, Any]) -> str:
         extra = f"-> {e.linked_to}" if e.linked_to else e.storage
         lines.append(
             f"  {e.key:<{width}}  {e.kind:<7} {e.dtype or '':<16} {shape:<16} "
-            f"{_human(e.nbytes):>10}  {extra}"
+            f"{format_bytes(e.nbytes):>10}  {extra}"
         )
     return "\n".join(lines)
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 @dataclass

@@ -55,6 +55,7 @@ from weightstream.checkpoint.writer import (
     is_plain_tensor,
     storage_identity,
 )
+from weightstream.common.pages import register_read_mapping
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -212,6 +213,7 @@ class SafetensorsSource(Source):
                 self._mappings[entry.file] = mmap.mmap(
                     self._fd(entry.file), 0, access=mmap.ACCESS_COPY
                 )
+                register_read_mapping(self._mappings[entry.file])
             mapped = map_tensor(self._mappings[entry.file], entry.begin, entry.dtype, entry.shape)
             if mapped is not None:
                 return mapped

@@ -792,8 +792,8 @@ class RunConfigParams:
     store: Literal["ram", "disk"] = "ram"
     store_dir: str | None = None
     host_memory_budget: int | None = None
-    # None: sharded across the ranks (the weight servers) with store: ram, as the
-    # reference's MemoryX; replicated with store: disk, which cannot shard yet.
+    # None: sharded across the ranks (the weight servers) on CPU, as the
+    # reference's MemoryX; replicated on accelerators, which cannot shard yet.
     store_sharding: Literal["replicated", "sharded"] | None = None
 
     def __post_init__(self) -> None:
@@ -839,11 +839,6 @@ class RunConfigParams:
             raise ValueError(
                 f"{s}.store_dir and {s}.host_memory_budget configure the disk store, but "
                 f"{s}.store is {self.store!r}. Fix: set store: disk, or remove them."
-            )
-        if self.store_sharding == "sharded" and self.store == "disk":
-            raise ValueError(
-                f"{s}.store_sharding: sharded does not support {s}.store: disk yet. Fix: "
-                "use store: ram with a sharded store, or store_sharding: replicated."
             )
         if self.compile_only and self.validate_only:
             raise ValueError(

@@ -123,9 +123,7 @@ class Run:
         kwargs = {"device": self.device}
         if self.ws:
             # The sharded store runs on gloo (CPU) only so far (Note [sharded store]).
-            default_sharding = (
-                "sharded" if rc.store != "disk" and self.device.type == "cpu" else "replicated"
-            )
+            default_sharding = "sharded" if self.device.type == "cpu" else "replicated"
             kwargs.update(
                 prefetch_depth=self.rc.prefetch_depth,
                 unit_size_target=self.rc.unit_size_target,
@@ -190,6 +188,10 @@ class Run:
             with self._autocast():
                 plan = compiled.engine.prepare(*args)
             log.info("Streaming plan: %d units\n%s", len(plan.units), plan.describe())
+            store = compiled.engine.store
+            if store is not None and store.places is not None:
+                # Predicted for AdamW's two moments (Note [hybrid placement]).
+                log.info("Disk store: %s", store.places.predicted.describe())
         try:
             from weightstream.compiler import compile_phase
         except ImportError:

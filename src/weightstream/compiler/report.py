@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from weightstream.common.units import format_bytes
 from weightstream.compiler.cost import StepCosts
 from weightstream.compiler.estimate import Estimate
 from weightstream.compiler.profile import MachineProfile
@@ -231,14 +232,6 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f}"
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
 def _report_text(data: dict) -> str:
     est = data["estimate"]
     es = data["estimate_settings"]
@@ -265,9 +258,9 @@ def _report_text(data: dict) -> str:
     for u in data["units"]:
         lines.append(
             f"{u['index']:>3}  {u['name']:<{name_w}} {u['params']:>12,} "
-            f"{_bytes(u['weight_bytes']):>11} {_si(u['fwd_flops']):>11} {_si(u['bwd_flops']):>11} "
-            f"{_bytes(u['activation_bytes']):>11} {u['fwd_ops'] + u['bwd_ops']:>6} "
-            f"{_bytes(u['fwd_op_bytes'] + u['bwd_op_bytes']):>11} "
+            f"{format_bytes(u['weight_bytes']):>11} {_si(u['fwd_flops']):>11} {_si(u['bwd_flops']):>11} "
+            f"{format_bytes(u['activation_bytes']):>11} {u['fwd_ops'] + u['bwd_ops']:>6} "
+            f"{format_bytes(u['fwd_op_bytes'] + u['bwd_op_bytes']):>11} "
             f"{_ms(u['est_fwd_s']):>9} {_ms(u['est_bwd_s']):>9} "
             f"{_ms(u['est_fwd_compute_s'] + u['est_bwd_compute_s']):>9} "
             f"{_ms(u['est_fwd_memory_s'] + u['est_bwd_memory_s']):>9} "
@@ -278,22 +271,22 @@ def _report_text(data: dict) -> str:
     o = data["outside_units"]
     lines.append(
         f"{'':>3}  {'<outside units>':<{name_w}} {'':>12} {'':>11} {_si(o['fwd_flops']):>11} "
-        f"{_si(o['bwd_flops']):>11} {_bytes(o['activation_bytes']):>11} "
-        f"{o['fwd_ops'] + o['bwd_ops']:>6} {_bytes(o['fwd_op_bytes'] + o['bwd_op_bytes']):>11} "
+        f"{_si(o['bwd_flops']):>11} {format_bytes(o['activation_bytes']):>11} "
+        f"{o['fwd_ops'] + o['bwd_ops']:>6} {format_bytes(o['fwd_op_bytes'] + o['bwd_op_bytes']):>11} "
         f"{_ms(o['est_fwd_s']):>9} {_ms(o['est_bwd_s']):>9}"
     )
     t = data["totals"]
     lines += [
         "",
         "summary",
-        f"  parameters            {t['params']:,} ({_bytes(t['weight_bytes'])})",
+        f"  parameters            {t['params']:,} ({format_bytes(t['weight_bytes'])})",
         f"  FLOPs per step        {_si(t['flops'])} (forward {_si(t['fwd_flops'])}, backward "
         f"{_si(t['bwd_flops'])}{'' if data['backward_measured'] else ', 2 x forward'}; "
         "matmul-like operators and attention only)",
-        f"  activations kept      {_bytes(t['activation_bytes'])}",
-        f"  device weight bound   {_bytes(t['weight_bound_bytes'])} ((prefetch_depth + 1) x "
-        f"largest unit {_bytes(t['largest_unit_bytes'])} + pinned {_bytes(t['pinned_bytes'])})",
-        f"  operators per step    {t['ops']:,} (non-matmul ones move {_bytes(t['op_bytes'])})",
+        f"  activations kept      {format_bytes(t['activation_bytes'])}",
+        f"  device weight bound   {format_bytes(t['weight_bound_bytes'])} ((prefetch_depth + 1) x "
+        f"largest unit {format_bytes(t['largest_unit_bytes'])} + pinned {format_bytes(t['pinned_bytes'])})",
+        f"  operators per step    {t['ops']:,} (non-matmul ones move {format_bytes(t['op_bytes'])})",
         f"  step time             {_ms(est['step_s'])} ms (compute {_ms(est['compute_s'])} ms, "
         f"memory {_ms(est['memory_s'])} ms, overhead {_ms(est['overhead_s'])} ms, "
         f"transfer {_ms(est['transfer_s'])} ms, update {_ms(est['update_s'])} ms, "

@@ -72,8 +72,8 @@ class ParameterHost(Protocol):
         ...
 
     def load_optimizer_state(self, optimizer, state: dict, load) -> None:
-        """Run ``load(state)`` with the state of parameters owned elsewhere writable,
-        and shard it again afterwards."""
+        """Run ``load(state, skip=...)``, the optimizer's loader, skipping the state of
+        parameters owned elsewhere."""
         ...
 
 

@@ -42,6 +42,7 @@ from typing import Any, TypeAlias
 import torch
 from torch import Tensor
 
+from weightstream.common.pages import release_pages
 from weightstream.optim.binding import ParameterHost, hosts, placing_state
 
 __all__ = ["Optimizer", "ParamsT"]
@@ -237,7 +238,12 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
         else:
             self._load_state_dict(state_dict)
 
-    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def _load_state_dict(self, state_dict: dict[str, Any], skip=None) -> None:
+        """Check, then load: see :meth:`load_state_dict` and Note [bounded loads].
+
+        ``skip(p)``: parameters whose state stays as it is (a sharded store's
+        placeholders of parameters other ranks own); their shapes are checked.
+        """
         index_to_param = self._map_saved_indices(state_dict)
         saved_state = state_dict.get("state", {})
         for index, p in index_to_param.items():
@@ -245,8 +251,8 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
             for key, current in self.state[p].items():
                 if not isinstance(current, Tensor):
                     continue
-                value = saved.get(key)
-                if not isinstance(value, Tensor):
+                shape = _saved_shape(saved, key)
+                if shape is None:
                     raise ValueError(
                         f"{type(self).__name__}.load_state_dict: the state dict has no tensor "
                         f"{key!r} for parameter {index} (shape {tuple(p.shape)}); it was saved "
@@ -255,23 +261,33 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
                         "its first step). Fix: construct the optimizer with the settings it "
                         "was saved with."
                     )
-                if value.shape != current.shape:
+                if shape != tuple(current.shape):
                     raise ValueError(
                         f"{type(self).__name__}.load_state_dict: state {key!r} of parameter "
-                        f"{index} has shape {tuple(value.shape)} in the state dict but "
+                        f"{index} has shape {shape} in the state dict but "
                         f"{tuple(current.shape)} here. Fix: load the state dict into an "
                         "optimizer over the same model parameters, in the same order."
                     )
         preinitialized = {p: dict(self.state[p]) for p in index_to_param.values()}
+        # torch sets the hyperparameters and the non-tensor state; the tensors it
+        # takes are views of a lazily read file, or its dtype casts of them.
         super().load_state_dict(state_dict)
         with torch.no_grad():
             for index, p in index_to_param.items():
                 loaded = self.state[p]
                 for key, tensor in preinitialized[p].items():
-                    if isinstance(tensor, Tensor):
-                        # Copy from the caller's tensor, not torch's dtype-cast copy.
-                        tensor.copy_(saved_state[index][key])
-                        loaded[key] = tensor
+                    if not isinstance(tensor, Tensor):
+                        continue
+                    if skip is None or not skip(p):
+                        value = loaded.get(key)
+                        if not (isinstance(value, Tensor) and value.dtype == tensor.dtype):
+                            # torch cast it to another dtype: copy from the saved value.
+                            value = saved_state[index][key]
+                        tensor.copy_(value)
+                        # One tensor at a time in memory (Note [bounded loads]).
+                        release_pages([tensor, value])
+                        del value
+                    loaded[key] = tensor
 
     def _map_saved_indices(self, state_dict: dict[str, Any]) -> dict[Any, Tensor]:
         saved_groups = state_dict.get("param_groups")
@@ -312,3 +328,20 @@ def _normalize_tags(tags: Any) -> set[str]:
     if bad:
         raise TypeError(f"param group 'tags' must contain strings only, got {bad!r}.")
     return tags
+
+
+def _saved_shape(saved: Any, key: str) -> tuple[int, ...] | None:
+    """The shape of tensor ``saved[key]``, or None if it is not a tensor; a lazily
+    loaded checkpoint tells it without reading the data."""
+    describe = getattr(saved, "describe", None)
+    if describe is not None:
+        if key not in saved:
+            return None
+        try:
+            info = describe(key)
+        except TypeError:  # a container
+            return None
+        if info.kind == "tensor" and info.shape is not None:
+            return tuple(info.shape)
+    value = saved.get(key) if isinstance(saved, dict) else None
+    return tuple(value.shape) if isinstance(value, Tensor) else None

@@ -122,11 +122,6 @@ class StreamingConfig:
                 f"weight_servers must be a positive number of ranks or None (every rank), "
                 f"got {self.weight_servers!r}."
             )
-        if self.store_sharding == "sharded" and self.store == "disk":
-            raise ValueError(
-                "store_sharding='sharded' does not support store='disk' yet; use "
-                "store='ram' with a sharded store, or store_sharding='replicated' with disk."
-            )
         if self.store not in STORES:
             raise ValueError(
                 f"store must be one of {', '.join(map(repr, STORES))}, got {self.store!r}."

@@ -10,24 +10,19 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from weightstream.common.materialize import materialize, materialize_buffers
+from weightstream.common.units import format_bytes
 from weightstream.optim.binding import hosts
 from weightstream.runtime import swarm
 from weightstream.runtime.config import StreamingConfig
 from weightstream.runtime.device import DeviceOps
+from weightstream.runtime.loading import copy_then_release, holds_tensors
 from weightstream.runtime.partition import Plan, build_plan
+from weightstream.runtime.placement import default_budget
 from weightstream.runtime.sharding import ShardedStore, unit_group_params, unit_groups
 from weightstream.runtime.store import DiskStore
 from weightstream.runtime.streamer import Streamer
 from weightstream.runtime.trace import trace_forward
 from weightstream.runtime.updater import UnitUpdater
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    raise AssertionError
 
 
 def check_budget(plan: Plan, config: StreamingConfig) -> None:
@@ -40,8 +35,8 @@ def check_budget(plan: Plan, config: StreamingConfig) -> None:
         if u.weight_bytes > budget:
             raise ValueError(
                 f"streaming unit {u.display_name!r} ({type(u.module).__name__}) holds "
-                f"{u.weight_bytes:,} bytes ({_fmt_bytes(u.weight_bytes)}) of weights, more than "
-                f"the device memory budget of {budget:,} bytes ({_fmt_bytes(budget)}). Split it "
+                f"{u.weight_bytes:,} bytes ({format_bytes(u.weight_bytes)}) of weights, more than "
+                f"the device memory budget of {budget:,} bytes ({format_bytes(budget)}). Split it "
                 "into smaller units (granularity='module', or name its submodules in "
                 "unit_modules) or raise device_memory_budget."
             )
@@ -62,20 +57,26 @@ def check_budget(plan: Plan, config: StreamingConfig) -> None:
 UPDATE_BYTES_PER_WEIGHT_BYTE = 4
 
 
+def disk_working_set(plan: Plan, config: StreamingConfig) -> int:
+    """The most host memory the disk store's files are resident in at once: (prefetch_depth
+    + 1) units in flight plus one unit's update (Note [disk tier])."""
+    return (config.prefetch_depth + 1 + UPDATE_BYTES_PER_WEIGHT_BYTE) * plan.largest_unit_bytes
+
+
 def _check_host_budget(plan: Plan, config: StreamingConfig) -> None:
     """The disk store's resident pages must fit ``host_memory_budget`` (Note [disk tier])."""
     budget = config.host_memory_budget
     if budget is None or config.store != "disk":
         return
     largest = plan.largest_unit_bytes
-    need = (config.prefetch_depth + 1 + UPDATE_BYTES_PER_WEIGHT_BYTE) * largest
+    need = disk_working_set(plan, config)
     if need > budget:
         raise ValueError(
             f"the disk store needs up to {need:,} bytes of host memory "
             f"((prefetch_depth {config.prefetch_depth} + 1) units in flight + one unit's "
             f"update at {UPDATE_BYTES_PER_WEIGHT_BYTE}x its weights, largest unit "
             f"{largest:,} bytes), more than host_memory_budget {budget:,} bytes "
-            f"({_fmt_bytes(budget)}). Use smaller units (unit_size_target), lower "
+            f"({format_bytes(budget)}). Use smaller units (unit_size_target), lower "
             "prefetch_depth, or raise host_memory_budget."
         )
 
@@ -132,9 +133,14 @@ class StreamingEngine:
         # Parameters a meta-device model leaves without values, for a load to fill.
         self._awaiting: set[str] = set()
         if config.store == "disk":
-            self.store = DiskStore(config.store_dir)
-            # May replace meta parameters by stored ones (Note [disk tier]).
+            budget = config.host_memory_budget
+            if budget is None:
+                budget = default_budget()
+            ram_tier = budget - disk_working_set(self.plan, config)  # Note [hybrid placement]
+            self.store = DiskStore(config.store_dir, ram_capacity=ram_tier)
+            # May replace meta parameters by stored ones (Note [disk tier]) ...
             self._awaiting.update(self.store.take_module(module, config.init_weights))
+            self.plan = build_plan(module, config)  # ... so the plan names the new ones
         elif not config.init_weights and any(p.is_meta for p in module.parameters()):
             # A warm start in host memory: storage now, the values from the checkpoint.
             left = materialize(
@@ -162,6 +168,12 @@ class StreamingEngine:
             module.register_load_state_dict_pre_hook(_function(self._load_pre_hook)),
             module.register_load_state_dict_post_hook(_function(self._load_post_hook)),
         ]
+        # Each module's tensors copied and given back one at a time (Note [bounded loads]).
+        self._state_hooks += [
+            m.register_load_state_dict_pre_hook(copy_then_release)
+            for m in module.modules()
+            if holds_tensors(m)
+        ]
         self._skipped_on_load: list[str] = []
         hosts.add(self)
 
@@ -178,7 +190,7 @@ class StreamingEngine:
                     "store_sharding='replicated' on accelerators."
                 )
             # Fixed with the structural plan, before any optimizer state exists.
-            self.shards = ShardedStore(unit_params, self.config.weight_servers)
+            self.shards = ShardedStore(unit_params, self.config.weight_servers, self.store)
             buckets, owners = self.shards.group_params, self.shards.group_owner
         else:
             buckets = unit_group_params(unit_params)

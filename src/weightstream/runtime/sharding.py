@@ -45,8 +45,13 @@ The model is built whole on every rank, rank 0's weights are broadcast to all
 (the engine does it when it is built), and then the masters owned elsewhere
 are dropped.
 
-Limits: the sharded store runs on gloo (CPU compute) and in host memory only;
-with accelerators or ``store="disk"`` the store is replicated.
+With ``store="disk"`` each rank's disk store keeps the files of the units it
+owns only (the others' are given back when their masters are dropped), and a
+whole-model read gathers the other ranks' tensors into scratch files of the
+store, so saving stays within the host memory budget.
+
+Limits: the sharded store runs on gloo (CPU compute); with accelerators the
+store is replicated.
 """
 
 from __future__ import annotations
@@ -57,7 +62,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from weightstream.common.pages import release_pages
 from weightstream.runtime import swarm
+from weightstream.runtime.store import DiskStore
 
 
 def placeholder(t: torch.Tensor) -> torch.Tensor:
@@ -131,9 +138,16 @@ class ShardedStore:
     Args:
         unit_params: each unit's master parameters of the structural plan.
         weight_servers: how many ranks own units (None: every rank).
+        store: the disk store holding this rank's masters, or None (host memory).
     """
 
-    def __init__(self, unit_params: Sequence[Sequence[nn.Parameter]], weight_servers: int | None):
+    def __init__(
+        self,
+        unit_params: Sequence[Sequence[nn.Parameter]],
+        weight_servers: int | None,
+        store: DiskStore | None = None,
+    ):
+        self.store = store
         assert dist.is_initialized()
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
@@ -166,12 +180,17 @@ class ShardedStore:
         return self.owner_of(p) == self.rank
 
     def _drop_unowned_masters(self) -> None:
+        dropped, old = [], []
         with torch.no_grad():
             for params in self.group_params:
                 for p in params:
                     if not self.owns(p) and not is_placeholder(p.data):
+                        old.append(p.data)
                         p.data = placeholder(p.data)
                         p.grad = None
+                        dropped.append(p)
+        if self.store is not None:
+            self.store.forget(dropped, old)  # their files go back to the disk
 
     def state_zeros_like(self, p: torch.Tensor) -> torch.Tensor | None:
         """A placeholder for the optimizer state of a parameter owned elsewhere."""
@@ -238,8 +257,21 @@ class ShardedStore:
             offset = 0
             for i in idx:
                 n = tensors[i].numel()
-                out[i] = flat[offset : offset + n].view(tensors[i].shape).clone()
+                out[i] = self._whole(flat[offset : offset + n].view(tensors[i].shape))
                 offset += n
+        return out
+
+    def _whole(self, value: torch.Tensor) -> torch.Tensor:
+        """A copy of ``value`` received from its owner, kept until the caller drops it.
+
+        On a disk store the copy is a scratch file of the store, its pages given
+        back at once: a gathered model larger than memory costs disk space, not
+        memory (the checkpoint writer reads it tensor by tensor)."""
+        if self.store is None or value.device.type != "cpu":
+            return value.clone()
+        out = self.store.scratch(value.shape, value.dtype, "gathered")
+        out.copy_(value)
+        release_pages([out])
         return out
 
     # ---- whole-model reads ------------------------------------------------------------
@@ -294,22 +326,7 @@ class ShardedStore:
         }
 
     def load_optimizer_state(self, optimizer, state: dict, load) -> None:
-        """``load(state)`` (the optimizer's loader) keeping only the state this rank owns.
-
-        The loader copies into the preinitialized tensors, and the placeholders
-        of parameters owned elsewhere cannot be written into: they get real
-        tensors for the duration of the load and are dropped right after, so a
-        load briefly holds the whole optimizer state, as the file read does.
-        """
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if self.owns(p):
-                    continue
-                entry = optimizer.state.get(p)
-                for key, value in (entry or {}).items():
-                    if isinstance(value, torch.Tensor) and is_placeholder(value):
-                        entry[key] = torch.empty(value.shape, dtype=value.dtype)
-        try:
-            load(state)
-        finally:
-            self.shard_optimizer_state(optimizer)
+        """``load(state, skip)`` (the optimizer's loader), copying only the state this
+        rank owns: the placeholders of parameters owned elsewhere stay as they are,
+        and their values are never read from the checkpoint (Note [bounded loads])."""
+        load(state, skip=lambda p: not self.owns(p))

@@ -59,6 +59,7 @@ from torch import nn
 
 from weightstream.common.materialize import materialize
 from weightstream.common.pages import MADV_REMOVE, STORE_SUFFIX, madvise
+from weightstream.runtime.placement import Placement, PlacementPlan
 
 # Free space kept beyond a discarded gradient's bytes before writing it again.
 _DISK_MARGIN = 64 * 2**20
@@ -84,7 +85,7 @@ def _return_large_frees_to_the_os() -> None:
 class DiskStore:
     """Allocates host tensors in memory-mapped files under ``directory`` (Note [disk tier])."""
 
-    def __init__(self, directory: str | os.PathLike | None = None):
+    def __init__(self, directory: str | os.PathLike | None = None, ram_capacity: int = 0):
         if directory is None:
             directory = tempfile.mkdtemp(prefix="weightstream-store-")
         self.directory = Path(directory)
@@ -104,22 +105,59 @@ class DiskStore:
         self._maps: dict[int, torch.Tensor] = {}
         self._grads: dict[int, torch.Tensor] = {}  # id(master) -> its gradient in the store
         self._discarded: set[int] = set()  # data_ptr of storages whose blocks were freed
-        self._hooks: list = []
-        self.bytes_mapped = 0
+        self._hooks: dict[int, object] = {}  # id(master) -> its gradient hook
+        # The RAM tier (Note [hybrid placement]): its size, each parameter's place
+        # (decided when the model is taken), and its tensors by data_ptr (held,
+        # like the mappings).
+        self.ram_capacity = ram_capacity
+        self.places: PlacementPlan | None = None
+        self._ram: dict[int, torch.Tensor] = {}
+        self._key: dict[int, str] = {}  # id(parameter) -> its name in the placement
         _return_large_frees_to_the_os()
 
     # ---- allocation ----------------------------------------------------------------
 
     def zeros(
+        self,
+        shape: torch.Size | tuple[int, ...],
+        dtype: torch.dtype,
+        kind: str,
+        owner: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """A tensor of zeros of the training state: ``kind`` ("master", "state" or
+        "grad") of parameter ``owner``. In the RAM tier if the placement put it
+        there (Note [hybrid placement]), else in a new mapped file (``kind`` names
+        the file, for errors)."""
+        shape = torch.Size(shape)
+        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        key = None if owner is None else self._key.get(id(owner))
+        if nbytes and key is not None and self.places is not None:
+            if self.places.in_ram(key, kind, nbytes):
+                out = torch.zeros(shape, dtype=dtype)
+                with self._lock:
+                    self._ram[out.untyped_storage().data_ptr()] = out
+                return out
+        out = self.scratch(shape, dtype, kind)
+        if out.numel():
+            with self._lock:
+                storage = out.untyped_storage()
+                self._maps[storage.data_ptr()] = torch.empty(0, dtype=torch.uint8).set_(storage)
+        return out
+
+    def scratch(
         self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, kind: str
     ) -> torch.Tensor:
-        """A tensor of zeros in a new mapped file (``kind`` names the file, for errors)."""
+        """Like :meth:`zeros`, but not part of the training state: the store keeps no
+        reference, so the file's space is returned when the tensor dies (a whole
+        sharded model gathered for a checkpoint). ``release_pages`` gives its pages
+        back like any store file's."""
         shape = torch.Size(shape)
         nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
         # The suffix marks a store file for release_pages (common/pages.py).
-        path = self.directory / f"{next(self._ids):07d}.{kind}{STORE_SUFFIX}"
+        # The process id keeps the names of ranks sharing one store_dir apart.
+        path = self.directory / f"{os.getpid()}-{next(self._ids):07d}.{kind}{STORE_SUFFIX}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             try:
@@ -147,22 +185,36 @@ class DiskStore:
             if fd >= 0:
                 os.close(fd)
             os.unlink(path)  # the mapping keeps the file; nothing is left behind
-        with self._lock:
-            self._maps[flat.untyped_storage().data_ptr()] = flat
-            self.bytes_mapped += nbytes
         return flat.view(dtype).view(shape)
 
+    @property
+    def bytes_mapped(self) -> int:
+        """Bytes of the training state's files (what this store keeps on its disk)."""
+        with self._lock:
+            return sum(flat.numel() for flat in self._maps.values())
+
     def holds(self, t: torch.Tensor) -> bool:
-        return t.device.type == "cpu" and t.untyped_storage().data_ptr() in self._maps
+        if t.device.type != "cpu":
+            return False
+        ptr = t.untyped_storage().data_ptr()
+        return ptr in self._maps or ptr in self._ram
+
+    def placement(self) -> Placement:
+        """Bytes of the training state in RAM and in files, by kind (Note [hybrid placement])."""
+        if self.places is None:
+            return Placement(self.ram_capacity)
+        return self.places.actual
 
     def zeros_like(self, p: torch.Tensor, kind: str = "state") -> torch.Tensor:
-        return self.zeros(p.shape, p.dtype, kind)
+        """A ``kind`` tensor of parameter ``p``'s shape and dtype, for ``p``."""
+        return self.zeros(p.shape, p.dtype, kind, owner=p)
 
-    def adopt(self, t: torch.Tensor, kind: str) -> torch.Tensor:
-        """A copy of ``t`` in the store (``t`` itself if it is there already)."""
+    def adopt(self, t: torch.Tensor, kind: str, owner: torch.Tensor | None = None) -> torch.Tensor:
+        """A copy of ``t`` (``kind`` of parameter ``owner``) in the store (``t`` itself
+        if it is there already)."""
         if self.holds(t) or t.numel() == 0:
             return t
-        out = self.zeros(t.shape, t.dtype, kind)
+        out = self.zeros(t.shape, t.dtype, kind, owner)
         out.copy_(t)
         self.release([out])
         return out
@@ -239,21 +291,48 @@ class DiskStore:
         rule, it is left at zero for a load to fill. Returns the names of the
         parameters left so.
         """
+        # Each parameter's place, decided once, in parameter order, by name: a
+        # meta parameter is replaced by a new one when it is materialized.
+        named = dict(module.named_parameters())
+        self._key.update({id(p): name for name, p in named.items()})
+        if self.places is None:
+            self.places = PlacementPlan(
+                {name: p.numel() * p.element_size() for name, p in named.items()},
+                self.ram_capacity,
+            )
         for p in module.parameters():
             if not p.is_meta and not self.holds(p.data):
                 with torch.no_grad():
-                    p.data = self.adopt(p.data, "master")
+                    p.data = self.adopt(p.data, "master", owner=p)
         left = materialize(
             module,
-            lambda p: self.zeros(p.shape, p.dtype, "master"),
+            lambda p: self.zeros(p.shape, p.dtype, "master", owner=p),
             self.release,
             skip=None if init_weights else lambda _name: True,
             without_rule="leave",
         )
+        self._key.update({id(p): name for name, p in module.named_parameters()})
         for p in module.parameters():
-            if p.requires_grad:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_into_store))
+            if p.requires_grad and id(p) not in self._hooks:
+                self._hooks[id(p)] = p.register_post_accumulate_grad_hook(self._grad_into_store)
         return left
+
+    def forget(self, params: Iterable[torch.Tensor], old_data: Iterable[torch.Tensor]) -> None:
+        """Stop keeping ``params`` (masters another rank owns, Note [sharded store]):
+        no gradient of theirs comes into the store, and the files under their old
+        data are given back to the disk as soon as nothing else holds them."""
+        for p in params:
+            hook = self._hooks.pop(id(p), None)
+            if hook is not None:
+                hook.remove()
+            self._grads.pop(id(p), None)
+        with self._lock:
+            for t in old_data:
+                if t.numel():
+                    ptr = t.untyped_storage().data_ptr()
+                    self._maps.pop(ptr, None)
+                    if self._ram.pop(ptr, None) is not None and self.places is not None:
+                        self.places.give_back("master", t.numel() * t.element_size())
 
     def _grad_into_store(self, p: torch.Tensor) -> None:
         """Post-accumulate-grad hook: keep ``p.grad`` in the store (Note [disk tier])."""
@@ -263,7 +342,7 @@ class DiskStore:
         if not self.holds(grad):
             mine = self._grads.get(id(p))
             if mine is None or mine.shape != grad.shape or mine.dtype != grad.dtype:
-                mine = self.zeros(grad.shape, grad.dtype, "grad")
+                mine = self.zeros(grad.shape, grad.dtype, "grad", owner=p)
                 self._grads[id(p)] = mine
             self._reclaim(mine)
             # Autograd's first gradient of this step; later uses and micro-batches
@@ -281,13 +360,14 @@ class DiskStore:
                 continue
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and not self.holds(value):
-                    state[key] = self.adopt(value, "state")
+                    state[key] = self.adopt(value, "state", owner=p)
 
     def close(self) -> None:
-        for h in self._hooks:
+        for h in self._hooks.values():
             h.remove()
         self._hooks.clear()
         self._grads.clear()
         with self._lock:
             # The mappings live on for as long as tensors over them do.
             self._maps.clear()
+            self._ram.clear()

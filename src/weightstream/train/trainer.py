@@ -157,13 +157,23 @@ class Trainer:
             load_weights(self.model, path, name_map=name_map)
             self.global_step = 0
             return
-        state = ckpt.load(path, map_location="cpu")
+        # Lazy: tensor by tensor into the model and the store (Note [bounded loads]).
+        state = ckpt.load(path)
+        try:
+            self._load_trainer_state(path, state, dataloader, weights_only)
+        finally:
+            if isinstance(state, ckpt.LazyStateDict):
+                state.close()
+
+    def _load_trainer_state(self, path, state, dataloader, weights_only: bool) -> None:
         if not isinstance(state, dict) or "model" not in state:
             keys = sorted(map(str, state)) if isinstance(state, dict) else []
             raise ValueError(
                 f"{path} is not a trainer checkpoint: it has no 'model' entry (keys: "
                 f"{', '.join(keys[:8])}). Pass a checkpoint written by this command."
             )
+        if isinstance(state, ckpt.LazyStateDict):
+            state.read_small_values()  # a bad value fails before any tensor is copied
         # A sharded store fills the tensors this rank owns (Note [sharded store]).
         try:
             self.model.load_state_dict(state["model"])
@@ -175,11 +185,11 @@ class Trainer:
             if self.lr_scheduler is not None and state.get("schedulers"):
                 self.lr_scheduler.load_state_dict(state["schedulers"][0])
             if "grad_scaler" in state:
-                self.grad_scaler.load_state_dict(state["grad_scaler"])
+                self.grad_scaler.load_state_dict(_read(state["grad_scaler"]))
             if dataloader is not None and "dataloader" in state:
-                dataloader.load_state_dict(state["dataloader"])
+                dataloader.load_state_dict(_read(state["dataloader"]))
             if "rng" in state:
-                restore_rng_state(state["rng"])
+                restore_rng_state(_read(state["rng"]))
             self.global_step = int(state.get("global_step", 0))
         except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as e:
             # torch's load_state_dict raises RuntimeError on missing keys and shape
@@ -225,7 +235,7 @@ class Trainer:
                 if target is None:
                     continue
                 value = state[key][0] if key == "schedulers" else state[key]
-                target.load_state_dict(value)
+                target.load_state_dict(value if name == "optimizer" else _read(value))
         log.info("Warm-started from %s (%s) at global step 0", path, ", ".join(states))
 
     # ---- training ---------------------------------------------------------------------
@@ -500,3 +510,10 @@ class ProgressBar:
     def close(self) -> None:
         self.stream.write("\n")
         self.stream.flush()
+
+
+def _read(value):
+    """A small state of a lazily loaded checkpoint, read whole: its owner may keep it
+    past the load, when the file is closed (the data loader reads its state when
+    iteration starts)."""
+    return value.to_dict() if isinstance(value, ckpt.LazyStateDict) else value

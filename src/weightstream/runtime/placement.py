@@ -1,0 +1,188 @@
+"""Which tensors of a disk store stay in RAM: the hybrid tier.
+
+Note [hybrid placement]
+-----------------------
+A disk store (Note [disk tier]) whose model is larger than RAM still has RAM
+to spare: streaming all of it through the files every step would move the
+whole training state although most of it could stay in memory. (The page
+cache cannot help: a cyclic scan larger than itself evicts each page before
+its reuse.) So the store keeps in ordinary memory as much of the state as
+``host_memory_budget`` allows, chosen by the disk traffic each byte saves per
+step, and the rest in its files:
+
+* a master kept on disk is read three times a step (the forward's fetch, the
+  backward's fetch, the update) and written once (the update): 4 bytes moved
+  a byte;
+* a gradient on disk is written by the backward and read by the update: 2;
+* an optimizer state tensor (a moment) is read and written by the update: 2.
+
+Masters come first, then optimizer state and gradients. The store allocates
+in that order anyway (masters when the engine takes the model, the state when
+the optimizer is built, gradients at the first backward), so it places each
+tensor as it is created, greedily, and the placement is a pure function of
+the model, the optimizer and the budget: :func:`predict` computes it before
+any step for the compile report.
+
+The RAM tier gets the budget less the disk tier's own working set, the
+resident pages it needs at most: (prefetch_depth + 1) units in flight plus one
+unit's update at 4x its weights (``engine.UPDATE_BYTES_PER_WEIGHT_BYTE``).
+Results do not depend on where a tensor lives: the same kernels run on the
+same values (tests/test_disk_store.py compares bit for bit).
+
+Without ``host_memory_budget`` the budget is the memory the machine has
+available when the store is built less a margin for everything else the
+process holds (activations, device copies, the allocator's slack, the page
+cache that the disk tier's own I/O goes through): :func:`default_budget`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from weightstream.common.units import format_bytes
+
+# Bytes moved between the store's files and memory per step, per byte kept on disk.
+DISK_TRAFFIC = {"master": 4, "state": 2, "grad": 2}
+
+# The margin default_budget leaves to the rest of the process and the system.
+MARGIN_FIXED = 2 * 2**30
+MARGIN_FRACTION = 0.10
+
+
+def available_memory() -> int | None:
+    """The kernel's estimate of memory available to new allocations, or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def total_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def default_budget() -> int:
+    """Available memory less the margin: 2 GiB and 10% of the machine's memory."""
+    available, total = available_memory(), total_memory()
+    if available is None:
+        return 0  # unknown: everything on disk, as before the RAM tier existed
+    margin = MARGIN_FIXED + int(MARGIN_FRACTION * (total or available))
+    return max(0, available - margin)
+
+
+@dataclass
+class Placement:
+    """Bytes of a disk store's training state in RAM and on disk, by kind."""
+
+    ram_capacity: int
+    ram: dict[str, int] = field(default_factory=dict)
+    disk: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def disk_bytes_per_step(self) -> int:
+        """Bytes moved between the files and memory a step (reads and writes)."""
+        return sum(DISK_TRAFFIC[k] * n for k, n in self.disk.items())
+
+    @property
+    def ram_bytes(self) -> int:
+        return sum(self.ram.values())
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(self.disk.values())
+
+    def describe(self) -> str:
+        """One line for the log: what is where, and the disk traffic it costs a step."""
+
+        def parts(where: dict[str, int]) -> str:
+            names = {"master": "masters", "state": "optimizer state", "grad": "gradients"}
+            shown = [f"{names[k]} {format_bytes(n)}" for k, n in where.items() if n]
+            return ", ".join(shown) or "nothing"
+
+        return (
+            f"RAM tier of {format_bytes(self.ram_capacity)} holds {parts(self.ram)}; files hold "
+            f"{parts(self.disk)}; about {format_bytes(self.disk_bytes_per_step)} read and written "
+            "a step"
+        )
+
+    def add(self, kind: str, nbytes: int, in_ram: bool) -> None:
+        where = self.ram if in_ram else self.disk
+        where[kind] = where.get(kind, 0) + nbytes
+
+
+class PlacementPlan:
+    """Each parameter's place, decided when the store takes the model.
+
+    Masters first, in parameter order, then ``states_per_master`` state
+    tensors of each master's size, then one gradient each; each kept in RAM
+    if it still fits in ``capacity`` (first fit). Deciding up front makes the
+    placement independent of the order in which the tensors are created later
+    (the optimizer's state at its construction, gradients in backward order).
+    ``predicted`` is the placement for an optimizer with that many state
+    tensors (AdamW: 2); ``actual`` counts what the store created. Thread-safe.
+    """
+
+    def __init__(
+        self, master_bytes: dict[Hashable, int], capacity: int, states_per_master: int = 2
+    ) -> None:
+        self.capacity = max(0, int(capacity))
+        self.predicted = Placement(self.capacity)
+        self.actual = Placement(self.capacity)
+        self._lock = threading.Lock()
+        left = self.capacity
+        sizes = master_bytes  # key (the store uses id(parameter)) -> bytes
+        self._master: dict[int, bool] = {}
+        self._grad: dict[int, bool] = {}
+        self._state_left: dict[int, int] = {}  # bytes of state granted, not yet taken
+
+        def take(kind: str, nbytes: int) -> bool:
+            nonlocal left
+            fits = nbytes <= left
+            left -= nbytes if fits else 0
+            self.predicted.add(kind, nbytes, fits)
+            return fits
+
+        for key, n in sizes.items():
+            self._master[key] = take("master", n)
+        for key, n in sizes.items():
+            self._state_left[key] = sum(n for _ in range(states_per_master) if take("state", n))
+        for key, n in sizes.items():
+            self._grad[key] = take("grad", n)
+
+    def in_ram(self, key: Hashable, kind: str, nbytes: int) -> bool:
+        """Whether a new ``kind`` tensor of master ``key`` goes to RAM (then counted)."""
+        with self._lock:
+            if kind == "state":
+                fits = nbytes <= self._state_left.get(key, 0)
+                if fits:
+                    self._state_left[key] -= nbytes
+            else:
+                table = self._master if kind == "master" else self._grad
+                fits = table.get(key, False)
+                table[key] = False  # a second tensor of the kind goes to the files
+            self.actual.add(kind, nbytes, fits)
+            return fits
+
+    def give_back(self, kind: str, nbytes: int) -> None:
+        """A ``kind`` tensor of ``nbytes`` in RAM is no longer kept (another rank owns
+        its master): it stops being counted."""
+        with self._lock:
+            self.actual.ram[kind] -= nbytes
+
+
+def predict(master_bytes: Sequence[int], capacity: int, states_per_master: int = 2) -> Placement:
+    """The placement of masters of ``master_bytes``, in order (see :class:`PlacementPlan`)."""
+    return PlacementPlan(dict(enumerate(master_bytes)), capacity, states_per_master).predicted

@@ -1,0 +1,90 @@
+"""The disk store's RAM tier (Note [hybrid placement] in runtime/placement.py).
+
+Under ``host_memory_budget`` the disk store keeps in RAM what saves the most
+disk traffic a step (masters first, then optimizer state, then gradients) and
+the rest in its files; where a tensor lives never changes a bit of the result.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.nn.functional as F
+from test_disk_store import CFG, _assert_same_training, _batch, _train
+
+from weightstream.common.pages import is_store_mapped
+from weightstream.runtime import placement
+from weightstream.runtime.engine import UPDATE_BYTES_PER_WEIGHT_BYTE
+
+
+def test_prediction_fills_ram_with_masters_then_state_then_gradients():
+    # Three masters of 100, 50 and 10 bytes; 400 bytes of RAM: all masters (160),
+    # then AdamW's two moments in parameter order while they fit: 100 + 100 (360),
+    # 50 does not fit, 10 + 10 do (380); then gradients: the 10-byte one fits (390).
+    got = placement.predict([100, 50, 10], capacity=400)
+    assert got.ram == {"master": 160, "state": 220, "grad": 10}
+    assert got.disk == {"state": 100, "grad": 150}
+    # A byte of state or gradient on disk moves 2 bytes a step, a master 4.
+    assert got.disk_bytes_per_step == 2 * 100 + 2 * 150
+    none = placement.predict([100, 50, 10], capacity=0)
+    assert none.disk_bytes_per_step == 4 * 160 + 2 * 320 + 2 * 160
+    assert none.ram_bytes == 0
+
+
+def _largest_unit_bytes(runner) -> int:
+    return runner.engine.plan.largest_unit_bytes
+
+
+def _working_set(runner, prefetch_depth: int = 1) -> int:
+    return (prefetch_depth + 1 + UPDATE_BYTES_PER_WEIGHT_BYTE) * _largest_unit_bytes(runner)
+
+
+@pytest.mark.parametrize("where", ["ram_tier", "hybrid", "files"])
+def test_any_placement_trains_bit_for_bit_as_the_ram_store(tmp_path, where):
+    ram = _train("ws", steps=3)
+    # The budget: the disk tier's working set plus room for everything (RAM
+    # tier), for the masters and some state (hybrid), or for nothing (files).
+    probe_model, probe, _, _ = _train(
+        "ws", steps=1, store="disk", store_dir=str(tmp_path / "probe")
+    )
+    working = _working_set(probe)
+    masters = sum(p.numel() * 4 for p in probe_model.parameters())
+    extra = {"ram_tier": 5 * masters, "hybrid": 2 * masters, "files": 0}[where]
+    disk = _train(
+        "ws", steps=3, store="disk", store_dir=str(tmp_path), host_memory_budget=working + extra
+    )
+    _assert_same_training(ram, disk)
+    model, runner, opt, _ = disk
+    store = runner.engine.store
+    got = store.placement()
+    tensors = [p.data for p in model.parameters()] + [
+        v for st in opt.state.values() for v in st.values() if v.dim() > 0
+    ]
+    in_files = [t for t in tensors if is_store_mapped(t)]
+    assert all(store.holds(t) for t in tensors)
+    if where == "ram_tier":
+        assert not in_files and got.disk_bytes == 0
+    elif where == "files":
+        assert len(in_files) == len(tensors) and got.ram_bytes == 0
+    else:
+        assert not any(is_store_mapped(p) for p in model.parameters())  # masters first
+        assert 0 < len(in_files) < len(tensors)
+        assert got.ram["master"] == masters and got.ram_bytes <= 2 * masters
+    # What the store did is what the prediction said (AdamW: two moments each).
+    master_bytes = [p.numel() * p.element_size() for p in model.parameters()]
+    assert got == placement.predict(master_bytes, store.places.capacity)
+
+
+def test_default_budget_is_the_available_memory_less_the_margin(tmp_path):
+    model, runner, _, _ = _train("ws", steps=1, store="disk", store_dir=str(tmp_path))
+    available = placement.available_memory()
+    assert available is not None
+    capacity = runner.engine.store.places.capacity
+    margin = placement.MARGIN_FIXED + placement.MARGIN_FRACTION * placement.total_memory()
+    # Measured a moment apart: the available memory moves by a few MiB.
+    assert abs(capacity + _working_set(runner) + margin - available) < 256 * 2**20
+    # This small model fits whole in the RAM tier.
+    assert not any(is_store_mapped(p) for p in model.parameters())
+    x, y = _batch(0)
+    F.cross_entropy(runner(x).flatten(0, 1), y.flatten()).backward()
+    assert not any(is_store_mapped(p.grad) for p in model.parameters())
+    assert CFG.n_layer == 3
