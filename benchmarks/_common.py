@@ -82,3 +82,11 @@ def current_rss_bytes() -> int:
 
 def print_result(name: str, **figures) -> None:
     print("RESULT " + json.dumps({"benchmark": name, **figures}), flush=True)
+
+
+def parse_result(stdout: str) -> dict:
+    """The figures of the last ``RESULT`` line a benchmark printed."""
+    lines = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
+    if not lines:
+        raise RuntimeError(f"no RESULT line in:\n{stdout[-2000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])

@@ -88,3 +88,23 @@ def test_default_budget_is_the_available_memory_less_the_margin(tmp_path):
     F.cross_entropy(runner(x).flatten(0, 1), y.flatten()).backward()
     assert not any(is_store_mapped(p.grad) for p in model.parameters())
     assert CFG.n_layer == 3
+
+
+def test_a_sharded_store_gives_the_places_of_other_ranks_masters_to_its_own():
+    plan = placement.PlacementPlan({"a": 100, "b": 50, "c": 10}, capacity=400)
+    assert [plan.in_ram(k, "master", n) for k, n in (("a", 100), ("b", 50), ("c", 10))] == [
+        True,
+        True,
+        True,
+    ]
+    # Another rank owns b: its master goes, its state and gradient never come.
+    plan.give_back("master", 50, in_ram=True)
+    plan.keep_only({"a", "c"})
+    # Masters a and c stay (110); state a 100 + 100, c 10 + 10 (330); gradient a
+    # (100) no longer fits, c (10) does.
+    assert plan.predicted.ram == {"master": 110, "state": 220, "grad": 10}
+    assert plan.predicted.disk == {"grad": 100}
+    assert plan.in_ram("a", "state", 100) and plan.in_ram("a", "state", 100)
+    assert not plan.in_ram("a", "grad", 100) and plan.in_ram("c", "grad", 10)
+    assert not plan.in_ram("a", "master", 100)  # made once; a second one goes to a file
+    assert plan.actual.ram == {"master": 110, "state": 200, "grad": 10}

@@ -209,14 +209,25 @@ def _gather_and_reload(model, optimizer, shards) -> dict:
     }
 
 
-def _memory_rank(rank: int, world: int, port: int, out: str) -> None:
+def _memory_rank(rank: int, world: int, port: int, out: str, store: str = "ram") -> None:
+    """Two steps with a replicated and a sharded store on ``world`` ranks; what each
+    store keeps, written to ``out/{store}{rank}.json``."""
     import torch.distributed as dist
 
     import weightstream as cstorch
+    from weightstream.common.pages import is_store_mapped
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    disk = {}
+    if store == "disk":
+        disk = dict(
+            store="disk",
+            store_dir=str(Path(out, "store")),  # one directory for both ranks
+            # The disk tier's working set (6 units) and no RAM tier: all in files.
+            host_memory_budget=(1 + 1 + 4) * UNIT_BYTES,
+        )
     result = {}
     try:
         for sharding in ("replicated", "sharded"):
@@ -224,7 +235,12 @@ def _memory_rank(rank: int, world: int, port: int, out: str) -> None:
             model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(N_UNITS)))
             optimizer = cstorch.optim.AdamW(model.parameters(), lr=1e-3)
             compiled = cstorch.compile(
-                model, backend="wse_ws", device="cpu", granularity="module", store_sharding=sharding
+                model,
+                backend="wse_ws",
+                device="cpu",
+                granularity="module",
+                store_sharding=sharding,
+                **disk,
             )
             x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
             for _ in range(2):
@@ -232,13 +248,28 @@ def _memory_rank(rank: int, world: int, port: int, out: str) -> None:
                 loss.backward()  # SwarmX reduces in the backward
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            result[sharding] = _store_bytes(model, optimizer)
-            if sharding == "sharded":
-                result["reload"] = _gather_and_reload(model, optimizer, compiled.engine.shards)
+            if store == "ram":
+                result[sharding] = _store_bytes(model, optimizer)
+                if sharding == "sharded":
+                    result["reload"] = _gather_and_reload(model, optimizer, compiled.engine.shards)
+            else:
+                result[sharding] = compiled.engine.store.bytes_mapped
+                placed = compiled.engine.store.placement()
+                result[f"{sharding}_placed"] = {
+                    k: placed.ram.get(k, 0) + placed.disk.get(k, 0) for k in placed.disk
+                }
+                if sharding == "sharded":
+                    # A whole-model read gathers the other rank's tensors into
+                    # scratch files of the store, never into memory.
+                    state = model.state_dict()
+                    owns = compiled.engine.shards.owns
+                    owned = {id(p) for p in model.parameters() if owns(p)}
+                    others = [t for t in state.values() if id(t) not in owned and t.numel() > 1]
+                    result["gathered_on_disk"] = bool(others) and all(map(is_store_mapped, others))
             compiled.close()
     finally:
         dist.destroy_process_group()
-    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    Path(out, f"{store}{rank}.json").write_text(json.dumps(result))
 
 
 def test_per_rank_store_memory_is_half_with_two_ranks_and_stays_so_after_a_load(tmp_path):
@@ -247,7 +278,7 @@ def test_per_rank_store_memory_is_half_with_two_ranks_and_stays_so_after_a_load(
     mp.start_processes(
         _memory_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
     )
-    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    got = [json.loads((tmp_path / f"ram{r}.json").read_text()) for r in range(2)]
     # AdamW keeps exp_avg and exp_avg_sq (each the size of the master) and a
     # float32 scalar step per parameter: the replicated store holds, on every rank,
     # 3 x 4 x 16,640 + 8 x 4 = 199,712 bytes.
@@ -267,59 +298,11 @@ def test_per_rank_store_memory_is_half_with_two_ranks_and_stays_so_after_a_load(
     assert [g["reload"] for g in got] == [{"whole": True, "restored": True, "bytes": sharded}] * 2
 
 
-def _disk_memory_rank(rank: int, world: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
-    import weightstream as cstorch
-    from weightstream.common.pages import is_store_mapped
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    result = {}
-    try:
-        for sharding in ("replicated", "sharded"):
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(N_UNITS)))
-            optimizer = cstorch.optim.AdamW(model.parameters(), lr=1e-3)
-            compiled = cstorch.compile(
-                model,
-                backend="wse_ws",
-                device="cpu",
-                granularity="module",
-                store_sharding=sharding,
-                store="disk",
-                store_dir=str(Path(out, "store")),  # one directory for both ranks
-                # The disk tier's working set (6 units) and no RAM tier: all in files.
-                host_memory_budget=(1 + 1 + 4) * UNIT_BYTES,
-            )
-            x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
-            for _ in range(2):
-                loss = compiled(x).square().mean()
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            result[sharding] = compiled.engine.store.bytes_mapped
-            if sharding == "sharded":
-                # A whole-model read gathers the other rank's tensors into scratch
-                # files of the store, never into memory.
-                state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-                owned = {id(p) for p in model.parameters() if compiled.engine.shards.owns(p)}
-                others = [
-                    t for t in state["model"].values() if id(t) not in owned and t.numel() > 1
-                ]
-                result["gathered_on_disk"] = bool(others) and all(map(is_store_mapped, others))
-            compiled.close()
-    finally:
-        dist.destroy_process_group()
-    Path(out, f"disk{rank}.json").write_text(json.dumps(result))
-
-
 def test_sharded_disk_store_keeps_half_the_files_on_each_of_two_ranks(tmp_path):
     import torch.multiprocessing as mp
 
     mp.start_processes(
-        _disk_memory_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
+        _memory_rank, args=(2, _free_port(), str(tmp_path), "disk"), nprocs=2, start_method="spawn"
     )
     got = [json.loads((tmp_path / f"disk{r}.json").read_text()) for r in range(2)]
     # Files of the training state: masters, gradients and AdamW's two moments,
@@ -327,6 +310,11 @@ def test_sharded_disk_store_keeps_half_the_files_on_each_of_two_ranks(tmp_path):
     # all 4 units on each rank; sharded: each rank's 2 units, exactly half.
     assert [g["replicated"] for g in got] == [4 * N_UNITS * UNIT_BYTES] * 2 == [266_240] * 2
     assert [g["sharded"] for g in got] == [4 * (N_UNITS // 2) * UNIT_BYTES] * 2
+    # The store's placement counts this rank's own tensors only.
+    half = (N_UNITS // 2) * UNIT_BYTES
+    assert [g["sharded_placed"] for g in got] == [
+        {"master": half, "state": 2 * half, "grad": half}
+    ] * 2
     assert [g["gathered_on_disk"] for g in got] == [True, True]
     assert not any((tmp_path / "store").iterdir())  # nothing left behind
 

@@ -68,6 +68,7 @@ used untagged datasets with ``is_none`` / ``is_string`` / ``is_scalar``.
 from __future__ import annotations
 
 import json
+import mmap
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -76,6 +77,8 @@ from urllib.parse import quote
 
 import numpy as np
 import torch
+
+from weightstream.common.pages import register_read_mapping
 
 FORMAT_VERSION = 0.5
 
@@ -537,20 +540,31 @@ def storage_array(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy().reshape(stored_shape(tuple(t.shape), t.dtype))
 
 
-def map_tensor(
-    buffer: Any, offset: int, dtype: torch.dtype, shape: tuple[int, ...]
+def map_file_range(
+    fd: int, offset: int, dtype: torch.dtype, shape: tuple[int, ...], file_size: int
 ) -> torch.Tensor | None:
-    """A tensor viewing ``buffer`` (a copy-on-write file mapping) at ``offset``.
+    """A tensor viewing bytes ``offset ..`` of the open file ``fd`` through a
+    copy-on-write mapping of just those pages (Note [fast reads]).
 
-    No copy: pages are read from the file when touched. None when the data is
-    empty or not 64-byte aligned (then the caller copies instead).
+    No copy: pages are read from the file when touched. One mapping per tensor,
+    never the whole file: the kernel refuses a writable private mapping larger
+    than the memory it could ever back (its overcommit heuristic), which a
+    checkpoint of a model larger than RAM is. None when the data is empty, not
+    64-byte aligned, or past the end of the file (the caller copies instead, and
+    reports a truncation).
     """
     numel = 1
     for d in shape:
         numel *= d
-    if numel == 0 or offset % 64:
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if numel == 0 or offset % 64 or offset + nbytes > file_size:
         return None
-    return torch.frombuffer(buffer, dtype=dtype, count=numel, offset=offset).view(shape)
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    mapping = mmap.mmap(fd, offset - start + nbytes, offset=start, access=mmap.ACCESS_COPY)
+    register_read_mapping(mapping)
+    # The tensor holds the mapping: it is unmapped when the last view dies.
+    flat = torch.frombuffer(mapping, dtype=dtype, count=numel, offset=offset - start)
+    return flat.view(shape)
 
 
 # --------------------------------------------------------------------------

@@ -13,20 +13,24 @@ big-endian) go through ``Dataset.read_direct`` into the same preallocated
 buffer. Every dataset with a ``checksum_sum64`` attribute is verified after
 the read.
 
-With ``mmap=True`` such a plain byte range is not copied at all: the tensor
-is a view of a copy-on-write mapping of the file (writable, changes stay in
-memory), as safetensors and ``torch.load(mmap=True)`` do. The checksum is
-still verified (reading the pages once through the page cache). The mapping
-lives as long as any tensor from it; a file replaced by a later save (a
-rename) does not affect it, but a file truncated in place by another program
-would (SIGBUS on access), which is why copying is the default.
+With ``mmap=True`` (the default of a lazy ``load``) such a plain byte range is
+not copied at all: the tensor is a view of a copy-on-write mapping of its own
+pages of the file (writable, changes stay in memory), as safetensors and
+``torch.load(mmap=True)`` do. One mapping per tensor, not per file: the kernel
+refuses a writable private mapping larger than the memory it could back, as a
+checkpoint of a model larger than RAM is. The checksum is still verified
+(reading the pages once through the page cache), and the verified pages are
+given back at once (``common.pages.release_pages``), so reading every tensor
+of a large checkpoint costs address space until they are used (Note [bounded
+loads]). The mapping lives as long as the tensor; a file replaced by a later
+save (a rename) does not affect it, but a file truncated in place by another
+program would (SIGBUS on access), which is why the eager modes copy.
 """
 
 from __future__ import annotations
 
 import errno
 import itertools
-import mmap
 import os
 import pickle
 import warnings
@@ -86,7 +90,7 @@ from weightstream.checkpoint.format import (
     dataset_name,
     is_tree_json,
     iter_leaves,
-    map_tensor,
+    map_file_range,
     storage_array,
     stored_shape,
     tensor_encoding,
@@ -96,7 +100,7 @@ from weightstream.checkpoint.format import (
 )
 from weightstream.checkpoint.refspec import decode_reference_spec
 from weightstream.checkpoint.source import LeafInfo, Source, read_exact
-from weightstream.common.pages import register_read_mapping, release_pages
+from weightstream.common.pages import release_pages
 
 # Tags of the reference system's newer storage layer (`__TYPE__` attribute).
 _TENSOR_TAGS = {TYPE_TENSOR, "TorchTensorSerializer"}
@@ -178,7 +182,7 @@ class H5Source(Source):
         self._allow_pickle = allow_pickle
         self._verify = verify
         self._use_mmap = mmap
-        self._mapping: mmap.mmap | None = None
+        self._file_size: int | None = None  # for mapped reads
         self._uid = next(_source_ids)
         self._fd: int | None = None
         self._last: tuple[str, h5py.Dataset] | None = None  # see _dataset
@@ -351,7 +355,6 @@ class H5Source(Source):
 
     def close(self) -> None:
         # Tensors mapped from the file keep the mapping alive; just drop ours.
-        self._mapping = None
         self._last = None
         if self._fd is not None:
             os.close(self._fd)
@@ -531,16 +534,9 @@ class H5Source(Source):
         offset = _raw_offset(dset)
         if offset is None:
             return None
-        nbytes = int(dset.size * dset.dtype.itemsize)
-        if self._mapping is None:
-            size = os.fstat(self._fd).st_size
-            if size == 0:
-                return None
-            self._mapping = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
-            register_read_mapping(self._mapping)
-        if offset + nbytes > len(self._mapping):
-            return None  # past the end: the copying path reports the truncation
-        return map_tensor(self._mapping, offset, dtype, shape)
+        if self._file_size is None:
+            self._file_size = os.fstat(self._fd).st_size
+        return map_file_range(self._fd, offset, dtype, shape, self._file_size)
 
     def _read_array(self, key: str, name: str, dset: h5py.Dataset, attrs: dict) -> np.ndarray:
         array = np.empty(dset.shape, dtype=dset.dtype.newbyteorder("="))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import struct
 from collections.abc import Hashable
@@ -35,7 +34,7 @@ from weightstream.checkpoint.format import (
     Leaf,
     flatten,
     iter_leaves,
-    map_tensor,
+    map_file_range,
     storage_array,
     torch_dtype_from_name,
     tree_from_json,
@@ -55,7 +54,6 @@ from weightstream.checkpoint.writer import (
     is_plain_tensor,
     storage_identity,
 )
-from weightstream.common.pages import register_read_mapping
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -136,7 +134,7 @@ class SafetensorsSource(Source):
     def __init__(self, path: Path, *, mmap: bool = False) -> None:
         self.path = Path(path)
         self._use_mmap = mmap
-        self._mappings: dict[Path, Any] = {}
+        self._sizes: dict[Path, int] = {}  # for mapped reads
         self._fds: dict[Path, int] = {}
         record: Any = None
         index = None
@@ -209,12 +207,12 @@ class SafetensorsSource(Source):
         except KeyError:
             raise KeyError(f"{self.path} has no key {key!r}") from None
         if self._use_mmap:
-            if entry.file not in self._mappings:
-                self._mappings[entry.file] = mmap.mmap(
-                    self._fd(entry.file), 0, access=mmap.ACCESS_COPY
-                )
-                register_read_mapping(self._mappings[entry.file])
-            mapped = map_tensor(self._mappings[entry.file], entry.begin, entry.dtype, entry.shape)
+            fd = self._fd(entry.file)
+            if entry.file not in self._sizes:
+                self._sizes[entry.file] = os.fstat(fd).st_size
+            mapped = map_file_range(
+                fd, entry.begin, entry.dtype, entry.shape, self._sizes[entry.file]
+            )
             if mapped is not None:
                 return mapped
         out = torch.empty(entry.shape, dtype=entry.dtype)
@@ -251,7 +249,6 @@ class SafetensorsSource(Source):
         return {"format": self.format, "files": len({e.file for e in self._entries.values()})}
 
     def close(self) -> None:
-        self._mappings = {}  # mapped tensors keep their mapping alive
         for fd in self._fds.values():
             os.close(fd)
         self._fds = {}

@@ -49,10 +49,14 @@ class StreamingConfig:
             unit and ``p.grad`` is None right after ``step()``.
         store_dir: the directory of the disk store's files (default: a new
             temporary directory). The files are unlinked once mapped.
-        host_memory_budget: bytes of host memory the disk store's resident pages
-            may use. Compile fails, before any step, if the plan needs more:
-            (prefetch_depth + 1) units in flight plus one unit's update (master,
-            gradient and two optimizer moments) of the largest unit.
+        host_memory_budget: bytes of host memory the disk store may use: its
+            files' resident pages need at most (prefetch_depth + 1) units in
+            flight plus one unit's update (master, gradient and two optimizer
+            moments) of the largest unit, and compile fails, before any step, if
+            the budget is smaller; the rest is its RAM tier, which keeps masters,
+            then optimizer state, then gradients in ordinary memory (Note [hybrid
+            placement] in runtime/placement.py). None: the memory available when
+            the store is built less 2 GiB and 10% of the machine's memory.
         store_sharding: with data parallel (torch.distributed initialized, more
             than one rank), ``"replicated"`` keeps every master and all optimizer
             state on every rank; ``"sharded"`` gives each streaming unit one owner

@@ -44,8 +44,10 @@ from dataclasses import dataclass, field
 
 from weightstream.common.units import format_bytes
 
-# Bytes moved between the store's files and memory per step, per byte kept on disk.
-DISK_TRAFFIC = {"master": 4, "state": 2, "grad": 2}
+# Bytes read from and written to the store's files per step, per byte kept there.
+DISK_READS = {"master": 3, "state": 1, "grad": 1}
+DISK_WRITES = {"master": 1, "state": 1, "grad": 1}
+DISK_TRAFFIC = {k: DISK_READS[k] + DISK_WRITES[k] for k in DISK_READS}
 
 # The margin default_budget leaves to the rest of the process and the system.
 MARGIN_FIXED = 2 * 2**30
@@ -97,6 +99,14 @@ class Placement:
         return sum(DISK_TRAFFIC[k] * n for k, n in self.disk.items())
 
     @property
+    def disk_reads_per_step(self) -> int:
+        return sum(DISK_READS[k] * n for k, n in self.disk.items())
+
+    @property
+    def disk_writes_per_step(self) -> int:
+        return sum(DISK_WRITES[k] * n for k, n in self.disk.items())
+
+    @property
     def ram_bytes(self) -> int:
         return sum(self.ram.values())
 
@@ -139,28 +149,43 @@ class PlacementPlan:
         self, master_bytes: dict[Hashable, int], capacity: int, states_per_master: int = 2
     ) -> None:
         self.capacity = max(0, int(capacity))
-        self.predicted = Placement(self.capacity)
         self.actual = Placement(self.capacity)
         self._lock = threading.Lock()
-        left = self.capacity
-        sizes = master_bytes  # key (the store uses id(parameter)) -> bytes
-        self._master: dict[int, bool] = {}
-        self._grad: dict[int, bool] = {}
-        self._state_left: dict[int, int] = {}  # bytes of state granted, not yet taken
+        self._sizes = dict(master_bytes)  # key (the store: a parameter's name) -> bytes
+        self._states = states_per_master
+        self._master: dict[Hashable, bool] = {}
+        self._taken: set[tuple[str, Hashable]] = set()  # masters and gradients created
+        self._plan()
 
-        def take(kind: str, nbytes: int) -> bool:
+    def _plan(self) -> None:
+        """Decide every place not decided yet: masters, then state, then gradients."""
+        self.predicted = Placement(self.capacity)
+        left = self.capacity
+        self._grad: dict[Hashable, bool] = {}
+        self._state_left: dict[Hashable, int] = {}  # bytes of state granted, not yet taken
+
+        def take(kind: str, nbytes: int, decided: bool | None = None) -> bool:
             nonlocal left
-            fits = nbytes <= left
+            fits = nbytes <= left if decided is None else decided
             left -= nbytes if fits else 0
             self.predicted.add(kind, nbytes, fits)
             return fits
 
-        for key, n in sizes.items():
-            self._master[key] = take("master", n)
-        for key, n in sizes.items():
-            self._state_left[key] = sum(n for _ in range(states_per_master) if take("state", n))
-        for key, n in sizes.items():
+        for key, n in self._sizes.items():
+            self._master[key] = take("master", n, self._master.get(key))
+        for key, n in self._sizes.items():
+            self._state_left[key] = sum(n for _ in range(self._states) if take("state", n))
+        for key, n in self._sizes.items():
             self._grad[key] = take("grad", n)
+
+    def keep_only(self, keys: set) -> None:
+        """Only the masters ``keys`` stay (a sharded store: other ranks own the rest).
+        Their state and gradients get the places the others' would have had; the
+        kept masters stay where they are. Call before any state or gradient exists."""
+        with self._lock:
+            self._sizes = {k: n for k, n in self._sizes.items() if k in keys}
+            self._master = {k: v for k, v in self._master.items() if k in keys}
+            self._plan()
 
     def in_ram(self, key: Hashable, kind: str, nbytes: int) -> bool:
         """Whether a new ``kind`` tensor of master ``key`` goes to RAM (then counted)."""
@@ -171,16 +196,18 @@ class PlacementPlan:
                     self._state_left[key] -= nbytes
             else:
                 table = self._master if kind == "master" else self._grad
-                fits = table.get(key, False)
-                table[key] = False  # a second tensor of the kind goes to the files
+                # A second tensor of the kind (never made by the store) goes to the files.
+                fits = table.get(key, False) and (kind, key) not in self._taken
+                self._taken.add((kind, key))
             self.actual.add(kind, nbytes, fits)
             return fits
 
-    def give_back(self, kind: str, nbytes: int) -> None:
-        """A ``kind`` tensor of ``nbytes`` in RAM is no longer kept (another rank owns
-        its master): it stops being counted."""
+    def give_back(self, kind: str, nbytes: int, in_ram: bool) -> None:
+        """A ``kind`` tensor of ``nbytes`` is no longer kept (another rank owns its
+        master): it stops being counted."""
         with self._lock:
-            self.actual.ram[kind] -= nbytes
+            where = self.actual.ram if in_ram else self.actual.disk
+            where[kind] -= nbytes
 
 
 def predict(master_bytes: Sequence[int], capacity: int, states_per_master: int = 2) -> Placement:

@@ -3,8 +3,9 @@
 Note [disk tier]
 ----------------
 With ``StreamingConfig(store="disk")`` every host tensor of the training state
-(the master weights, their gradients and the optimizer's state) lives in a
-file of its own under ``store_dir``, mapped into memory shared with the file
+(the master weights, their gradients and the optimizer's state) that the RAM
+tier does not keep (Note [hybrid placement] in runtime/placement.py) lives in
+a file of its own under ``store_dir``, mapped into memory shared with the file
 (``mmap``, MAP_SHARED). A tensor over such a mapping is an ordinary CPU tensor,
 so the forward copy, autograd's gradient accumulation and the optimizer's
 kernels run on it unchanged and give the same bits as the RAM store.
@@ -321,6 +322,10 @@ class DiskStore:
         """Stop keeping ``params`` (masters another rank owns, Note [sharded store]):
         no gradient of theirs comes into the store, and the files under their old
         data are given back to the disk as soon as nothing else holds them."""
+        params = list(params)
+        if self.places is not None:
+            gone = {self._key.get(id(p)) for p in params}
+            self.places.keep_only({k for k in self._key.values() if k not in gone})
         for p in params:
             hook = self._hooks.pop(id(p), None)
             if hook is not None:
@@ -330,9 +335,10 @@ class DiskStore:
             for t in old_data:
                 if t.numel():
                     ptr = t.untyped_storage().data_ptr()
-                    self._maps.pop(ptr, None)
-                    if self._ram.pop(ptr, None) is not None and self.places is not None:
-                        self.places.give_back("master", t.numel() * t.element_size())
+                    in_file = self._maps.pop(ptr, None) is not None
+                    in_ram = self._ram.pop(ptr, None) is not None
+                    if (in_file or in_ram) and self.places is not None:
+                        self.places.give_back("master", t.numel() * t.element_size(), in_ram)
 
     def _grad_into_store(self, p: torch.Tensor) -> None:
         """Post-accumulate-grad hook: keep ``p.grad`` in the store (Note [disk tier])."""
