@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from weightstream.common.files import write_text_atomic
 from weightstream.compiler import machine as machine_mod
 from weightstream.compiler.cost import (
     OP_CLASSES,
@@ -785,7 +786,9 @@ def _cached(profile: MachineProfile, tmp_path, monkeypatch) -> MachineProfile:
     """``profile`` as the cached profile of a cache directory at ``tmp_path``."""
     monkeypatch.setenv("WEIGHTSTREAM_CACHE_DIR", str(tmp_path))
     data = {**profile.to_dict(), "disk_dir": str(tmp_path)}
-    machine_mod._write_json_atomic(machine_mod.default_path("cpu", quick=True), data)
+    write_text_atomic(
+        machine_mod.default_path("cpu", quick=True), json.dumps(data, indent=2, sort_keys=True)
+    )
     return load_or_measure("cpu", quick=True)
 
 

@@ -185,6 +185,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from weightstream.common.files import write_text_atomic
 from weightstream.compiler.profile import SCHEMA, MachineProfile, UpdateCost, _interp
 
 REPEATS = 3
@@ -1211,20 +1212,6 @@ def remeasure_software(profile: MachineProfile) -> MachineProfile:
     return remeasured
 
 
-def _write_json_atomic(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def load(path: str | Path) -> MachineProfile | None:
     """The profile stored at ``path``, or None if absent, unreadable or incomplete."""
     try:
@@ -1272,10 +1259,10 @@ def load_or_measure(
             if cached.runtime_digest == runtime_digest():
                 return cached
             profile = remeasure_software(cached)
-            _write_json_atomic(path, profile.to_dict())
+            write_text_atomic(path, json.dumps(profile.to_dict(), indent=2, sort_keys=True))
             return profile
     profile = measure(device, quick=quick, disk_dir=disk_dir)
-    _write_json_atomic(path, profile.to_dict())
+    write_text_atomic(path, json.dumps(profile.to_dict(), indent=2, sort_keys=True))
     return profile
 
 
@@ -1350,7 +1337,7 @@ def attention_curve_for(
             curve = {}  # no attention kernel for this dtype here: priced by its products
     profile.attention_curves[dtype] = curve
     path = Path(path) if path is not None else default_path(profile.device, profile.quick)
-    _write_json_atomic(path, profile.to_dict())
+    write_text_atomic(path, json.dumps(profile.to_dict(), indent=2, sort_keys=True))
 
 
 def update_cost(
@@ -1378,5 +1365,5 @@ def update_cost(
         return None
     profile.update_costs[key] = asdict(cost)
     path = Path(path) if path is not None else default_path(profile.device, profile.quick)
-    _write_json_atomic(path, profile.to_dict())
+    write_text_atomic(path, json.dumps(profile.to_dict(), indent=2, sort_keys=True))
     return cost

@@ -18,12 +18,11 @@ import dataclasses
 import enum
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
+from weightstream.common.files import write_text_atomic
 from weightstream.common.units import format_bytes
 from weightstream.compiler.cost import StepCosts
 from weightstream.compiler.estimate import Estimate
@@ -323,19 +322,6 @@ def _report_text(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_compile_dir(
     root: str | Path,
     checksum: str,
@@ -349,8 +335,8 @@ def write_compile_dir(
     data = _plan_dict(checksum, plan, costs, estimate, machine, settings)
     directory = compile_dir_path(root, checksum)
     directory.mkdir(parents=True, exist_ok=True)
-    _write_atomic(directory / REPORT_FILE, _report_text(data))
-    _write_atomic(directory / PLAN_FILE, json.dumps(data, indent=2, sort_keys=True) + "\n")
+    write_text_atomic(directory / REPORT_FILE, _report_text(data))
+    write_text_atomic(directory / PLAN_FILE, json.dumps(data, indent=2, sort_keys=True) + "\n")
     return directory
 
 

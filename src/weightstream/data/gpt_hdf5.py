@@ -38,6 +38,8 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from weightstream.common.files import atomic_path
+
 __all__ = [
     "FEATURES",
     "GptHDF5Dataset",
@@ -485,13 +487,10 @@ def write_gpt_hdf5(
         data[:, rows["attention_mask"]] = 1
         data[:, rows["labels"]] = tokens[window + 1]
         path = out / f"data-{file_i:05d}.h5"
-        tmp = path.with_suffix(".h5.tmp")
-        # Written under a temporary name and renamed: a crash never leaves a
-        # half-written .h5 that the reader would pick up.
-        with h5py.File(tmp, "w") as f:
+        # A crash never leaves a half-written .h5 that the reader would pick up.
+        with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
             f.create_dataset("data", data=data, chunks=(1, 3, seq_len), **filter_kwargs)
             f.attrs["n_examples"] = count
-        os.replace(tmp, path)
         written.append(path)
     params = {
         "features": list(FEATURES),

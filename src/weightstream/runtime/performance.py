@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from weightstream.common.files import write_text_atomic
+
 # Waiting for input longer than this fraction of the compute time per step
 # means the accelerator would idle: more input workers would help.
 INPUT_BOTTLENECK_FRACTION = 0.10
@@ -77,12 +79,5 @@ class PerformanceTracker:
     def write(self, model_dir: str | os.PathLike) -> Path:
         """Write ``model_dir/performance/performance.json`` atomically."""
         path = Path(model_dir) / "performance" / "performance.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_text_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
         return path

@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from weightstream import checkpoint as ckpt
 from weightstream.amp import GradScaler
@@ -482,34 +484,31 @@ class LossLog:
 
 
 class ProgressBar:
-    """One terminal line: steps done, loss, rate and time left (only on a terminal)."""
+    """The training progress line on a terminal: tqdm's bar, rate and time left, with the loss."""
 
-    def __init__(self, start: int, end: int, stream=None, width: int = 30):
-        self.start, self.end, self.width = start, end, width
-        self.stream = stream or sys.stdout
-        self.t0 = time.perf_counter()
+    def __init__(self, start: int, end: int, stream=None):
+        # shutil's size falls back to 80 x 24 where the terminal reports 0 x 0 (a
+        # pseudo-terminal nobody sized), on which tqdm would hide the bar.
+        cols, rows = shutil.get_terminal_size()
+        self._bar = tqdm(
+            total=end,
+            initial=start,
+            file=stream or sys.stdout,
+            unit="step",
+            ncols=cols,
+            nrows=rows,
+        )
 
     def update(self, step: int, loss: float) -> None:
-        done = step - self.start
-        total = max(self.end - self.start, 1)
-        elapsed = time.perf_counter() - self.t0
-        rate = done / elapsed if elapsed > 0 else 0.0
-        eta = (self.end - step) / rate if rate > 0 else float("inf")
-        filled = int(self.width * done / total)
-        bar = "#" * filled + "." * (self.width - filled)
-        eta_text = time.strftime("%H:%M:%S", time.gmtime(eta)) if math.isfinite(eta) else "--:--:--"
-        self.stream.write(
-            f"\r[{bar}] {step}/{self.end} loss {loss:.4f} {rate:.2f} steps/s ETA {eta_text}"
-        )
-        self.stream.flush()
+        self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        self._bar.update(step - self._bar.n)
 
     def clear(self) -> None:
-        self.stream.write("\r\033[K")
-        self.stream.flush()
+        """Off the terminal before a log line; the next update draws it again."""
+        self._bar.clear()
 
     def close(self) -> None:
-        self.stream.write("\n")
-        self.stream.flush()
+        self._bar.close()
 
 
 def _read(value):
