@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 import params_files as pf
+import torch
 from trees import assert_same_tree
 
 from weightstream import checkpoint as ckpt
@@ -210,3 +211,41 @@ def test_run_command_resume_eval_and_warm_start_of_a_disk_store_model_are_bounde
     assert started["warm_start"] <= bound, (started["warm_start"], bound)
     written = ckpt.load(tmp_path / "warm" / "out" / "checkpoint_1.mdl", map_location="cpu")
     assert int(written["global_step"]) == 1
+
+
+_CONVERT_SCRIPT = _RSS + textwrap.dedent(
+    """
+    import json, sys
+    from weightstream.checkpoint.cli import main
+
+    base = rss("VmRSS")
+    reset_peak()
+    rc = main(["convert", *sys.argv[1:]])
+    print(json.dumps({"rc": rc, "growth": rss("VmHWM") - base}))
+    """
+)
+
+
+def test_checkpoint_convert_holds_one_tensor_at_a_time(tmp_path):
+    """A 192 MiB trainer-style checkpoint (24 Linear(1024, 1024) and an AdamW-sized
+    state) converted to safetensors and back to H5 in a new process: RSS grows by
+    about one 4 MiB tensor and the reader's and writer's buffers, not by the file."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(24)])
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {"model": weights, "moments": {k: torch.randn_like(v) for k, v in weights.items()}}
+    source = tmp_path / "state.mdl"
+    ckpt.save(state, source)
+    total = sum(t.numel() * 4 for part in state.values() for t in part.values())
+    assert total >= 192 * 2**20
+    largest = 1024 * 1024 * 4
+    for src, dst in (
+        (source, tmp_path / "state.safetensors"),
+        (tmp_path / "state.safetensors", tmp_path / "back.mdl"),
+    ):
+        got = _python(_CONVERT_SCRIPT, src, dst)
+        assert got["rc"] == 0
+        assert got["growth"] <= largest + CONSTANT, (src, got["growth"])
+    back = ckpt.load(tmp_path / "back.mdl", map_location="cpu")
+    for key, value in weights.items():
+        assert torch.equal(back["model"][key], value), key

@@ -26,6 +26,10 @@ and dtypes numpy lacks (float8, complex32) are made contiguous. So the extra
 memory of a save is at most one tensor (the largest) plus a small constant,
 never a copy of the state; for CPU tensors of the common dtypes it is at most
 one piece (plus one row of dim 0, if a row is larger).
+Values read for the save (a conversion, ``save(load(path), other)``) are
+freed leaf by leaf, and the allocator is asked to give their pages back
+(``common.pages.trim_heap``): glibc would otherwise keep them in its heaps,
+and a conversion grew by the whole file (tests/test_bounded_loads.py).
 
 # Note [direct data writes]
 
@@ -52,10 +56,8 @@ from __future__ import annotations
 
 import os
 import pickle
-import secrets
 import threading
-from collections.abc import Hashable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +112,8 @@ from weightstream.checkpoint.format import (
     tensor_encoding,
     tree_to_json,
 )
-from weightstream.common.pages import release_pages
+from weightstream.common import files
+from weightstream.common.pages import release_pages, trim_heap
 
 # Tensors are written in pieces of about this many bytes (Note [save memory]):
 # small enough to stay in the CPU cache between checksum and write, and the
@@ -208,25 +211,13 @@ def save(
         ) from e
 
 
-@contextmanager
-def atomic_path(target: Path, *, fsync: bool = True) -> Iterator[Path]:
+def atomic_path(target: Path, *, fsync: bool = True):
     """Yield a temporary path next to ``target``; rename it over ``target`` on success.
 
-    See Note [atomic save]. Also used for safetensors and torch outputs.
+    See Note [atomic save]; ``common.files.atomic_path`` with the crash point
+    after the rename. Also used for safetensors and torch outputs.
     """
-    tmp = target.parent / f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
-    try:
-        yield tmp
-        if fsync:
-            _fsync_path(tmp)
-        os.replace(tmp, target)
-        crash_point("save.renamed")  # Note [crash points]
-    except BaseException:
-        with suppress(OSError):
-            tmp.unlink()
-        raise
-    if fsync:
-        _fsync_path(target.parent, directory=True)
+    return files.atomic_path(target, fsync=fsync, renamed=lambda: crash_point("save.renamed"))
 
 
 class WriteGuard:
@@ -319,22 +310,6 @@ class WriteGuard:
         """Raise the first failed write, if there was one."""
         if self.error is not None:
             raise self.error
-
-
-def _fsync_path(path: Path, *, directory: bool = False) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        if directory:
-            return  # some platforms cannot open a directory; the rename is still atomic
-        raise
-    try:
-        os.fsync(fd)
-    except OSError:
-        if not directory:
-            raise
-    finally:
-        os.close(fd)
 
 
 def _target_path(path: Any, what: str) -> Path:
@@ -462,6 +437,7 @@ class LeafWriter:
         self._put(dset, name, np.array(data, dtype=h5py.string_dtype("utf-8", max(1, len(data)))))
 
     def write(self, key: str, name: str, value: Any) -> None:
+        trim_heap()  # the previous leaf's memory goes back (Note [save memory])
         tie: Hashable | None = None
         if isinstance(value, Deferred):
             # A deferred read allocates fresh memory, so only the source knows ties.

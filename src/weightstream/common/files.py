@@ -1,40 +1,65 @@
-"""Files that appear whole or not at all: one helper for every artifact written here."""
+"""Files that appear whole or not at all: one helper for every file written here."""
 
 from __future__ import annotations
 
 import os
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+import secrets
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 
 @contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """A temporary name beside ``path`` for the block to write; renamed over ``path``
-    (after an fsync) when the block ends, removed if it raises. A reader, or a run
-    that crashed, never sees a half-written file. Creates the parent directory.
+def atomic_path(
+    target: str | os.PathLike, *, fsync: bool = True, renamed: Callable[[], None] | None = None
+) -> Iterator[Path]:
+    """A temporary name beside ``target`` for the block to write; renamed over
+    ``target`` when the block ends, removed if it raises. A reader, or a run that
+    crashed, never sees a half-written file.
 
-    (Checkpoints have their own protocol, with a completion marker and a directory
-    fsync: Note [atomic save] in checkpoint/writer.py.)
+    With ``fsync`` the data is on disk before the rename and the rename before
+    the return (the directory is synced too). ``renamed`` runs right after the
+    rename (checkpoints put a crash point there: Note [atomic save] in
+    checkpoint/writer.py).
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    target = Path(target)
+    tmp = target.parent / f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
     try:
         yield tmp
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+        if fsync:
+            fsync_path(tmp)
+        os.replace(tmp, target)
+        if renamed is not None:
+            renamed()
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with suppress(OSError):
+            tmp.unlink()
         raise
+    if fsync:
+        fsync_path(target.parent, directory=True)
+
+
+def fsync_path(path: Path, *, directory: bool = False) -> None:
+    """Flush ``path`` (a file, or a directory's entries) to the disk."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        if directory:
+            return  # some platforms cannot open a directory; the rename is still atomic
+        raise
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not directory:
+            raise
+    finally:
+        os.close(fd)
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """``text`` as the whole content of ``path``, atomically (see :func:`atomic_path`)."""
+    """``text`` as the whole content of ``path`` (its directory created if need be),
+    atomically (see :func:`atomic_path`)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
         tmp.write_text(text)

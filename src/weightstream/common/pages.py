@@ -105,3 +105,31 @@ def release_pages(tensors: Iterable[torch.Tensor]) -> None:
                 hi = (start + nbytes) // _PAGE * _PAGE
                 if hi > lo:
                     madvise(lo, hi - lo, MADV_PAGEOUT)
+
+
+def _libc_malloc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None  # not glibc
+    fn.argtypes = (ctypes.c_size_t,)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_malloc_trim = _libc_malloc_trim()
+
+
+def trim_heap() -> None:
+    """Give the allocator's free pages back to the system (glibc's ``malloc_trim``).
+
+    glibc raises its mmap threshold after a large block is freed, and later
+    blocks of that size come from its heaps, which keep freed pages: a loop
+    that reads one large tensor after another (a checkpoint conversion) would
+    otherwise grow by every tensor it ever held. Cheap next to the I/O of a
+    tensor; a no-op where the C library has no such call.
+    """
+    if _malloc_trim is not None:
+        _malloc_trim(0)
