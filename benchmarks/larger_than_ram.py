@@ -2,7 +2,7 @@
 
 Builds a GPT on the meta device, sized so that its fp32 training state (masters,
 gradients and AdamW's two moments: 16 bytes per parameter) is ``--ram-factor``
-times the machine's RAM (MemTotal), materializes it straight into the disk
+times the machine's RAM, materializes it straight into the disk
 store (``store="disk"``, Note [disk tier] in runtime/store.py) with its RAM tier
 under the default ``host_memory_budget`` (Note [hybrid placement] in
 runtime/placement.py), and trains it for ``--steps`` steps. Reports per step
@@ -51,15 +51,9 @@ from _common import (
 import weightstream as cstorch
 from weightstream.models import GPT, GPTConfig
 from weightstream.runtime.engine import UPDATE_BYTES_PER_WEIGHT_BYTE
+from weightstream.runtime.placement import total_memory
 
 STATE_BYTES_PER_PARAM = 16  # fp32 master, gradient, exp_avg, exp_avg_sq
-
-
-def mem_total() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemTotal in /proc/meminfo (Linux only)")
 
 
 def disk_bandwidths(directory: Path, nbytes: int = 2 * 2**30, repeats: int = 3):
@@ -167,7 +161,7 @@ def main() -> None:
     ap.add_argument("--resume", help=argparse.SUPPRESS)  # the resuming process's checkpoint
     args = ap.parse_args()
 
-    ram = mem_total()
+    ram = total_memory()
     cfg = config_for(int(args.ram_factor * ram / STATE_BYTES_PER_PARAM), args.d_model, args.seq_len)
     if args.resume:
         resume(args, cfg)

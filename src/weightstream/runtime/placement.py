@@ -47,7 +47,6 @@ from weightstream.common.units import format_bytes
 # Bytes read from and written to the store's files per step, per byte kept there.
 DISK_READS = {"master": 3, "state": 1, "grad": 1}
 DISK_WRITES = {"master": 1, "state": 1, "grad": 1}
-DISK_TRAFFIC = {k: DISK_READS[k] + DISK_WRITES[k] for k in DISK_READS}
 
 # The margin default_budget leaves to the rest of the process and the system.
 MARGIN_FIXED = 2 * 2**30
@@ -96,7 +95,7 @@ class Placement:
     @property
     def disk_bytes_per_step(self) -> int:
         """Bytes moved between the files and memory a step (reads and writes)."""
-        return sum(DISK_TRAFFIC[k] * n for k, n in self.disk.items())
+        return self.disk_reads_per_step + self.disk_writes_per_step
 
     @property
     def disk_reads_per_step(self) -> int:

@@ -138,12 +138,12 @@ class DiskStore:
                 with self._lock:
                     self._ram[out.untyped_storage().data_ptr()] = out
                 return out
-        out = self.scratch(shape, dtype, kind)
-        if out.numel():
-            with self._lock:
-                storage = out.untyped_storage()
-                self._maps[storage.data_ptr()] = torch.empty(0, dtype=torch.uint8).set_(storage)
-        return out
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        flat = self._new_file(nbytes, shape, kind)
+        with self._lock:
+            self._maps[flat.untyped_storage().data_ptr()] = flat
+        return flat.view(dtype).view(shape)
 
     def scratch(
         self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, kind: str
@@ -156,6 +156,10 @@ class DiskStore:
         nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
+        return self._new_file(nbytes, shape, kind).view(dtype).view(shape)
+
+    def _new_file(self, nbytes: int, shape: torch.Size, kind: str) -> torch.Tensor:
+        """``nbytes`` of zeros in a new file, mapped shared: the whole mapping as uint8."""
         # The suffix marks a store file for release_pages (common/pages.py).
         # The process id keeps the names of ranks sharing one store_dir apart.
         path = self.directory / f"{os.getpid()}-{next(self._ids):07d}.{kind}{STORE_SUFFIX}"
@@ -186,7 +190,7 @@ class DiskStore:
             if fd >= 0:
                 os.close(fd)
             os.unlink(path)  # the mapping keeps the file; nothing is left behind
-        return flat.view(dtype).view(shape)
+        return flat
 
     @property
     def bytes_mapped(self) -> int:
