@@ -136,8 +136,10 @@ class StreamingEngine:
             budget = config.host_memory_budget
             if budget is None:
                 budget = default_budget()
-            ram_tier = budget - disk_working_set(self.plan, config)  # Note [hybrid placement]
-            self.store = DiskStore(config.store_dir, ram_capacity=ram_tier)
+            working_set = disk_working_set(self.plan, config)
+            ram_tier = budget - working_set  # Note [hybrid placement]
+            # The buffers of explicit I/O are that working set (Note [explicit disk I/O]).
+            self.store = DiskStore(config.store_dir, ram_capacity=ram_tier, io_capacity=working_set)
             # May replace meta parameters by stored ones (Note [disk tier]) ...
             self._awaiting.update(self.store.take_module(module, config.init_weights))
             self.plan = build_plan(module, config)  # ... so the plan names the new ones
@@ -179,6 +181,10 @@ class StreamingEngine:
 
     def _join_swarm(self, module: nn.Module) -> None:
         """Shard the store (if configured) and install the gradient reduction."""
+        if self.store is not None:
+            # The reduction rewrites p.grad after the store's hook: gradients go
+            # through their mappings (Note [explicit disk I/O]).
+            self.store.explicit_grads = False
         unit_params = [u.params for u in self.plan.units]
         owners = None
         # Events name a bucket by its first unit (a tied head's bucket is its embedding's).

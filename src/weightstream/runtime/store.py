@@ -10,24 +10,24 @@ a file of its own under ``store_dir``, mapped into memory shared with the file
 so the forward copy, autograd's gradient accumulation and the optimizer's
 kernels run on it unchanged and give the same bits as the RAM store.
 
-What bounds memory is when pages are given back: a page of a mapped file is
-resident (and counts in the process's RSS) from its first touch until the
-process drops the mapping's pages with ``madvise(MADV_DONTNEED)``. Dirty pages
-are not lost by that: for a shared file mapping the data stays in the page
-cache and the kernel writes it back to the file behind us. The runtime drops
-a unit's pages as soon as it is done with them:
+The step's own traffic does not go through the mappings: the store keeps a
+descriptor on each file, and gradients, the update and the fetch of a master
+kept on disk move whole tensors with explicit reads and writes on I/O threads,
+through a bounded pool of buffers (Note [explicit disk I/O] in
+runtime/diskio.py). Everything else (a checkpoint written or loaded, the
+gradient clipping that reads ``p.grad``, autograd adding a later micro-batch's
+gradient in place) uses the mappings, and what bounds its memory is when
+pages are given back: a page of a mapped file is resident (and counts in the
+process's RSS) from its first touch until the process drops the mapping's
+pages with ``madvise(MADV_DONTNEED)``. Dirty pages are not lost by that: for
+a shared file mapping the data stays in the page cache and the kernel writes
+it back to the file behind us (``release`` also asks it to drop the clean
+ones from the page cache). The mappings and the explicit I/O see the same
+file: an O_DIRECT read writes dirty cached pages out first, an O_DIRECT write
+drops them, and code that reads the mappings first waits for pending writes.
 
-* masters: right after a unit's device copy is made (forward and backward);
-* gradients: right after each accumulation into the store's gradient file
-  (a post-accumulate-grad hook moves autograd's first gradient there; later
-  contributions are added in place by autograd itself, exactly as in eager);
-* masters, gradients and optimizer state: right after the unit's share of the
-  optimizer step (the step always runs unit by unit with a disk store).
-
-Read-ahead: when a unit's fetch is issued the runtime advises the kernel that
-its master pages are needed (``MADV_WILLNEED``), so disk reads start before
-the copy runs. Resident store memory is then at most the units in flight plus
-one unit's update, set against ``host_memory_budget`` at compile time.
+Resident store memory is then at most the pool plus the pages of the
+mappings in use, set against ``host_memory_budget`` at compile time.
 
 Freed host memory must also go back at once: glibc's allocator raises its
 mmap threshold after large frees and then keeps freed device copies and
@@ -60,6 +60,16 @@ from torch import nn
 
 from weightstream.common.materialize import materialize
 from weightstream.common.pages import MADV_REMOVE, STORE_SUFFIX, madvise
+from weightstream.runtime.diskio import (
+    BufferPool,
+    DiskIO,
+    StoreFile,
+    Transfer,
+    as_view,
+    direct_io_works,
+    open_for_io,
+    padded,
+)
 from weightstream.runtime.placement import Placement, PlacementPlan
 
 # Free space kept beyond a discarded gradient's bytes before writing it again.
@@ -86,7 +96,16 @@ def _return_large_frees_to_the_os() -> None:
 class DiskStore:
     """Allocates host tensors in memory-mapped files under ``directory`` (Note [disk tier])."""
 
-    def __init__(self, directory: str | os.PathLike | None = None, ram_capacity: int = 0):
+    # O_DIRECT for explicit I/O: None probes the file system on the first file, False
+    # uses buffered descriptors (Note [explicit disk I/O]).
+    direct_io: bool | None = None
+
+    def __init__(
+        self,
+        directory: str | os.PathLike | None = None,
+        ram_capacity: int = 0,
+        io_capacity: int = 256 * 2**20,
+    ):
         if directory is None:
             directory = tempfile.mkdtemp(prefix="weightstream-store-")
         self.directory = Path(directory)
@@ -114,6 +133,16 @@ class DiskStore:
         self.places: PlacementPlan | None = None
         self._ram: dict[int, torch.Tensor] = {}
         self._key: dict[int, str] = {}  # id(parameter) -> its name in the placement
+        # Explicit I/O (Note [explicit disk I/O] in runtime/diskio.py): each training
+        # state file's descriptor by its mapping's data_ptr, the buffers, the threads.
+        self._files: dict[int, StoreFile] = {}
+        self._direct = self.direct_io  # O_DIRECT works here (probed on the first file)
+        self.io = DiskIO(BufferPool(io_capacity))
+        # Gradients go to their files by explicit writes, waited for when the backward
+        # ends; off under data parallel, whose reduction rewrites p.grad after the hook.
+        self.explicit_grads = True
+        self._grad_writes: list[Transfer] = []
+        _raise_open_file_limit()
         _return_large_frees_to_the_os()
 
     # ---- allocation ----------------------------------------------------------------
@@ -140,9 +169,12 @@ class DiskStore:
                 return out
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
-        flat = self._new_file(nbytes, shape, kind)
+        flat, file = self._new_file(nbytes, shape, kind, for_io=True)
+        ptr = flat.untyped_storage().data_ptr()
         with self._lock:
-            self._maps[flat.untyped_storage().data_ptr()] = flat
+            self._maps[ptr] = flat
+            if file is not None:
+                self._files[ptr] = file
         return flat.view(dtype).view(shape)
 
     def scratch(
@@ -156,19 +188,25 @@ class DiskStore:
         nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
-        return self._new_file(nbytes, shape, kind).view(dtype).view(shape)
+        return self._new_file(nbytes, shape, kind)[0].view(dtype).view(shape)
 
-    def _new_file(self, nbytes: int, shape: torch.Size, kind: str) -> torch.Tensor:
-        """``nbytes`` of zeros in a new file, mapped shared: the whole mapping as uint8."""
+    def _new_file(
+        self, nbytes: int, shape: torch.Size, kind: str, for_io: bool = False
+    ) -> tuple[torch.Tensor, StoreFile | None]:
+        """``nbytes`` of zeros in a new file, mapped shared: the whole mapping as uint8,
+        and (``for_io``) the file open for explicit I/O, or None where no descriptor
+        can be had (the mapping then serves every access)."""
         # The suffix marks a store file for release_pages (common/pages.py).
         # The process id keeps the names of ranks sharing one store_dir apart.
         path = self.directory / f"{os.getpid()}-{next(self._ids):07d}.{kind}{STORE_SUFFIX}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        file = None
         try:
             try:
                 # Reserve the blocks now: a full disk is an error here, never a
-                # SIGBUS on some later write through the mapping.
-                os.posix_fallocate(fd, 0, nbytes)
+                # SIGBUS on some later write through the mapping. Whole pages, for
+                # O_DIRECT transfers of the whole file.
+                os.posix_fallocate(fd, 0, padded(nbytes))
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                     raise OSError(
@@ -180,17 +218,32 @@ class DiskStore:
                     ) from e
                 if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
-                os.ftruncate(fd, nbytes)  # file system without fallocate: sparse file
+                os.ftruncate(fd, padded(nbytes))  # no fallocate here: a sparse file
             os.close(fd)
             fd = -1
-            # torch maps the file shared and closes its descriptor (a Python mmap
-            # would keep one open per tensor, and a large model has thousands).
+            # torch maps the file shared and closes its descriptor.
             flat = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+            if for_io:
+                file = self._open_for_io(path, nbytes, kind)
         finally:
             if fd >= 0:
                 os.close(fd)
             os.unlink(path)  # the mapping keeps the file; nothing is left behind
-        return flat
+        return flat, file
+
+    def _open_for_io(self, path: Path, nbytes: int, kind: str) -> StoreFile | None:
+        try:
+            fd, direct = open_for_io(path, self._direct)
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                return None  # out of descriptors: this tensor goes through its mapping
+            raise
+        if direct and self._direct is None:
+            self._direct = direct_io_works(fd)
+            if not self._direct:
+                os.close(fd)
+                fd, direct = open_for_io(path, False)
+        return StoreFile(fd, nbytes, direct, kind)
 
     @property
     def bytes_mapped(self) -> int:
@@ -203,6 +256,30 @@ class DiskStore:
             return False
         ptr = t.untyped_storage().data_ptr()
         return ptr in self._maps or ptr in self._ram
+
+    def file_of(self, t: torch.Tensor | None) -> StoreFile | None:
+        """The open file of store tensor ``t`` (a whole file's tensor), else None."""
+        if t is None or t.device.type != "cpu" or t.storage_offset() != 0:
+            return None
+        f = self._files.get(t.untyped_storage().data_ptr())
+        if f is None or f.fd < 0 or t.numel() * t.element_size() != f.nbytes:
+            return None
+        return f
+
+    def page_in(self, tensors: Iterable[torch.Tensor], wait: bool = True) -> Paged:
+        """Start reading the file-placed ones of ``tensors`` into buffers (see
+        :class:`Paged`); without ``wait``, ``started`` is False where the pool has no
+        room now."""
+        return Paged(self, tensors, wait)
+
+    def settle(self) -> None:
+        """Wait for every pending write: the files' mappings then read current data."""
+        self.wait_for_grads()
+        for f in list(self._files.values()):
+            pending = f.pending
+            if pending is not None:
+                pending.wait()
+                f.pending = None
 
     def placement(self) -> Placement:
         """Bytes of the training state in RAM and in files, by kind (Note [hybrid placement])."""
@@ -244,8 +321,14 @@ class DiskStore:
             madvise(start, nbytes, advice)
 
     def release(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Drop the resident pages of ``tensors`` (dirty data goes to the file, not away)."""
+        """Drop the resident pages of ``tensors`` (dirty data goes to the file, not away),
+        and their clean pages from the page cache, where the file is open."""
+        tensors = [t for t in tensors if t is not None]
         self._advise(tensors, mmap.MADV_DONTNEED)
+        for t in tensors:
+            f = self.file_of(t)
+            if f is not None:
+                os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def discard(self, tensors: Iterable[torch.Tensor]) -> None:
         """Drop ``tensors``' pages and their contents (consumed gradients).
@@ -255,7 +338,8 @@ class DiskStore:
         mapping allocates them anew, so free space is checked first
         (``_grad_into_store``), never left to a SIGBUS.
         """
-        ranges = self._ranges_of(tensors)
+        # An open file keeps its blocks: the next explicit write rewrites them in place.
+        ranges = self._ranges_of(t for t in tensors if self.file_of(t) is None)
         if madvise is None or not ranges:
             return
         for start, nbytes in ranges:
@@ -280,8 +364,12 @@ class DiskStore:
             )
         self._discarded.discard(start)
 
-    def prefetch(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Ask the kernel to start reading ``tensors``' pages now (read-ahead)."""
+    def prefetch(self, tensors: Iterable[torch.Tensor], mapped_reads: bool = False) -> None:
+        """Ask the kernel to start reading ``tensors``' pages now (read-ahead) where they
+        will be read through their mappings: files without a descriptor, or all files
+        (``mapped_reads``); the others are read explicitly (Note [explicit disk I/O])."""
+        if not mapped_reads:
+            tensors = [t for t in tensors if self.file_of(t) is None]
         self._advise(tensors, mmap.MADV_WILLNEED)
 
     # ---- the module's training state -------------------------------------------------------
@@ -340,6 +428,11 @@ class DiskStore:
                 if t.numel():
                     ptr = t.untyped_storage().data_ptr()
                     in_file = self._maps.pop(ptr, None) is not None
+                    file = self._files.pop(ptr, None)
+                    if file is not None:
+                        if file.pending is not None:
+                            file.pending.wait()
+                        file.close()
                     in_ram = self._ram.pop(ptr, None) is not None
                     if (in_file or in_ram) and self.places is not None:
                         self.places.give_back("master", t.numel() * t.element_size(), in_ram)
@@ -354,6 +447,16 @@ class DiskStore:
             if mine is None or mine.shape != grad.shape or mine.dtype != grad.dtype:
                 mine = self.zeros(grad.shape, grad.dtype, "grad", owner=p)
                 self._grads[id(p)] = mine
+            file = self.file_of(mine) if self.explicit_grads else None
+            if file is not None:
+                # Autograd's first gradient of this step, written behind the backward
+                # (Note [explicit disk I/O]); p.grad reads it once the backward ends.
+                buf = self.io.pool.take(file.nbytes)
+                as_view(buf, grad).copy_(grad)
+                self._grad_writes.append(self.io.write(file, buf))
+                self._wait_for_grads_at_backward_end()
+                p.grad = mine
+                return
             self._reclaim(mine)
             # Autograd's first gradient of this step; later uses and micro-batches
             # are added in place into the store's tensor by autograd itself.
@@ -361,6 +464,17 @@ class DiskStore:
             p.grad = mine
             grad = mine
         self.release([grad])
+
+    def _wait_for_grads_at_backward_end(self) -> None:
+        # Once per gradient: a backward that raised runs no callback, so no flag
+        # may outlive it; the first callback waits, the others find nothing.
+        torch.autograd.Variable._execution_engine.queue_callback(self.wait_for_grads)
+
+    def wait_for_grads(self) -> None:
+        """Wait for the gradient writes of the backward (its end, or anything after)."""
+        writes, self._grad_writes = self._grad_writes, []
+        for w in writes:
+            w.wait()
 
     def adopt_optimizer_state(self, optimizer, params: Iterable[torch.Tensor]) -> None:
         """Move the state tensors of ``params`` that are not in the store yet into it."""
@@ -377,7 +491,98 @@ class DiskStore:
             h.remove()
         self._hooks.clear()
         self._grads.clear()
+        self.settle()
+        self.io.close()
+        self.io.pool.clear()
         with self._lock:
-            # The mappings live on for as long as tensors over them do.
+            # The mappings live on for as long as tensors over them do; explicit
+            # I/O ends here (file_of no longer finds a file).
+            for f in self._files.values():
+                f.close()
+            self._files.clear()
             self._maps.clear()
             self._ram.clear()
+
+
+class Paged:
+    """Buffers standing in for the file-placed tensors of a set while they are in use.
+
+    Made by :meth:`DiskStore.page_in`, which starts the reads at once (read-ahead).
+    ``view(t)`` is what to compute on in place of ``t``: its buffer once read, or
+    ``t`` itself where it is not in an open file. ``finish(write)`` writes the
+    buffers of the tensors in ``write`` back behind the caller and gives every
+    other buffer back to the pool (Note [explicit disk I/O]).
+    """
+
+    def __init__(self, store: DiskStore, tensors: Iterable[torch.Tensor], wait: bool = True):
+        self._store = store
+        self._entries: dict[int, tuple[StoreFile, torch.Tensor, Transfer]] = {}
+        files: dict[int, StoreFile] = {}
+        for t in tensors:
+            f = store.file_of(t)
+            if f is not None:
+                files.setdefault(_key(t), f)
+        self.started = True
+        if not files:
+            return
+        bufs = store.io.pool.take_many([f.nbytes for f in files.values()], wait=wait)
+        if bufs is None:
+            self.started = False  # no room now: the caller tries again later
+            return
+        for (key, f), buf in zip(files.items(), bufs):
+            self._entries[key] = (f, buf, store.io.read(f, buf))
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        return _key(t) in self._entries
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+    def view(self, t: torch.Tensor) -> torch.Tensor:
+        entry = self._entries.get(_key(t))
+        if entry is None:
+            return t
+        _, buf, read = entry
+        read.wait()
+        return as_view(buf, t)
+
+    def finish(self, write: Iterable[torch.Tensor] = ()) -> None:
+        """Write back the buffers of ``write`` and give the others back to the pool."""
+        dirty = {_key(t) for t in write}
+        entries, self._entries = self._entries, {}
+        error = None
+        for key, (f, buf, read) in entries.items():
+            try:
+                read.wait()
+            except OSError as e:
+                error = error or e
+                dirty.discard(key)
+            if key in dirty:
+                self._store.io.write(f, buf)
+            else:
+                self._store.io.pool.give(buf)
+        if error is not None:
+            raise error
+
+
+def _key(t: torch.Tensor) -> int:
+    """A whole-file store tensor by its storage (``p.data`` is a new object each time)."""
+    return t.untyped_storage().data_ptr()
+
+
+def _raise_open_file_limit() -> None:
+    """Let the store keep a descriptor per file (a large model has thousands): raise
+    the soft limit to the hard one. Where it stays short, the files past it go
+    through their mappings (``_open_for_io``)."""
+    try:
+        import resource
+    except ImportError:
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass

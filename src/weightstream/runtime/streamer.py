@@ -208,7 +208,15 @@ class Streamer:
             for dt, masters in groups:
                 numel = sum(m.numel() for m in masters)
                 if shards is None:
-                    buf = ops.copy_flat(masters, dt, numel)
+                    # Masters kept on disk are read into buffers here, on the
+                    # prefetch thread (Note [explicit disk I/O]).
+                    paged = store.page_in(masters) if store is not None else None
+                    try:
+                        sources = masters if not paged else [paged.view(m) for m in masters]
+                        buf = ops.copy_flat(sources, dt, numel)
+                    finally:
+                        if paged:
+                            paged.finish()
                 else:
                     buf = shards.fetch_flat(masters, dt, numel, ops)
                 if post is not None and buf.is_floating_point():
@@ -220,7 +228,7 @@ class Streamer:
             return buffers
 
         if store is not None and background:
-            store.prefetch(unit.params)
+            store.prefetch(unit.params, mapped_reads=shards is not None)
         # A sharded store's broadcasts must all run on the one worker thread, in
         # issue order, synchronous fetches too (Note [sharded store]).
         background = (background and self.depth > 0) or shards is not None

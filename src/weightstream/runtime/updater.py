@@ -24,10 +24,13 @@ first unit that holds it; one worker runs the shares in order, so waiting for a
 unit's share also waits for every earlier share.
 
 With a disk store (Note [disk tier] in runtime/store.py) the step is split by
-unit the same way even without overlap (it then runs in the caller's thread),
-and each unit's masters, gradients and optimizer state are given back to the
-file right after its share, so an update never holds more than one unit's
-state in memory.
+unit the same way even without overlap (it then runs in the caller's thread).
+A parameter whose master, gradient or optimizer state is in a file is updated
+alone, on buffers read two parameters ahead and written back behind it
+(Note [explicit disk I/O] in runtime/diskio.py): the same kernels on the same
+values, so the bits are those of the RAM store, and the update never holds
+more than the pool's bounded buffers. ``step()`` without overlap returns once
+the writes are done; with overlap, ``synchronize`` waits for them.
 """
 
 from __future__ import annotations
@@ -92,16 +95,17 @@ class UnitUpdater:
             shares.append(mine)
         rest = [p for g in snapshot for p in g["params"] if id(p) in grads and id(p) not in claimed]
         every = [*shares, rest]
-        # The next non-empty share of each: read ahead while this one is updated.
-        ahead: list[list[torch.nn.Parameter] | None] = [None] * len(every)
-        following = None
-        for i in reversed(range(len(every))):
-            ahead[i] = following
-            following = every[i] or following
+        pager = None
+        if self._store is not None:
+            pager = _Pager(self._store, optimizer, [p for share in every for p in share], grads)
         if not self._background:
-            for share, nxt in zip(every, ahead):
-                if share:
-                    _apply(optimizer, snapshot, share, grads, self._store, nxt)
+            try:
+                for share in every:
+                    if share:
+                        _apply(optimizer, snapshot, share, grads, pager)
+            finally:
+                if pager is not None:
+                    self._store.settle()  # step() returns with the masters current
             return
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -110,11 +114,9 @@ class UnitUpdater:
         with self._lock:
             self._unit_futures = []
             self._all = []
-            for share, nxt in zip(every, ahead):
+            for share in every:
                 future = (
-                    self._executor.submit(
-                        _apply, optimizer, snapshot, share, grads, self._store, nxt
-                    )
+                    self._executor.submit(_apply, optimizer, snapshot, share, grads, pager)
                     if share
                     else None
                 )
@@ -139,6 +141,8 @@ class UnitUpdater:
             futures, self._all, self._unit_futures = self._all, [], []
         for f in futures:
             f.result()
+        if self._store is not None:
+            self._store.settle()  # the files' mappings read current data
 
     @property
     def pending(self) -> bool:
@@ -152,32 +156,107 @@ class UnitUpdater:
             self._executor = None
 
 
-def _apply(optimizer, snapshot, share, grads, store=None, ahead=None) -> None:
+def _apply(optimizer, snapshot, share, grads, pager: _Pager | None = None) -> None:
     """Run the optimizer's update on ``share`` with the step's hyperparameters.
 
     The gradients travel in the groups (``GRADS_KEY``), never through ``p.grad``:
     the caller's thread owns ``p.grad`` again as soon as ``step()`` returns, and
     its ``zero_grad()`` must not race with this update. With a disk store the
-    next share's pages are read ahead while this one is updated, and this one's
-    are given back after it (Note [disk tier]).
+    parameters whose master, gradient or state is in a file are updated one at a
+    time on buffers read ahead by ``pager`` (Note [explicit disk I/O]); the
+    others together, in place.
     """
-    ids = {id(p) for p in share}
-    mine = {id(p): grads[id(p)] for p in share}
+    if pager is not None:
+        pager.store.adopt_optimizer_state(optimizer, share)
+    in_files = [p for p in share if pager is not None and pager.has(p)]
+    in_place = [p for p in share if not (pager is not None and pager.has(p))]
+    try:
+        with torch.no_grad():
+            if in_place:
+                _update(optimizer, snapshot, in_place, grads)
+            for p in in_files:
+                pager.update(
+                    p, lambda replaced, p=p: _update(optimizer, snapshot, [p], grads, replaced)
+                )
+    finally:
+        if pager is not None:
+            # Mapped files without a descriptor: pages back; consumed gradients dropped.
+            pager.store.release([*in_place, *_state_tensors(optimizer, in_place)])
+            pager.store.discard(grads[id(p)] for p in share)
+
+
+def _update(optimizer, snapshot, params, grads, replaced=None) -> None:
+    """``optimizer._update`` on ``params`` alone, their gradients handed in the groups."""
+    ids = {id(p) for p in params}
+    mine = {id(p): grads[id(p)] for p in params}
+    if replaced:
+        mine.update(replaced)
     groups = [
         {**g, "params": [p for p in g["params"] if id(p) in ids], GRADS_KEY: mine} for g in snapshot
     ]
-    if store is not None:
-        store.adopt_optimizer_state(optimizer, share)
-        if ahead is not None:
-            store.prefetch(_update_tensors(optimizer, ahead, grads))
-    try:
-        with torch.no_grad():
-            optimizer._update([g for g in groups if g["params"]])
-    finally:
-        if store is not None:
-            store.release([*share, *_state_tensors(optimizer, share)])
-            # The gradients are consumed: their pages need never reach the disk.
-            store.discard(mine.values())
+    optimizer._update([g for g in groups if g["params"]])
+
+
+class _Pager:
+    """Reads each file-placed parameter's master, gradient and optimizer state into
+    buffers ahead of its update, in update order, and writes the master and state
+    back behind it (Note [explicit disk I/O] in runtime/diskio.py)."""
+
+    AHEAD = 2  # parameters read ahead of the one being updated
+
+    def __init__(self, store, optimizer, order, grads):
+        self.store = store
+        self._optimizer = optimizer
+        self._grads = grads
+        self._order = [p for p in order if self._files_of(p)]
+        self._paged = {id(p) for p in self._order}
+        self._position = {id(p): i for i, p in enumerate(self._order)}
+        self._next = 0  # index in _order of the next parameter to read
+        self._started: dict[int, object] = {}  # id(p) -> its Paged
+
+    def _tensors(self, p) -> list[torch.Tensor]:
+        return [p.data, self._grads[id(p)], *_state_tensors(self._optimizer, [p])]
+
+    def _files_of(self, p) -> bool:
+        return any(self.store.file_of(t) is not None for t in self._tensors(p))
+
+    def has(self, p) -> bool:
+        return id(p) in self._paged
+
+    def _start(self, wait: bool) -> bool:
+        p = self._order[self._next]
+        paged = self.store.page_in(self._tensors(p), wait=wait)
+        if not paged.started:
+            return False
+        self._started[id(p)] = paged
+        self._next += 1
+        return True
+
+    def update(self, p, run) -> None:
+        """Run ``p``'s update (``run(gradients by id)``) with its file-placed tensors
+        replaced by their buffers, then write the master and state back."""
+        while id(p) not in self._started:
+            self._start(wait=True)  # in order: parameters before p were skipped
+        paged = self._started.pop(id(p))
+        limit = self._position[id(p)] + 1 + self.AHEAD
+        while self._next < min(limit, len(self._order)) and self._start(wait=False):
+            pass  # read ahead where the pool has room now
+        state = self._optimizer.state.get(p, {})
+        master = p.data
+        swapped = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v in paged}
+        written = [t for t in (master, *swapped.values()) if t in paged]
+        ok = False
+        try:
+            if master in paged:
+                p.data = paged.view(master)
+            for k, v in swapped.items():
+                state[k] = paged.view(v)
+            run({id(p): paged.view(self._grads[id(p)])})
+            ok = True
+        finally:
+            p.data = master
+            state.update(swapped)
+            paged.finish(written if ok else ())
 
 
 def _state_tensors(optimizer, params) -> list[torch.Tensor]:
@@ -187,8 +266,3 @@ def _state_tensors(optimizer, params) -> list[torch.Tensor]:
         for v in optimizer.state.get(p, {}).values()
         if isinstance(v, torch.Tensor)
     ]
-
-
-def _update_tensors(optimizer, params, grads) -> list[torch.Tensor]:
-    """Everything an update of ``params`` reads: masters, gradients, optimizer state."""
-    return [*params, *(grads[id(p)] for p in params), *_state_tensors(optimizer, params)]
