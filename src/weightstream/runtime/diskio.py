@@ -223,9 +223,6 @@ class Transfer:
             on_done()
         self._done.set()
 
-    def done(self) -> bool:
-        return self._done.is_set()
-
     def wait(self) -> None:
         """Block until every chunk is done; raise the first I/O error, saying what failed."""
         self._done.wait()
@@ -252,40 +249,40 @@ class DiskIO:
     def read(self, f: StoreFile, buf: torch.Tensor) -> Transfer:
         """Fill ``buf`` (from the pool, at least ``padded(f.nbytes)`` bytes) from ``f``,
         after ``f``'s pending write."""
-        before = f.pending
-        size = padded(f.nbytes)
-        t = Transfer(f"read a {f.kind} tensor of {f.nbytes:,} bytes")
         self.bytes_read += f.nbytes
-        t._start(
-            [
-                self._readers.submit(_read_chunk, f, buf, off, min(_CHUNK, size - off), before)
-                for off in range(0, size, _CHUNK)
-            ]
-        )
-        return t
+        return self._submit(self._readers, _read_chunk, f, buf, Transfer(f"read {_what(f)}"))
 
     def write(self, f: StoreFile, buf: torch.Tensor, give_back: bool = True) -> Transfer:
         """Write ``buf`` to ``f`` after its previous write; give ``buf`` back to the pool
         when done (``give_back``)."""
-        before = f.pending
-        size = padded(f.nbytes)
-        t = Transfer(
-            f"write a {f.kind} tensor of {f.nbytes:,} bytes",
-            (lambda: self.pool.give(buf)) if give_back else None,
-        )
         self.bytes_written += f.nbytes
+        on_done = (lambda: self.pool.give(buf)) if give_back else None
+        t = self._submit(
+            self._writers, _write_chunk, f, buf, Transfer(f"write {_what(f)}", on_done)
+        )
+        f.pending = t
+        return t
+
+    @staticmethod
+    def _submit(executor, chunk_fn, f: StoreFile, buf: torch.Tensor, t: Transfer) -> Transfer:
+        """``t`` as chunks of ``f``'s padded size on ``executor``, each after ``f``'s
+        pending write."""
+        before, size = f.pending, padded(f.nbytes)
         t._start(
             [
-                self._writers.submit(_write_chunk, f, buf, off, min(_CHUNK, size - off), before)
+                executor.submit(chunk_fn, f, buf, off, min(_CHUNK, size - off), before)
                 for off in range(0, size, _CHUNK)
             ]
         )
-        f.pending = t
         return t
 
     def close(self) -> None:
         self._readers.shutdown(wait=True)
         self._writers.shutdown(wait=True)
+
+
+def _what(f: StoreFile) -> str:
+    return f"a {f.kind} tensor of {f.nbytes:,} bytes"
 
 
 def _after(before: Transfer | None) -> None:

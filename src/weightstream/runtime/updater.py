@@ -168,8 +168,9 @@ def _apply(optimizer, snapshot, share, grads, pager: _Pager | None = None) -> No
     """
     if pager is not None:
         pager.store.adopt_optimizer_state(optimizer, share)
-    in_files = [p for p in share if pager is not None and pager.has(p)]
-    in_place = [p for p in share if not (pager is not None and pager.has(p))]
+    paged = pager.has if pager is not None else lambda _p: False
+    in_files = [p for p in share if paged(p)]
+    in_place = [p for p in share if not paged(p)]
     try:
         with torch.no_grad():
             if in_place:
@@ -209,7 +210,6 @@ class _Pager:
         self._optimizer = optimizer
         self._grads = grads
         self._order = [p for p in order if self._files_of(p)]
-        self._paged = {id(p) for p in self._order}
         self._position = {id(p): i for i, p in enumerate(self._order)}
         self._next = 0  # index in _order of the next parameter to read
         self._started: dict[int, object] = {}  # id(p) -> its Paged
@@ -221,7 +221,7 @@ class _Pager:
         return any(self.store.file_of(t) is not None for t in self._tensors(p))
 
     def has(self, p) -> bool:
-        return id(p) in self._paged
+        return id(p) in self._position
 
     def _start(self, wait: bool) -> bool:
         p = self._order[self._next]
@@ -244,7 +244,7 @@ class _Pager:
         state = self._optimizer.state.get(p, {})
         master = p.data
         swapped = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v in paged}
-        written = [t for t in (master, *swapped.values()) if t in paged]
+        written = [*swapped.values(), *([master] if master in paged else [])]
         ok = False
         try:
             if master in paged:
