@@ -27,10 +27,12 @@ CPU is there and phases where it mostly is not (the fp32 matmul peak measured
 241, 136 and 143 GFLOP/s within ten minutes, all with other processes at 0%),
 and an estimate priced in one phase and compared with a run in another
 measures the phase change, not the estimate. ``--remeasure never`` prices every
-round with the cached profile, as a user's runs are.
+round with the cached profile, as a user's runs are. ``--compete SECONDS`` keeps
+one CPU busy from 1 s into the first profile's measurement: the profile must
+measure again what that process disturbed (Note [quiet timings]).
 
     .venv/bin/python benchmarks/estimate_vs_measured.py [--steps 40] [--repeats 3]
-        [--remeasure never|once|each]
+        [--remeasure never|once|each] [--compete SECONDS]
 """
 
 from __future__ import annotations
@@ -40,15 +42,17 @@ import contextlib
 import io
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 import yaml
 from _common import print_result, summary
 
 from weightstream.cli.main import main as ws_main
-from weightstream.compiler.machine import OtherLoad, load_or_measure
+from weightstream.compiler.machine import load_or_measure
+from weightstream.compiler.timing import OtherLoad, wait_for_quiet
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {
@@ -92,18 +96,11 @@ def run_once(name: str, steps: int, work: Path) -> dict:
     }
 
 
-def wait_for_quiet(max_other_load: float, timeout: float, window: float = 2.0) -> float | None:
-    """Wait until other processes use less than ``max_other_load`` of the CPUs over
-    ``window`` seconds, or ``timeout`` seconds have passed; the last share seen
-    (None where /proc/stat is missing)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        with OtherLoad() as load:
-            time.sleep(window)
-        if load.fraction is None or load.fraction < max_other_load:
-            return load.fraction
-        if time.monotonic() >= deadline:
-            return load.fraction
+def compete(seconds: float, delay: float = 1.0) -> subprocess.Popen:
+    """A process that waits ``delay`` seconds, then keeps one CPU busy for ``seconds``."""
+    spin = f"import time; time.sleep({delay}); end = time.monotonic() + {seconds}\n"
+    spin += "while time.monotonic() < end: pass"
+    return subprocess.Popen([sys.executable, "-c", spin])
 
 
 def _stats(values: list[float]) -> str:
@@ -134,6 +131,15 @@ def main(argv: list[str] | None = None) -> int:
         help="measure the machine profile again: never (use the cached one), once, or "
         "before each round (default: the machine's speed drifts over minutes)",
     )
+    ap.add_argument(
+        "--compete",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="start a process keeping one CPU busy for SECONDS, 1 s into the first profile's "
+        "measurement (with --remeasure once or each): the profile must see it and measure "
+        "again, not price the runs with a disturbed machine",
+    )
     args = ap.parse_args(argv)
     names = [n for n in args.models.split(",") if n]
     unknown = sorted(set(names) - set(MODELS) - set(VARIANTS))
@@ -143,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     def profile_line(remeasure: bool) -> str:
         profile = load_or_measure("cpu", remeasure=remeasure)
         load = "n/a" if profile.other_load is None else f"{profile.other_load:.0%}"
+        if profile.disturbed:
+            load += f", disturbed: {', '.join(profile.disturbed)}"
         return (
             f"machine profile of {profile.measured_at} (other processes: {load}): "
             f"fp32 peak {profile.matmul_flops['float32'] / 1e9:.0f} GFLOP/s, "
@@ -153,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{profile.in_situ_factor:.2f}"
         )
 
+    # It ends by itself (killed at the end if still running).
+    competitor = compete(args.compete) if args.compete > 0 else None
     print(profile_line(args.remeasure != "never"))
     print(f"{args.steps} steps per run, weight streaming, CPU\n")
     head = (
@@ -168,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(profile_line(True))
             for name in names:
                 for attempt in range(args.retries + 1):
-                    wait_for_quiet(args.max_other_load, args.wait_quiet)
+                    wait_for_quiet(args.wait_quiet, args.max_other_load, window=2.0)
                     res = run_once(name, args.steps, Path(tmp))
                     quiet = res["other_load"] is None or res["other_load"] <= args.max_other_load
                     if quiet or attempt == args.retries:
@@ -204,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             for name, runs in results.items()
         },
     )
+    if competitor is not None:
+        competitor.kill()
     return 0
 
 

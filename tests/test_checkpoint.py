@@ -264,6 +264,18 @@ def test_round_trip_every_leaf_type(every_leaf_file, map_location, mmap):
         assert model["embedding.weight"] is model["lm_head.weight"]
 
 
+def test_eager_load_to_another_device_places_each_tensor_once(tmp_path):
+    # Every tensor is moved by itself: a later read may reuse a freed tensor's
+    # id, which once made it come back as an earlier tensor's copy.
+    state = {f"w{i}": torch.full((i + 1,), float(i)) for i in range(64)}
+    state["tied"] = state["w5"]
+    save(state, tmp_path / "s.mdl")
+    loaded = load(tmp_path / "s.mdl", "meta")
+    assert {k: v.shape for k, v in loaded.items()} == {k: v.shape for k, v in state.items()}
+    assert all(v.device.type == "meta" for v in loaded.values())
+    assert loaded["tied"] is loaded["w5"]
+
+
 def test_lazy_mode_reads_on_access_and_cache_mode_keeps(every_leaf_file):
     lazy = load(every_leaf_file)
     a, b = lazy["tensors"]["float32"], lazy["tensors"]["float32"]

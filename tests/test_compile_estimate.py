@@ -8,8 +8,14 @@ a hand-made machine profile with the numbers written out.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import json
+import os
+import subprocess
+import sys
+import time
 
 import models as zoo
 import pytest
@@ -20,7 +26,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from weightstream.common.files import write_text_atomic
+from weightstream.compiler import hardware as hardware_mod
 from weightstream.compiler import machine as machine_mod
+from weightstream.compiler import software as software_mod
+from weightstream.compiler import timing
+from weightstream.compiler import updates as updates_mod
 from weightstream.compiler.cost import (
     OP_CLASSES,
     OUTSIDE_NAME,
@@ -30,7 +40,8 @@ from weightstream.compiler.cost import (
     unit_costs,
 )
 from weightstream.compiler.estimate import EstimateSettings, estimate
-from weightstream.compiler.machine import MachineProfile, UpdateCost, load_or_measure
+from weightstream.compiler.machine import load_or_measure
+from weightstream.compiler.profile import MachineProfile, UpdateCost
 from weightstream.compiler.report import compile_checksum, load_compile_dir, write_compile_dir
 from weightstream.models import GPT, GPTConfig
 from weightstream.runtime.config import StreamingConfig
@@ -744,10 +755,10 @@ def test_machine_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
     for k, s in first.samples.items():
         if k != "in_situ":
             assert len(s) == (1 if k in software else 3), k
-    assert len(first.samples["in_situ"]) == machine_mod._QUICK.proxy_steps
+    assert len(first.samples["in_situ"]) == timing.QUICK.proxy_steps
     assert 0.5 <= first.in_situ_factor <= 3.0
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # probe file removed
-    # The fixed costs and curves of the estimate (Note [fixed costs] in machine.py).
+    # The fixed costs and curves of the estimate (Note [fixed costs] in software.py).
     assert first.op_overhead_fwd_s > 0 and first.op_overhead_bwd_s > 0
     assert first.unit_overhead_s >= 0 and first.step_overhead_s >= 0
     assert first.param_overhead_s >= 0 and first.stream_call_s >= 0
@@ -800,7 +811,7 @@ def test_a_runtime_change_measures_only_the_software_figures_again(
     monkeypatch.setattr(machine_mod, "measure", lambda *a, **k: pytest.fail("hardware measured"))
     software = []
 
-    def fake_software(device, sizes, copy_bandwidth):
+    def fake_software(device, sizes, copy_bandwidth, calm):
         software.append(device)
         return {
             "op_overhead_fwd_s": 1.0,
@@ -810,7 +821,7 @@ def test_a_runtime_change_measures_only_the_software_figures_again(
             "samples": {"op_overhead_fwd": [1.0] * 3},
         }
 
-    monkeypatch.setattr(machine_mod, "_software_figures", fake_software)
+    monkeypatch.setattr(software_mod, "fixed_costs", fake_software)
     second = load_or_measure("cpu", quick=True)
     assert len(software) == 1
     assert (second.op_overhead_fwd_s, second.unit_overhead_s, second.step_overhead_s) == (
@@ -840,7 +851,7 @@ def test_attention_curve_of_a_dtype_is_measured_on_first_use_and_cached(
     assert profile.attention_throughput(size, "bfloat16") == pytest.approx(
         min(curve[str(size)], profile.peak_flops("bfloat16"))
     )
-    monkeypatch.setattr(machine_mod, "_attention_curve", lambda *a: pytest.fail("measured twice"))
+    monkeypatch.setattr(hardware_mod, "attention_curve", lambda *a: pytest.fail("measured twice"))
     reloaded = load_or_measure("cpu", quick=True)  # the cache file holds it now
     assert reloaded.attention_curves == {"bfloat16": curve}
     machine_mod.attention_curve_for(reloaded, "bfloat16")
@@ -848,7 +859,7 @@ def test_attention_curve_of_a_dtype_is_measured_on_first_use_and_cached(
 
 def test_update_cost_is_measured_once_per_setting_and_cached(tmp_path, monkeypatch, quick_profile):
     profile = _cached(quick_profile, tmp_path, monkeypatch)
-    spec = machine_mod.update_spec(
+    spec = updates_mod.update_spec(
         "SGD", {"learning_rate": [{"scheduler": "Linear"}], "momentum": 0.9}
     )
     assert spec["kwargs"] == {"momentum": 0.9}  # the learning rate does not change the cost
@@ -867,27 +878,27 @@ def test_update_cost_is_measured_once_per_setting_and_cached(tmp_path, monkeypat
             "total_iters": 10,
         },
     ]
-    scheduled = machine_mod.update_spec("SGD", {"momentum": 0.9}, schedule=schedule)
+    scheduled = updates_mod.update_spec("SGD", {"momentum": 0.9}, schedule=schedule)
     assert scheduled["schedule"] == schedule and scheduled["schedule"] is not schedule
-    assert machine_mod.update_key(scheduled) != machine_mod.update_key(spec)
+    assert updates_mod.update_key(scheduled) != updates_mod.update_key(spec)
     assert machine_mod.update_cost(profile, scheduled).fixed_s >= 0  # timed with its scheduler
     # the per-element cost is timed on a tensor the model's size (a power of two)
     assert spec["numel"] is None
-    sized = machine_mod.update_spec("SGD", {"momentum": 0.9}, numel=235_146)
+    sized = updates_mod.update_spec("SGD", {"momentum": 0.9}, numel=235_146)
     assert sized["numel"] == 2**18
-    assert machine_mod.update_spec("SGD", numel=10)["numel"] == 2**14
-    assert machine_mod.update_spec("SGD", numel=10**9)["numel"] == 2**22
+    assert updates_mod.update_spec("SGD", numel=10)["numel"] == 2**14
+    assert updates_mod.update_spec("SGD", numel=10**9)["numel"] == 2**22
     cost = machine_mod.update_cost(profile, spec)
     assert cost.per_tensor_s >= 0 and cost.per_element_s >= 0 and cost.fixed_s >= 0
     assert cost.seconds(2, 1000) == pytest.approx(
         cost.fixed_s + 2 * cost.per_tensor_s + 1000 * cost.per_element_s
     )
-    monkeypatch.setattr(machine_mod, "_measure_update", lambda *a: pytest.fail("measured twice"))
+    monkeypatch.setattr(updates_mod, "measure_update", lambda *a: pytest.fail("measured twice"))
     reloaded = load_or_measure("cpu", quick=True)  # the cache file holds it now
     assert machine_mod.update_cost(reloaded, spec) == cost
     with pytest.warns(UserWarning, match="could not time the optimizer update"):
         monkeypatch.setattr(
-            machine_mod, "_measure_update", lambda *a: (_ for _ in ()).throw(ValueError("x"))
+            updates_mod, "measure_update", lambda *a: (_ for _ in ()).throw(ValueError("x"))
         )
         assert machine_mod.update_cost(reloaded, {**spec, "optimizer_type": "Nope"}) is None
 
@@ -903,11 +914,92 @@ def test_a_repetition_disturbed_by_other_processes_is_measured_again(monkeypatch
             self.fraction = next(shares)
             return False
 
-    monkeypatch.setattr(machine_mod, "OtherLoad", FakeLoad)
-    monkeypatch.setattr(machine_mod.time, "sleep", lambda s: None)
+    monkeypatch.setattr(timing, "OtherLoad", FakeLoad)
+    monkeypatch.setattr(timing.time, "sleep", lambda s: None)
     results = iter(["busy", "less busy", "calm", "never reached"])
-    assert machine_mod._calm(lambda: next(results)) == "calm"
+    calm = timing.Calm(timing.FULL.patience)
+    assert calm(lambda: next(results)) == "calm"
+    assert not calm.disturbed
     # out of retries: the calmest attempt
     shares = iter([0.9, 0.5, 0.7])
     results = iter(["a", "b", "c"])
-    assert machine_mod._calm(lambda: next(results), retries=2) == "b"
+    calm = timing.Calm(dataclasses.replace(timing.FULL.patience, retries=2))
+    assert calm(lambda: next(results)) == "b"
+    assert calm.disturbed and calm.busiest == 0.5
+
+
+@contextlib.contextmanager
+def _competing():
+    """A process spinning on each CPU while the block runs: a busy machine, for real."""
+    spin = [sys.executable, "-c", "while True: pass"]
+    procs = [subprocess.Popen(spin) for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(0.3)  # started and spinning
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+_JUDGED = timing.Patience(retries=1, pause_s=0.0, wait_s=0.0, judged=True)
+needs_proc_stat = pytest.mark.skipif(
+    not os.path.exists("/proc/stat"), reason="OtherLoad reads /proc/stat"
+)
+
+
+@needs_proc_stat
+def test_a_repetition_measured_beside_a_busy_process_is_seen_as_disturbed():
+    calm = timing.Calm(_JUDGED)
+    with _competing():
+        calm(lambda: time.sleep(0.2))  # measured twice (one retry), busy both times
+    assert calm.disturbed and calm.busiest > timing.CALM
+
+
+@needs_proc_stat
+def test_a_profile_measured_beside_a_busy_process_is_not_trusted(tmp_path, monkeypatch):
+    # The quick sizes, judged as a full profile is (Note [quiet timings]).
+    monkeypatch.setattr(machine_mod, "QUICK", dataclasses.replace(timing.QUICK, patience=_JUDGED))
+    path = tmp_path / "machine.json"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a thread pool waiting for descheduled workers: slow, not wrong
+    try:
+        with _competing(), pytest.warns(UserWarning, match="other processes kept the CPUs busy"):
+            busy = load_or_measure("cpu", path=path, quick=True)
+        assert "hardware" in busy.disturbed
+        assert json.loads(path.read_text())["disturbed"] == busy.disturbed  # cached, marked
+        calm = dataclasses.replace(busy, disturbed=[])
+        calls = []
+
+        def fake_measure(device, quick=False, disk_dir=None):
+            calls.append(device)
+            return calm
+
+        monkeypatch.setattr(machine_mod, "measure", fake_measure)
+        assert load_or_measure("cpu", path=path, quick=True) == calm
+        assert len(calls) == 1  # the disturbed profile was measured again, not trusted
+        assert load_or_measure("cpu", path=path, quick=True) == calm
+        assert len(calls) == 1  # ... and the calm one is a cache hit
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_profile_whose_software_figures_were_disturbed_measures_them_again(
+    tmp_path, monkeypatch, quick_profile
+):
+    path = tmp_path / "machine.json"
+    data = {**quick_profile.to_dict(), "disk_dir": str(tmp_path), "disturbed": ["software"]}
+    write_text_atomic(path, json.dumps(data))
+    monkeypatch.setattr(machine_mod, "measure", lambda *a, **k: pytest.fail("hardware measured"))
+    software = []
+
+    def fake_software(device, sizes, copy_bandwidth, calm):
+        software.append(device)
+        return {**{k: v for k, v in data.items() if k.endswith("overhead_s")}, "samples": {}}
+
+    monkeypatch.setattr(software_mod, "fixed_costs", fake_software)
+    again = load_or_measure("cpu", path=path, quick=True)
+    assert len(software) == 1 and again.disturbed == []
+    assert again.matmul_flops == quick_profile.matmul_flops
+    assert load_or_measure("cpu", path=path, quick=True) == again  # trusted now
+    assert len(software) == 1

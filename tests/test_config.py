@@ -56,7 +56,7 @@ def test_second_call_is_an_error():
         ({"checkpoint_steps": -1}, ValueError, "checkpoint_steps must be >= 0"),
         ({"checkpoint_steps": 1.5}, TypeError, "checkpoint_steps must be an int"),
         ({"num_csx": 0}, ValueError, "num_csx must be >= 1"),
-        ({"compile_only": "yes"}, TypeError, "compile_only must be bool"),
+        ({"compile_only": "yes"}, TypeError, "compile_only must be true or false"),
         ({"compile_only": True, "validate_only": True}, ValueError, "mutually exclusive"),
         ({"job_labels": ["nokey"]}, ValueError, "key=value"),
         ({"mount_dirs": "/data"}, TypeError, "list of strings"),

@@ -189,7 +189,7 @@ def test_bad_store_settings_name_the_fix():
         cstorch.compile(GPT(CFG), backend="ws", store="ssd")
     with pytest.raises(ValueError, match="set store='disk'"):
         cstorch.compile(GPT(CFG), backend="ws", store_dir="/tmp/x")
-    with pytest.raises(ValueError, match="host_memory_budget must be a positive"):
+    with pytest.raises(ValueError, match="host_memory_budget must be >= 1"):
         cstorch.compile(GPT(CFG), backend="ws", store="disk", host_memory_budget=-1)
 
 

@@ -32,6 +32,7 @@ from weightstream.cli.params import (
 from weightstream.cli.run_args import build_run_parser, params_from_args
 from weightstream.models.fc_mnist import FCMNISTConfig
 from weightstream.models.gpt import GPTConfig
+from weightstream.runtime.config import StreamingConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PROCESSORS = "weightstream.data.processors"
@@ -820,7 +821,7 @@ def test_command_line_overrides_the_file(flags, key, value):
     p = parse_params(merged, "train")
     assert getattr(p.runconfig, key) == value
     # flags not given leave the file's values
-    file_values = RunConfigParams(**before["runconfig"])
+    file_values = RunConfigParams.from_dict(before["runconfig"])
     for other in ("max_steps", "num_csx", "model_dir", "checkpoint_path"):
         if other != key:
             assert getattr(p.runconfig, other) == getattr(file_values, other)
@@ -875,7 +876,7 @@ _SECTION_KEYS = {
     "eval_input": [*_names(InputParams), "seq_len"],
     "model": [*_names(ModelParams), *GPTConfig.__dataclass_fields__, "hidden"],
     "optimizer": [*_names(OptimizerParams), "amsgrad", "nesterov"],
-    "runconfig": _names(RunConfigParams),
+    "runconfig": RunConfigParams.keys(),
 }
 _NOISE_KEYS = ["bogus", "batch_sise", "beta1", "lr", "optim_params", "extra", "section"]
 _scalars = (
@@ -934,3 +935,37 @@ def test_garbage_never_crashes_with_anything_but_type_or_value_error(edits, mode
         # whatever parses writes back a dict that parses to the same settings
         again = parse_params(params.to_dict(), mode)
     assert again.to_dict() == params.to_dict()
+
+
+# ---------------------------------------------------------------- one schema
+
+
+def test_runconfig_streaming_keys_are_the_engines_streaming_config():
+    raw = gpt_raw()
+    raw["runconfig"].update(prefetch_depth=2, granularity="module", store="disk", num_csx=1)
+    rc = parse_params(raw, "train").runconfig
+    assert isinstance(rc.streaming, StreamingConfig)
+    assert (rc.streaming.prefetch_depth, rc.streaming.granularity) == (2, "module")
+    assert rc.prefetch_depth == 2 and rc.store == "disk"  # runconfig.<key> reads it
+    # Written back flat, as the file had it, and read back to the same settings.
+    again = parse_params(parse_params(raw, "train").to_dict(), "train").runconfig
+    assert again == rc and "streaming" not in parse_params(raw, "train").to_dict()["runconfig"]
+    # Settings the run derives itself are not params keys.
+    for key in ("compute_dtype", "init_weights", "data_parallel", "unit_classes"):
+        assert_mentions(parse_error(with_value("runconfig", key, None)), "unknown key", key)
+
+
+def test_one_name_per_setting_with_documented_aliases():
+    raw = with_value("runconfig", "max_wgt_servers", 4)
+    assert parse_params(raw, "train").runconfig.streaming.num_wgt_servers == 4
+    assert "num_wgt_servers: 4" in yaml.safe_dump(parse_params(raw, "train").to_dict())
+    raw["runconfig"]["num_wgt_servers"] = 8
+    assert_mentions(parse_error(raw), "'max_wgt_servers'", "'num_wgt_servers'", "keep one")
+    assert StreamingConfig.from_kwargs(weight_servers=3).num_wgt_servers == 3
+    with pytest.raises(ValueError, match=r"'prefetch_dept' \(did you mean 'prefetch_depth'"):
+        StreamingConfig.from_kwargs(prefetch_dept=2)
+
+
+def test_a_setting_accepted_but_not_acted_on_says_so():
+    with pytest.warns(UserWarning, match="eval_frequency is not supported yet"):
+        parse_params(with_value("runconfig", "eval_frequency", 5), "train")

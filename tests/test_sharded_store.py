@@ -49,8 +49,8 @@ def test_owners_are_greedy_by_bytes_and_keep_shared_parameters_together():
 def test_config_names_the_bad_sharding_setting():
     with pytest.raises(ValueError, match="store_sharding must be one of"):
         StreamingConfig(store_sharding="zero3")
-    with pytest.raises(ValueError, match="weight_servers must be a positive"):
-        StreamingConfig(store_sharding="sharded", weight_servers=0)
+    with pytest.raises(ValueError, match="num_wgt_servers must be >= 1"):
+        StreamingConfig(store_sharding="sharded", num_wgt_servers=0)
 
 
 # ---------------------------------------------------------------------- run command

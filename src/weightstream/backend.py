@@ -190,7 +190,7 @@ def compile(
             "backend 'cpu' or pass device='cpu'."
         )
     if mode is ExecutionMode.WEIGHT_STREAMING:
-        config = streaming or StreamingConfig(**streaming_kwargs)
+        config = streaming or StreamingConfig.from_kwargs(**streaming_kwargs)
         engine = StreamingEngine(model, device, config)  # joins the ranks by itself
         return CompiledModule(model, mode, device, engine)
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):

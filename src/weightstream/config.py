@@ -14,74 +14,43 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
+from weightstream.common.schema import check, setting
+
 
 @dataclass(frozen=True)
 class RunConfig:
     """Cluster and run settings (seed 003, ``cstorch.configure``)."""
 
-    model_dir: str = "./"
-    compile_dir: str | None = None
+    model_dir: str | os.PathLike = "./"
+    compile_dir: str | os.PathLike | None = None
     compile_only: bool = False
     validate_only: bool = False
-    checkpoint_steps: int = 0
-    num_csx: int = 1
-    max_wgt_servers: int = 24
+    checkpoint_steps: int = setting(0, ge=0, doc="Checkpoint every this many steps.")
+    num_csx: int = setting(1, ge=1, doc="Compute systems in the run.")
+    max_wgt_servers: int = setting(24, ge=1, doc="The most weight servers to use.")
     mount_dirs: list[str] | None = None
     python_paths: list[str] | None = None
-    transfer_processes: int = 5
-    num_workers_per_csx: int = 1
+    transfer_processes: int = setting(5, ge=1, doc="Processes that move data.")
+    num_workers_per_csx: int = setting(1, ge=0, doc="Input workers per compute system.")
     job_labels: list[str] | None = None
-    max_act_per_csx: int = 1
+    max_act_per_csx: int = setting(1, ge=1, doc="Activation servers per compute system.")
     # Keys the reference accepts that have no meaning on a local machine
     # (mgmt_address, credentials_path, ...): kept so code passes them unchanged.
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check_type("model_dir", self.model_dir, (str, os.PathLike))
-        if self.compile_dir is not None:
-            _check_type("compile_dir", self.compile_dir, (str, os.PathLike))
-        for name in ("compile_only", "validate_only"):
-            _check_type(name, getattr(self, name), bool)
+        try:
+            check(self)  # the params file's mechanism (common/schema.py)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"configure(): {e}") from None
         if self.compile_only and self.validate_only:
             raise ValueError(
                 "configure(): compile_only and validate_only are mutually exclusive; "
                 "set at most one of them to True."
             )
-        for name, minimum in (
-            ("checkpoint_steps", 0),
-            ("num_csx", 1),
-            ("max_wgt_servers", 1),
-            ("transfer_processes", 1),
-            ("num_workers_per_csx", 0),
-            ("max_act_per_csx", 1),
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(
-                    f"configure(): {name} must be an int, got {type(value).__name__} {value!r}."
-                )
-            if value < minimum:
-                raise ValueError(f"configure(): {name} must be >= {minimum}, got {value}.")
-        for name in ("mount_dirs", "python_paths", "job_labels"):
-            value = getattr(self, name)
-            if value is not None and (
-                not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value)
-            ):
-                raise TypeError(f"configure(): {name} must be a list of strings or None.")
-        if self.job_labels:
-            for label in self.job_labels:
-                if "=" not in label:
-                    raise ValueError(
-                        f"configure(): job label {label!r} is not of the form key=value."
-                    )
-
-
-def _check_type(name: str, value, types) -> None:
-    if not isinstance(value, types):
-        expected = (
-            types.__name__ if isinstance(types, type) else " or ".join(t.__name__ for t in types)
-        )
-        raise TypeError(f"configure(): {name} must be {expected}, got {type(value).__name__}.")
+        for label in self.job_labels or ():
+            if "=" not in label:
+                raise ValueError(f"configure(): job label {label!r} is not of the form key=value.")
 
 
 _ACCEPTED_EXTRA = frozenset(

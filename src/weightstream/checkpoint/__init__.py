@@ -7,11 +7,12 @@ everything now). The layout is in ``format.py`` (Note [checkpoint layout]);
 files of the reference system load too, as do safetensors files and, with
 ``allow_pickle=True``, torch.save files.
 
-Modules, by ownership: ``format`` (names, tree spec, flattening, dtypes,
-checksum), ``writer`` (atomic streaming save), ``reader`` (H5 source),
-``lazy`` (load and the lazy mapping), ``safetensors_io`` and ``torchfile``
-(other formats), ``convert``, ``report`` (info, diff), ``trainer``
-(``checkpoint_{step}.mdl`` files), ``cli`` (the command).
+Modules, by ownership: ``tree`` (tree spec, flattening), ``format`` (H5
+names, dtypes, checksum), ``writer`` (atomic streaming save) with
+``write_guard`` (the file HDF5 writes through), ``reader`` (H5 source) with
+``h5file`` (HDF5 helpers), ``lazy`` (load and the lazy mapping),
+``safetensors_io`` and ``torchfile`` (other formats), ``convert``, ``report``
+(info, diff), ``trainer`` (``checkpoint_{step}.mdl`` files), ``cli`` (the command).
 """
 
 from weightstream.checkpoint.convert import convert

@@ -13,9 +13,9 @@ from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
-from weightstream.checkpoint.format import Node, TreeView, find_subtree
 from weightstream.checkpoint.opener import open_source
 from weightstream.checkpoint.source import Source
+from weightstream.checkpoint.tree import Node, TreeView, find_subtree
 
 FORMATS = ("h5", "safetensors", "torch", "hf")
 

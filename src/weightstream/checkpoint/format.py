@@ -1,7 +1,8 @@
-"""The checkpoint format: names, the tree spec, flattening, dtypes, checksums.
+"""The H5 checkpoint format: attribute names and type tags, dataset names, dtypes, checksums.
 
 Pure functions and constants shared by the writer, the readers and the
-converters; nothing here touches a file.
+converters; nothing here touches a file. The state's tree spec and its
+flattening are in ``tree.py``.
 
 # Note [checkpoint layout]
 
@@ -47,7 +48,7 @@ An H5 checkpoint (format version 0.5) is one HDF5 file:
   ``load(..., allow_pickle=True)``; the common safe types (bytes, big ints,
   dtypes, devices, torch.Size, numpy arrays) have tags of their own and never
   need it.
-* root attributes: ``__spec__`` (the tree as JSON, see :func:`tree_to_json`),
+* root attributes: ``__spec__`` (the tree as JSON, see :func:`.tree.tree_to_json`),
   ``__spec_sum64__`` (its checksum), ``__version__`` (0.5, a float as the
   reference writes it: its reader compares floats), ``__weightstream_version__``
   (the library version) and, written last, ``__SUCCESS__ = True``.
@@ -67,18 +68,18 @@ used untagged datasets with ``is_none`` / ``is_string`` / ``is_scalar``.
 
 from __future__ import annotations
 
-import json
-import mmap
-from collections import OrderedDict
-from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
-from typing import Any
 from urllib.parse import quote
 
 import numpy as np
 import torch
 
-from weightstream.common.pages import register_read_mapping
+# Still importable from here, where they were before tree.py (tests/test_fuzz.py).
+from weightstream.checkpoint.tree import (  # noqa: F401
+    flatten,
+    tree_from_json,
+    tree_to_json,
+    unflatten,
+)
 
 FORMAT_VERSION = 0.5
 
@@ -120,340 +121,6 @@ TYPE_PICKLE = "PickledObjectH5Type"
 # Strings longer than this in UTF-8 (or with NUL characters) go to the data, not
 # an attribute (an object header message holds at most 64 KiB).
 MAX_STRING_ATTR_BYTES = 16 * 1024
-
-_SPEC_FORMAT = "weightstream.tree"
-_SPEC_VERSION = 1
-
-
-# --------------------------------------------------------------------------
-# The tree spec
-# --------------------------------------------------------------------------
-
-
-@dataclass
-class Leaf:
-    """A leaf of the state; ``key`` is its flattened key."""
-
-    key: str
-
-
-@dataclass
-class Branch:
-    """A container of the state.
-
-    kind: "dict", "odict" (an OrderedDict, e.g. a module's state_dict),
-    "list" or "tuple". ``keys`` are the dict keys (str, int, float, bool or
-    None) or the positions for lists and tuples. ``metadata`` is an
-    OrderedDict's ``_metadata`` (module versions) when it is JSON-serializable.
-    """
-
-    kind: str
-    keys: list
-    children: list
-    metadata: Any = None
-
-
-Node = Leaf | Branch
-
-_SIMPLE_KEY_TYPES = (str, int, float, bool, type(None))
-
-
-def join_key(prefix: str, key: Any) -> str:
-    """Flattened key of ``key`` inside the container at ``prefix``."""
-    return str(key) if prefix == "" else f"{prefix}.{key}"
-
-
-def iter_leaves(node: Node):
-    """Yield every Leaf of ``node`` in order."""
-    if isinstance(node, Leaf):
-        yield node
-        return
-    for child in node.children:
-        yield from iter_leaves(child)
-
-
-def rekey(node: Node, prefix: str) -> tuple[Node, list[tuple[str, str]]]:
-    """Copy of ``node`` placed at ``prefix``; also returns (new key, old key) pairs."""
-    pairs: list[tuple[str, str]] = []
-
-    def visit(n: Node, key: str) -> Node:
-        if isinstance(n, Leaf):
-            pairs.append((key, n.key))
-            return Leaf(key)
-        children = [visit(c, join_key(key, k)) for k, c in zip(n.keys, n.children)]
-        return Branch(n.kind, list(n.keys), children, n.metadata)
-
-    return visit(node, prefix), pairs
-
-
-def find_subtree(node: Node, key: str) -> Node | None:
-    """The node whose flattened key is ``key`` ("" is the root), or None."""
-    if key == "":
-        return node
-    if isinstance(node, Leaf):
-        return None
-    for k, child in zip(node.keys, node.children):
-        name = str(k)
-        if key == name:
-            return child
-        if key.startswith(name + "."):
-            found = find_subtree(child, key[len(name) + 1 :])
-            if found is not None:
-                return found
-    return None
-
-
-def tree_to_json(node: Node) -> str:
-    """The ``__spec__`` attribute: the tree as JSON.
-
-    A leaf is ``null``; a container is ``{"dict": [[key, node], ...]}`` (also
-    ``"odict"``, with ``"metadata"``), ``{"list": [node, ...]}`` or
-    ``{"tuple": [...]}``. Dict keys keep their JSON type (string, number,
-    true/false, null), so int keys (optimizer state) come back as ints.
-    """
-
-    def enc(n: Node) -> Any:
-        if isinstance(n, Leaf):
-            return None
-        if n.kind in ("dict", "odict"):
-            out: dict[str, Any] = {n.kind: [[k, enc(c)] for k, c in zip(n.keys, n.children)]}
-            if n.metadata is not None:
-                out["metadata"] = n.metadata
-            return out
-        return {n.kind: [enc(c) for c in n.children]}
-
-    doc = {"format": _SPEC_FORMAT, "version": _SPEC_VERSION, "tree": enc(node)}
-    return json.dumps(doc, separators=(",", ":"), allow_nan=True)
-
-
-def is_tree_json(text: str) -> bool:
-    """True when ``text`` looks like our JSON spec (the reference's is hex)."""
-    return text.lstrip().startswith("{")
-
-
-def tree_from_json(text: str) -> Node:
-    """Inverse of :func:`tree_to_json`; raises ValueError on a malformed spec."""
-    doc = json.loads(text)
-    if not isinstance(doc, dict) or doc.get("format") != _SPEC_FORMAT:
-        raise ValueError("not a weightstream tree spec")
-    if doc.get("version") != _SPEC_VERSION:
-        raise ValueError(f"unsupported tree spec version {doc.get('version')!r}")
-
-    def dec(obj: Any, key: str) -> Node:
-        if obj is None:
-            return Leaf(key)
-        if not isinstance(obj, dict):
-            raise ValueError(f"bad node at {key!r}")
-        for kind in ("dict", "odict"):
-            if kind in obj:
-                pairs = obj[kind]
-                if not isinstance(pairs, list) or not all(
-                    isinstance(p, list) and len(p) == 2 for p in pairs
-                ):
-                    raise ValueError(f"bad {kind} node at {key!r}")
-                keys = [p[0] for p in pairs]
-                if not all(isinstance(k, _SIMPLE_KEY_TYPES) for k in keys):
-                    raise ValueError(f"bad dict key at {key!r}")
-                children = [dec(p[1], join_key(key, p[0])) for p in pairs]
-                return Branch(kind, keys, children, obj.get("metadata"))
-        for kind in ("list", "tuple"):
-            if kind in obj:
-                items = obj[kind]
-                if not isinstance(items, list):
-                    raise ValueError(f"bad {kind} node at {key!r}")
-                children = [dec(c, join_key(key, i)) for i, c in enumerate(items)]
-                return Branch(kind, list(range(len(items))), children)
-        raise ValueError(f"unknown node at {key!r}")
-
-    return dec(doc.get("tree"), "")
-
-
-def _json_metadata(metadata: Any) -> Any:
-    """A state_dict's ``_metadata`` as JSON-able [[prefix, {...}], ...], or None."""
-    if not isinstance(metadata, dict):
-        return None
-    pairs = [[k, v] for k, v in metadata.items()]
-    try:
-        if json.loads(json.dumps(pairs)) != pairs:
-            return None
-    except (TypeError, ValueError):
-        return None
-    return pairs
-
-
-def restore_metadata(pairs: Any) -> Any:
-    """Inverse of :func:`_json_metadata` (an OrderedDict, as torch builds it)."""
-    if not isinstance(pairs, list):
-        return None
-    return OrderedDict((k, v) for k, v in pairs)
-
-
-# --------------------------------------------------------------------------
-# Deferred leaves: values read only when the writer needs them
-# --------------------------------------------------------------------------
-
-
-class Deferred:
-    """A leaf whose value is read on demand (streaming a checkpoint into another).
-
-    ``tie()`` gives a hashable identity of the stored object (equal for keys
-    linked to one dataset) or None; ``info()`` describes the value without
-    reading it (a :class:`~weightstream.checkpoint.source.LeafInfo`).
-    """
-
-    __slots__ = ("_info", "_read", "_tie")
-
-    def __init__(
-        self,
-        read: Callable[[], Any],
-        tie: Callable[[], Hashable | None] | None = None,
-        info: Callable[[], Any] | None = None,
-    ):
-        self._read = read
-        self._tie = tie
-        self._info = info
-
-    def get(self) -> Any:
-        return self._read()
-
-    def tie(self) -> Hashable | None:
-        return None if self._tie is None else self._tie()
-
-    def info(self) -> Any:
-        return None if self._info is None else self._info()
-
-
-class TreeView:
-    """Mixin for objects that are a view of a stored tree (the lazy state dict).
-
-    :func:`flatten` grafts such a view as :class:`Deferred` leaves instead of
-    reading it, so ``save(load(path), other)`` streams tensor by tensor.
-    ``_ws_subtree`` returns the node and, for a leaf key of that node, how to
-    read it, its tie identity and its description.
-    """
-
-    def _ws_subtree(
-        self,
-    ) -> tuple[
-        Node,
-        Callable[[str], Any],
-        Callable[[str], Hashable | None],
-        Callable[[str], Any],
-    ]:
-        raise NotImplementedError
-
-
-# --------------------------------------------------------------------------
-# Flattening
-# --------------------------------------------------------------------------
-
-
-@dataclass
-class Flattened:
-    """A state split into its tree and its leaves, in order."""
-
-    tree: Node
-    leaves: list[tuple[str, Any]] = field(default_factory=list)
-
-
-def flatten(state: Any) -> Flattened:
-    """Split ``state`` into a tree spec and (flattened key, value) leaves.
-
-    Containers: dict (and dict subclasses other than OrderedDict, stored as
-    dict), OrderedDict, list, tuple. A dict whose keys are not all str, int,
-    float, bool or None, and tuple subclasses (namedtuples, torch.Size) are
-    leaves. Raises ValueError on a reference cycle.
-    """
-    out = Flattened(tree=Leaf(""))
-    on_path: set[int] = set()
-
-    def visit(x: Any, key: str) -> Node:
-        if isinstance(x, TreeView):
-            node, read, tie, info = x._ws_subtree()
-            new_node, pairs = rekey(node, key)
-            for new_key, old_key in pairs:
-                deferred = Deferred(
-                    lambda k=old_key: read(k),
-                    lambda k=old_key: tie(k),
-                    lambda k=old_key: info(k),
-                )
-                out.leaves.append((new_key, deferred))
-            return new_node
-        kind = _container_kind(x)
-        if kind is None:
-            out.leaves.append((key, x))
-            return Leaf(key)
-        if id(x) in on_path:
-            raise ValueError(
-                f"save(): the state contains a reference cycle at key {key!r}; "
-                "a checkpoint must be a tree. Remove the back-reference."
-            )
-        on_path.add(id(x))
-        try:
-            if kind in ("dict", "odict"):
-                keys = list(x.keys())
-                children = [visit(x[k], join_key(key, k)) for k in keys]
-                metadata = _json_metadata(getattr(x, "_metadata", None))
-                return Branch(kind, keys, children, metadata)
-            items = list(x)
-            children = [visit(v, join_key(key, i)) for i, v in enumerate(items)]
-            return Branch(kind, list(range(len(items))), children)
-        finally:
-            on_path.discard(id(x))
-
-    out.tree = visit(state, "")
-    return out
-
-
-def _container_kind(x: Any) -> str | None:
-    if isinstance(x, dict):
-        if not all(type(k) in _SIMPLE_KEY_TYPES for k in x):
-            return None  # keys JSON cannot carry: the dict is pickled whole
-        return "odict" if isinstance(x, OrderedDict) else "dict"
-    if isinstance(x, list):
-        return "list"
-    if type(x) is tuple:
-        return "tuple"
-    return None
-
-
-def resolve_leaves(flat: Flattened) -> Callable[[str], Any]:
-    """``value_of(key)`` for :func:`unflatten` of ``flat``: reads deferred leaves,
-    tied ones once."""
-    values = dict(flat.leaves)
-    seen: dict[Hashable, Any] = {}
-
-    def value_of(key: str) -> Any:
-        value = values[key]
-        if not isinstance(value, Deferred):
-            return value
-        tie = value.tie()
-        if tie is None:
-            return value.get()
-        if tie not in seen:
-            seen[tie] = value.get()
-        return seen[tie]
-
-    return value_of
-
-
-def unflatten(node: Node, value_of: Callable[[str], Any]) -> Any:
-    """Rebuild the nested state from ``node``; ``value_of(key)`` gives each leaf."""
-    if isinstance(node, Leaf):
-        return value_of(node.key)
-    values = [unflatten(c, value_of) for c in node.children]
-    if node.kind == "dict":
-        return dict(zip(node.keys, values))
-    if node.kind == "odict":
-        result = OrderedDict(zip(node.keys, values))
-        metadata = restore_metadata(node.metadata)
-        if metadata is not None:
-            result._metadata = metadata  # type: ignore[attr-defined]
-        return result
-    if node.kind == "list":
-        return values
-    return tuple(values)
-
 
 _RESERVED_NAMES = {"": "__root__", ".": "%2E", "..": "%2E%2E"}
 
@@ -538,33 +205,6 @@ def storage_array(t: torch.Tensor) -> np.ndarray:
         return t.view(torch.uint16).numpy()
     assert t.is_contiguous(), "bytes-encoded tensors are viewed only when contiguous"
     return t.reshape(-1).view(torch.uint8).numpy().reshape(stored_shape(tuple(t.shape), t.dtype))
-
-
-def map_file_range(
-    fd: int, offset: int, dtype: torch.dtype, shape: tuple[int, ...], file_size: int
-) -> torch.Tensor | None:
-    """A tensor viewing bytes ``offset ..`` of the open file ``fd`` through a
-    copy-on-write mapping of just those pages (Note [fast reads]).
-
-    No copy: pages are read from the file when touched. One mapping per tensor,
-    never the whole file: the kernel refuses a writable private mapping larger
-    than the memory it could ever back (its overcommit heuristic), which a
-    checkpoint of a model larger than RAM is. None when the data is empty, not
-    64-byte aligned, or past the end of the file (the caller copies instead, and
-    reports a truncation).
-    """
-    numel = 1
-    for d in shape:
-        numel *= d
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if numel == 0 or offset % 64 or offset + nbytes > file_size:
-        return None
-    start = offset - offset % mmap.ALLOCATIONGRANULARITY
-    mapping = mmap.mmap(fd, offset - start + nbytes, offset=start, access=mmap.ACCESS_COPY)
-    register_read_mapping(mapping)
-    # The tensor holds the mapping: it is unmapped when the last view dies.
-    flat = torch.frombuffer(mapping, dtype=dtype, count=numel, offset=offset - start)
-    return flat.view(shape)
 
 
 # --------------------------------------------------------------------------

@@ -36,12 +36,14 @@ import copy
 import os
 import weakref
 from collections import OrderedDict
-from collections.abc import Hashable, ItemsView, Mapping, ValuesView
+from collections.abc import Callable, Hashable, ItemsView, Mapping, ValuesView
 from typing import Any
 
 import torch
 
-from weightstream.checkpoint.format import (
+from weightstream.checkpoint.opener import open_source
+from weightstream.checkpoint.source import Source
+from weightstream.checkpoint.tree import (
     Branch,
     Leaf,
     Node,
@@ -51,8 +53,6 @@ from weightstream.checkpoint.format import (
     restore_metadata,
     unflatten,
 )
-from weightstream.checkpoint.opener import open_source
-from weightstream.checkpoint.source import Source
 
 
 class _Loader:
@@ -82,17 +82,7 @@ class _Loader:
         """The real nested value of ``node``, tied leaves read once."""
         if self.cache is not None:
             return unflatten(node, self.read)
-        seen: dict[Hashable, Any] = {}
-
-        def value_of(key: str) -> Any:
-            tie = self.source.tie(key)
-            if tie is None:
-                return self.read(key)
-            if tie not in seen:
-                seen[tie] = self.read(key)
-            return seen[tie]
-
-        return unflatten(node, value_of)
+        return _read_tree(node, self.read, self.source.tie)
 
     def close(self) -> None:
         self.closed = True
@@ -330,25 +320,36 @@ def _parse_map_location(map_location: Any) -> tuple[str, torch.device | None]:
     )
 
 
-def _materialize_on(source: Source, device: torch.device) -> Any:
-    """Read every leaf (tied ones once) and place tensors on ``device``, one at a time."""
+def _read_tree(
+    node: Node,
+    read: Callable[[str], Any],
+    tie: Callable[[str], Hashable | None],
+    place: Callable[[Any], Any] | None = None,
+) -> Any:
+    """``node`` rebuilt from ``read(key)`` of each leaf (then ``place``d), tied leaves read once."""
     seen: dict[Hashable, Any] = {}
-    moved: dict[int, Any] = {}
 
     def value_of(key: str) -> Any:
-        tie = source.tie(key)
-        if tie is not None and tie in seen:
-            return seen[tie]
-        value = source.read(key)
-        if isinstance(value, torch.Tensor) and value.device != device:
-            if id(value) not in moved:
-                moved[id(value)] = _to_device(value, device)
-            value = moved[id(value)]
-        if tie is not None:
-            seen[tie] = value
+        slot = tie(key)
+        if slot is not None and slot in seen:
+            return seen[slot]
+        value = read(key) if place is None else place(read(key))
+        if slot is not None:
+            seen[slot] = value
         return value
 
-    return unflatten(source.tree, value_of)
+    return unflatten(node, value_of)
+
+
+def _materialize_on(source: Source, device: torch.device) -> Any:
+    """Read every leaf (tied ones once) and place tensors on ``device``, one at a time."""
+
+    def place(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.device != device:
+            return _to_device(value, device)
+        return value
+
+    return _read_tree(source.tree, source.read, source.tie, place)
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -16,7 +16,7 @@ from the page cache), which runs in parallel on several threads. On a save,
 writes into one file contend in the kernel (its inode lock): two threads
 writing at once were faster but spent 40% more CPU spinning, so the writer
 lets one thread write at a time (:class:`WriteGuard.pwrite
-<weightstream.checkpoint.writer.WriteGuard>`) while the others sum their next
+<weightstream.checkpoint.write_guard.WriteGuard>`) while the others sum their next
 piece. Measured on 2 GiB, 2 CPUs, from the page cache, with a CPU to spare:
 loads 1.7x, saves 1.2x faster than on one thread, for about 10% more CPU time.
 

@@ -29,7 +29,6 @@ program would (SIGBUS on access), which is why the eager modes copy.
 
 from __future__ import annotations
 
-import errno
 import itertools
 import os
 import pickle
@@ -44,6 +43,7 @@ import h5py
 import numpy as np
 import torch
 
+from weightstream.checkpoint import format as fmt
 from weightstream.checkpoint import kernel, pieces
 from weightstream.checkpoint.errors import (
     CheckpointError,
@@ -51,59 +51,30 @@ from weightstream.checkpoint.errors import (
     IncompleteCheckpointError,
     PickleNotAllowedError,
 )
-from weightstream.checkpoint.format import (
-    ATTR_BFLOAT16,
-    ATTR_CHECKSUM,
-    ATTR_DTYPE,
-    ATTR_IS_PARAMETER,
-    ATTR_LIBRARY_VERSION,
-    ATTR_NUMPY_SCALAR,
-    ATTR_PYTHON_TYPE,
-    ATTR_REFERENCE_LIBRARY_VERSION,
-    ATTR_REQUIRES_GRAD,
-    ATTR_SHAPE,
-    ATTR_SPEC,
-    ATTR_SPEC_CHECKSUM,
-    ATTR_STRING,
-    ATTR_SUCCESS,
-    ATTR_TYPE,
-    ATTR_VALUE,
-    ATTR_VERSION,
-    ENCODING_BYTES,
-    FORMAT_VERSION,
-    TYPE_BIGINT,
-    TYPE_BYTES,
-    TYPE_NONE,
-    TYPE_NUMPY,
-    TYPE_PICKLE,
-    TYPE_REFERENCE_OBJECT,
-    TYPE_SCALAR,
-    TYPE_STRING,
-    TYPE_TENSOR,
-    TYPE_TORCH_DEVICE,
-    TYPE_TORCH_DTYPE,
-    TYPE_TORCH_SIZE,
-    Branch,
-    Leaf,
-    Node,
-    checksum,
-    dataset_name,
-    is_tree_json,
-    iter_leaves,
+from weightstream.checkpoint.h5file import (
+    DAMAGED_FIX,
+    as_text,
     map_file_range,
-    storage_array,
-    stored_shape,
-    tensor_encoding,
-    torch_dtype_from_name,
-    torch_dtype_of_numpy,
-    tree_from_json,
+    open_h5,
+    raw_offset,
+    read_attributes,
+    register_filters,
+    storage_kind,
 )
 from weightstream.checkpoint.refspec import decode_reference_spec
 from weightstream.checkpoint.source import LeafInfo, Source, read_exact
+from weightstream.checkpoint.tree import (
+    Branch,
+    Leaf,
+    Node,
+    is_tree_json,
+    iter_leaves,
+    tree_from_json,
+)
 from weightstream.common.pages import release_pages
 
 # Tags of the reference system's newer storage layer (`__TYPE__` attribute).
-_TENSOR_TAGS = {TYPE_TENSOR, "TorchTensorSerializer"}
+_TENSOR_TAGS = {fmt.TYPE_TENSOR, "TorchTensorSerializer"}
 _REFERENCE_TYPE_ATTR = "__TYPE__"
 _REFERENCE_NUMPY_ATTR = "__NUMPY__"
 _REFERENCE_BYTES_ATTR = "__BYTES__"
@@ -111,57 +82,12 @@ _REFERENCE_OBJECT_ATTR = "object_value"
 
 _source_ids = itertools.count()
 
-_DAMAGED_FIX = (
-    "The file is damaged (truncated, overwritten, or corrupted in a copy). Load an "
-    "earlier checkpoint (weightstream.checkpoint.find_latest_checkpoint picks the newest "
-    "complete one) or copy the file again from a good source."
-)
-
-
-def _text(value: Any) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, bytes):
-        return value.decode("utf-8", errors="replace")
-    if isinstance(value, np.ndarray) and value.size == 1:
-        return _text(value.reshape(-1)[0])
-    return str(value)
-
 
 def _version(value: Any) -> float | None:
     try:
-        return None if value is None else float(_text(value) or "")
+        return None if value is None else float(as_text(value) or "")
     except ValueError:
         return None
-
-
-def open_h5(path: str | os.PathLike) -> h5py.File:
-    """``path`` opened read-only with h5py, as plain ``h5py.File(path)`` would open it.
-
-    HDF5 refuses a second open of a file in one process with other file-locking
-    flags ("file locking flag values don't match"), so a checkpoint held by a
-    lazy :func:`~weightstream.checkpoint.load` uses h5py's default flags, the
-    ones a user's own ``h5py.File(path)`` uses; where the file system cannot
-    lock (some network and read-only mounts) it opens without locking. A file
-    that cannot be opened for a reason of its own (missing, no permission) is
-    reported as such; only one that HDF5 cannot read is called damaged.
-    """
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(errno.ENOENT, "no such checkpoint file", path)
-    if not os.access(path, os.R_OK):
-        raise PermissionError(errno.EACCES, "the checkpoint file is not readable", path)
-    try:
-        return h5py.File(path, "r")
-    except OSError as e:
-        if "lock" not in str(e).lower():
-            raise CorruptCheckpointError(
-                f"{path}: cannot open it as HDF5 ({e}). {_DAMAGED_FIX}"
-            ) from e
-    try:
-        return h5py.File(path, "r", locking=False)
-    except OSError as e:
-        raise CorruptCheckpointError(f"{path}: cannot open it as HDF5 ({e}). {_DAMAGED_FIX}") from e
 
 
 class H5Source(Source):
@@ -201,27 +127,27 @@ class H5Source(Source):
             names = set(self._f.keys())  # link names only: no object is opened
         except (OSError, RuntimeError, KeyError, ValueError) as e:
             raise CorruptCheckpointError(
-                f"{self.path}: cannot read the file's index ({e}). {_DAMAGED_FIX}"
+                f"{self.path}: cannot read the file's index ({e}). {DAMAGED_FIX}"
             ) from e
-        if not bool(attrs.get(ATTR_SUCCESS, False)) and not allow_incomplete:
+        if not bool(attrs.get(fmt.ATTR_SUCCESS, False)) and not allow_incomplete:
             raise IncompleteCheckpointError(
-                f"{self.path} is incomplete: it has no {ATTR_SUCCESS} marker, which a save "
+                f"{self.path} is incomplete: it has no {fmt.ATTR_SUCCESS} marker, which a save "
                 "writes last, so the save that wrote it was probably interrupted (crash, "
                 "kill, full disk). Load the previous checkpoint instead "
                 "(weightstream.checkpoint.find_latest_checkpoint skips incomplete files) "
                 "and save again. Only if it comes from an old release that did not write "
                 "the marker and you know it is whole, pass allow_incomplete=True."
             )
-        self.version = _version(attrs.get(ATTR_VERSION))
-        if self.version is not None and self.version > FORMAT_VERSION + 1e-9:
+        self.version = _version(attrs.get(fmt.ATTR_VERSION))
+        if self.version is not None and self.version > fmt.FORMAT_VERSION + 1e-9:
             raise CheckpointError(
                 f"{self.path} has checkpoint format version {self.version}, newer than "
-                f"{FORMAT_VERSION}, the newest this weightstream reads. Upgrade weightstream."
+                f"{fmt.FORMAT_VERSION}, the newest this weightstream reads. Upgrade weightstream."
             )
         self._attrs = attrs
-        self.tree, flat_names = self._decode_tree(attrs.get(ATTR_SPEC), names)
+        self.tree, flat_names = self._decode_tree(attrs.get(fmt.ATTR_SPEC), names)
         self._names = flat_names or {
-            leaf.key: dataset_name(leaf.key) for leaf in iter_leaves(self.tree)
+            leaf.key: fmt.dataset_name(leaf.key) for leaf in iter_leaves(self.tree)
         }
         missing = [k for k, n in self._names.items() if n not in names]
         if missing:
@@ -230,42 +156,42 @@ class H5Source(Source):
             raise CorruptCheckpointError(
                 f"{self.path}: {len(missing)} value(s) listed in its spec have no dataset: "
                 f"{shown}{more}. Datasets were deleted or renamed after the save. "
-                f"{_DAMAGED_FIX}"
+                f"{DAMAGED_FIX}"
             )
         self._fd = os.open(self.path, os.O_RDONLY)
 
     def _decode_tree(self, spec: Any, names: set[str]) -> tuple[Node, dict[str, str] | None]:
         """The tree, and for a file without a usable spec the key -> dataset names."""
-        text = _text(spec)
-        if text is None and ATTR_LIBRARY_VERSION in self._attrs:
+        text = as_text(spec)
+        if text is None and fmt.ATTR_LIBRARY_VERSION in self._attrs:
             # Every file weightstream writes has a spec: without it the nesting of the
             # state is lost, and a flat dict of dataset names is not what was saved.
             raise CorruptCheckpointError(
-                f"{self.path}: its {ATTR_SPEC} attribute (the state's structure), which "
-                f"weightstream always writes, is missing. {_DAMAGED_FIX}"
+                f"{self.path}: its {fmt.ATTR_SPEC} attribute (the state's structure), which "
+                f"weightstream always writes, is missing. {DAMAGED_FIX}"
             )
-        stored = self._attrs.get(ATTR_SPEC_CHECKSUM)
+        stored = self._attrs.get(fmt.ATTR_SPEC_CHECKSUM)
         if text is not None and stored is not None and self._verify:
-            actual = checksum(np.frombuffer(text.encode("utf-8", "surrogatepass"), np.uint8))
+            actual = fmt.checksum(np.frombuffer(text.encode("utf-8", "surrogatepass"), np.uint8))
             if actual != int(np.asarray(stored).reshape(-1)[0]):
                 raise CorruptCheckpointError(
-                    f"{self.path}: its {ATTR_SPEC} attribute (the state's structure) does not "
-                    f"match its checksum. {_DAMAGED_FIX}"
+                    f"{self.path}: its {fmt.ATTR_SPEC} attribute (the state's structure) does not "
+                    f"match its checksum. {DAMAGED_FIX}"
                 )
         if text is not None and is_tree_json(text):
             try:
                 return tree_from_json(text), None
             except ValueError as e:
                 raise CorruptCheckpointError(
-                    f"{self.path}: its {ATTR_SPEC} attribute (the state's structure) is "
-                    f"unreadable ({e}). {_DAMAGED_FIX}"
+                    f"{self.path}: its {fmt.ATTR_SPEC} attribute (the state's structure) is "
+                    f"unreadable ({e}). {DAMAGED_FIX}"
                 ) from e
         if text is not None:
             try:
                 return decode_reference_spec(text), None
             except Exception as e:  # any failure: fall back to the flat keys below
                 warnings.warn(
-                    f"{self.path}: its {ATTR_SPEC} (a pickled pytree spec from the reference "
+                    f"{self.path}: its {fmt.ATTR_SPEC} (a pickled pytree spec from the reference "
                     f"system) could not be decoded safely ({e}); the state is returned as a "
                     "flat dict keyed by the flattened names.",
                     stacklevel=4,
@@ -291,7 +217,7 @@ class H5Source(Source):
             raise
         except (OSError, RuntimeError, ValueError, TypeError, KeyError) as e:
             raise CorruptCheckpointError(
-                f"{self.path}: cannot read key {key!r} (dataset {name!r}): {e}. {_DAMAGED_FIX}"
+                f"{self.path}: cannot read key {key!r} (dataset {name!r}): {e}. {DAMAGED_FIX}"
             ) from e
 
     def _dataset(self, name: str) -> h5py.Dataset:
@@ -327,30 +253,30 @@ class H5Source(Source):
         if kind == "tensor":
             torch_dtype = self._tensor_dtype(key, dset, attrs)
             dtype = str(torch_dtype)
-            if ATTR_SHAPE in attrs:
-                shape = tuple(int(d) for d in attrs[ATTR_SHAPE])
-            elif tensor_encoding(torch_dtype)[0] == ENCODING_BYTES and shape:
+            if fmt.ATTR_SHAPE in attrs:
+                shape = tuple(int(d) for d in attrs[fmt.ATTR_SHAPE])
+            elif fmt.tensor_encoding(torch_dtype)[0] == fmt.ENCODING_BYTES and shape:
                 shape = shape[:-1]
         elif kind == "numpy":
             dtype = f"numpy.{dset.dtype}"
         elif kind == "object":
-            dtype = _text(attrs.get(ATTR_PYTHON_TYPE))
+            dtype = as_text(attrs.get(fmt.ATTR_PYTHON_TYPE))
         elif kind == "scalar" and dset.shape is not None:
             dtype = str(dset.dtype)
         nbytes = 0 if dset.shape is None else int(dset.size * dset.dtype.itemsize)
-        return LeafInfo(key, kind, shape, dtype, nbytes, _storage(dset))
+        return LeafInfo(key, kind, shape, dtype, nbytes, storage_kind(dset))
 
     def properties(self) -> dict[str, Any]:
-        library = self._attrs.get(ATTR_LIBRARY_VERSION)
+        library = self._attrs.get(fmt.ATTR_LIBRARY_VERSION)
         writer = "weightstream"
         if library is None:
-            library, writer = self._attrs.get(ATTR_REFERENCE_LIBRARY_VERSION), "reference"
+            library, writer = self._attrs.get(fmt.ATTR_REFERENCE_LIBRARY_VERSION), "reference"
         return {
             "format": "h5",
             "format_version": self.version,
             "writer": writer,
-            "library_version": _text(library),
-            "complete": bool(self._attrs.get(ATTR_SUCCESS, False)),
+            "library_version": as_text(library),
+            "complete": bool(self._attrs.get(fmt.ATTR_SUCCESS, False)),
         }
 
     def close(self) -> None:
@@ -370,23 +296,23 @@ class H5Source(Source):
     # -- values ------------------------------------------------------------
 
     def _kind(self, dset: h5py.Dataset, attrs: Any) -> str:
-        tag = _text(attrs.get(ATTR_TYPE)) or _text(attrs.get(_REFERENCE_TYPE_ATTR))
-        if _REFERENCE_BYTES_ATTR in attrs or tag in (TYPE_PICKLE, TYPE_REFERENCE_OBJECT):
+        tag = as_text(attrs.get(fmt.ATTR_TYPE)) or as_text(attrs.get(_REFERENCE_TYPE_ATTR))
+        if _REFERENCE_BYTES_ATTR in attrs or tag in (fmt.TYPE_PICKLE, fmt.TYPE_REFERENCE_OBJECT):
             return "object"
         if tag in _TENSOR_TAGS:
             return "tensor"
-        if tag == TYPE_NUMPY:
+        if tag == fmt.TYPE_NUMPY:
             # The reference saved tensors under this tag up to format 0.3.
             return "tensor" if self.version is not None and self.version <= 0.3 else "numpy"
         simple = {
-            TYPE_SCALAR: "scalar",
-            TYPE_STRING: "string",
-            TYPE_NONE: "none",
-            TYPE_BYTES: "bytes",
-            TYPE_BIGINT: "scalar",
-            TYPE_TORCH_DTYPE: "dtype",
-            TYPE_TORCH_DEVICE: "device",
-            TYPE_TORCH_SIZE: "size",
+            fmt.TYPE_SCALAR: "scalar",
+            fmt.TYPE_STRING: "string",
+            fmt.TYPE_NONE: "none",
+            fmt.TYPE_BYTES: "bytes",
+            fmt.TYPE_BIGINT: "scalar",
+            fmt.TYPE_TORCH_DTYPE: "dtype",
+            fmt.TYPE_TORCH_DEVICE: "device",
+            fmt.TYPE_TORCH_SIZE: "size",
         }
         if tag in simple:
             return simple[tag]
@@ -395,7 +321,7 @@ class H5Source(Source):
         # Untagged: the layouts of older reference releases.
         if attrs.get("is_none"):
             return "none"
-        if attrs.get("is_string") or ATTR_STRING in attrs:
+        if attrs.get("is_string") or fmt.ATTR_STRING in attrs:
             return "string"
         if dset.shape is None:
             return "none"
@@ -411,33 +337,35 @@ class H5Source(Source):
         if kind == "none":
             return None
         if kind == "scalar":
-            if _text(attrs.get(ATTR_TYPE)) == TYPE_BIGINT:
-                return int(_text(attrs[ATTR_VALUE]) or "")
+            if as_text(attrs.get(fmt.ATTR_TYPE)) == fmt.TYPE_BIGINT:
+                return int(as_text(attrs[fmt.ATTR_VALUE]) or "")
             return self._read_array(key, name, dset, attrs).item()
         if kind == "string":
-            for attr in (ATTR_STRING, "string_val"):
+            for attr in (fmt.ATTR_STRING, "string_val"):
                 if attr in attrs:
-                    return _text(attrs[attr])
+                    return as_text(attrs[attr])
             data = self._read_array(key, name, dset, attrs)
             return data.tobytes().decode("utf-8", errors="surrogatepass")
         if kind == "numpy":
             array = self._read_array(key, name, dset, attrs)
-            if attrs.get(ATTR_BFLOAT16):
+            if attrs.get(fmt.ATTR_BFLOAT16):
                 return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-            return array[()] if attrs.get(ATTR_NUMPY_SCALAR) else array
+            return array[()] if attrs.get(fmt.ATTR_NUMPY_SCALAR) else array
         if kind == "bytes":
             data = self._read_array(key, name, dset, attrs).tobytes()
-            return bytearray(data) if _text(attrs.get(ATTR_PYTHON_TYPE)) == "bytearray" else data
+            return (
+                bytearray(data) if as_text(attrs.get(fmt.ATTR_PYTHON_TYPE)) == "bytearray" else data
+            )
         if kind == "dtype":
-            value = torch_dtype_from_name(_text(attrs[ATTR_VALUE]) or "")
+            value = fmt.torch_dtype_from_name(as_text(attrs[fmt.ATTR_VALUE]) or "")
             if value is None:
                 raise CorruptCheckpointError(
                     f"{self.path}: key {key!r} names an unknown torch dtype "
-                    f"{attrs[ATTR_VALUE]!r}. It was saved by a newer torch; upgrade torch."
+                    f"{attrs[fmt.ATTR_VALUE]!r}. It was saved by a newer torch; upgrade torch."
                 )
             return value
         if kind == "device":
-            return torch.device(_text(attrs[ATTR_VALUE]) or "cpu")
+            return torch.device(as_text(attrs[fmt.ATTR_VALUE]) or "cpu")
         if kind == "size":
             return torch.Size(int(d) for d in self._read_array(key, name, dset, attrs))
         if kind == "object":
@@ -452,10 +380,10 @@ class H5Source(Source):
         if _REFERENCE_BYTES_ATTR in attrs:
             data = np.asarray(attrs[_REFERENCE_BYTES_ATTR]).tobytes()
         elif _REFERENCE_OBJECT_ATTR in attrs:
-            data = bytes.fromhex(_text(attrs[_REFERENCE_OBJECT_ATTR]) or "")
+            data = bytes.fromhex(as_text(attrs[_REFERENCE_OBJECT_ATTR]) or "")
         else:
             data = self._read_array(key, name, dset, attrs).tobytes()
-        python_type = _text(attrs.get(ATTR_PYTHON_TYPE)) or "Python object"
+        python_type = as_text(attrs.get(fmt.ATTR_PYTHON_TYPE)) or "Python object"
         if not self._allow_pickle:
             raise PickleNotAllowedError(
                 f"{self.path}: key {key!r} holds a pickled {python_type}. Unpickling can run "
@@ -471,20 +399,20 @@ class H5Source(Source):
             return pickle.loads(data)
 
     def _tensor_dtype(self, key: str, dset: h5py.Dataset, attrs: Any) -> torch.dtype:
-        name = _text(attrs.get(ATTR_DTYPE))
+        name = as_text(attrs.get(fmt.ATTR_DTYPE))
         if name is None and "dtypes" in attrs:
-            name = _text(np.asarray(attrs["dtypes"]).reshape(-1)[0])
+            name = as_text(np.asarray(attrs["dtypes"]).reshape(-1)[0])
         if name is not None:
-            dtype = torch_dtype_from_name(name)
+            dtype = fmt.torch_dtype_from_name(name)
             if dtype is None:
                 raise CheckpointError(
                     f"{self.path}: key {key!r} has dtype {name!r}, unknown to this torch "
                     f"({torch.__version__}). Upgrade torch to read it."
                 )
             return dtype
-        if attrs.get(ATTR_BFLOAT16):
+        if attrs.get(fmt.ATTR_BFLOAT16):
             return torch.bfloat16
-        dtype = torch_dtype_of_numpy(dset.dtype)
+        dtype = fmt.torch_dtype_of_numpy(dset.dtype)
         if dtype is None:
             raise CheckpointError(
                 f"{self.path}: key {key!r} has HDF5 data of numpy type {dset.dtype}, which "
@@ -494,35 +422,35 @@ class H5Source(Source):
 
     def _read_tensor(self, key: str, name: str, dset: h5py.Dataset, attrs: dict) -> torch.Tensor:
         dtype = self._tensor_dtype(key, dset, attrs)
-        encoding, np_dtype = tensor_encoding(dtype)
+        encoding, np_dtype = fmt.tensor_encoding(dtype)
         on_disk = tuple(dset.shape or ())
-        if ATTR_SHAPE in attrs:
-            shape = tuple(int(d) for d in np.asarray(attrs[ATTR_SHAPE]).reshape(-1))
+        if fmt.ATTR_SHAPE in attrs:
+            shape = tuple(int(d) for d in np.asarray(attrs[fmt.ATTR_SHAPE]).reshape(-1))
         else:
-            shape = on_disk[:-1] if encoding == ENCODING_BYTES else on_disk
+            shape = on_disk[:-1] if encoding == fmt.ENCODING_BYTES else on_disk
         stored_dtype = dset.dtype.newbyteorder("=")
         allowed = {np_dtype} | ({np.dtype(np.int16)} if dtype == torch.bfloat16 else set())
-        if stored_shape(shape, dtype) != on_disk or stored_dtype not in allowed:
+        if fmt.stored_shape(shape, dtype) != on_disk or stored_dtype not in allowed:
             raise CorruptCheckpointError(
                 f"{self.path}: key {key!r} (dataset {name!r}) says it is a {dtype} tensor of "
                 f"shape {list(shape)} but holds {dset.dtype} data of shape {list(on_disk)}. "
-                f"{_DAMAGED_FIX}"
+                f"{DAMAGED_FIX}"
             )
         out = self._map(dset, dtype, shape, stored_dtype)
         if out is not None:
             expected = self._expected(attrs)
             if expected is not None:  # reads every mapped page, on threads
-                actual = pieces.parallel_checksum(storage_array(out).view(stored_dtype))
+                actual = pieces.parallel_checksum(fmt.storage_array(out).view(stored_dtype))
                 self._compare(key, name, actual, expected)
                 release_pages([out])  # verified: touched again only when used
         else:
             out = torch.empty(shape, dtype=dtype)
             if out.numel() > 0:
                 # bfloat16 may be stored as int16 (the reference allows it): same bits.
-                target = storage_array(out).view(stored_dtype)
+                target = fmt.storage_array(out).view(stored_dtype)
                 self._read_into(key, name, dset, attrs, target)
-        if attrs.get(ATTR_IS_PARAMETER):
-            out = torch.nn.Parameter(out, requires_grad=bool(attrs.get(ATTR_REQUIRES_GRAD)))
+        if attrs.get(fmt.ATTR_IS_PARAMETER):
+            out = torch.nn.Parameter(out, requires_grad=bool(attrs.get(fmt.ATTR_REQUIRES_GRAD)))
         return out
 
     def _map(
@@ -531,7 +459,7 @@ class H5Source(Source):
         """The tensor as a view of the file mapping, or None to copy (Note [fast reads])."""
         if not self._use_mmap or self._fd is None or dset.dtype != stored_dtype:
             return None
-        offset = _raw_offset(dset)
+        offset = raw_offset(dset)
         if offset is None:
             return None
         if self._file_size is None:
@@ -546,16 +474,16 @@ class H5Source(Source):
 
     def _expected(self, attrs: dict) -> int | None:
         """The stored checksum to verify against, or None (not stored, or verify=False)."""
-        if not self._verify or ATTR_CHECKSUM not in attrs:
+        if not self._verify or fmt.ATTR_CHECKSUM not in attrs:
             return None
-        return int(np.asarray(attrs[ATTR_CHECKSUM]).reshape(-1)[0])
+        return int(np.asarray(attrs[fmt.ATTR_CHECKSUM]).reshape(-1)[0])
 
     def _compare(self, key: str, name: str, actual: int, expected: int) -> None:
         if actual != expected:
             raise CorruptCheckpointError(
                 f"{self.path}: the data of key {key!r} (dataset {name!r}) does not match its "
                 "checksum: its bytes changed after the save. The file cannot be trusted. "
-                f"{_DAMAGED_FIX}"
+                f"{DAMAGED_FIX}"
             )
 
     def _read_into(
@@ -569,9 +497,9 @@ class H5Source(Source):
         shared out among a few threads (Note [parallel pieces]).
         """
         expected = self._expected(attrs)
-        offset = _raw_offset(dset)
+        offset = raw_offset(dset)
         if offset is None or dset.dtype != target.dtype or self._fd is None:
-            _register_filters()
+            register_filters()
             dset.read_direct(target)
             if expected is not None:
                 self._compare(key, name, pieces.parallel_checksum(target), expected)
@@ -588,87 +516,14 @@ class H5Source(Source):
             kernel.populate(address + start, len(piece))  # Note [populate before read]
             if not read_exact(fd, piece, offset + start):
                 return None  # past the end of the file
-            return checksum(np.frombuffer(piece, dtype=np.uint8)) if verify else 0
+            return fmt.checksum(np.frombuffer(piece, dtype=np.uint8)) if verify else 0
 
         # Note [parallel pieces]
         sums = pieces.for_each_piece(pieces.piece_count(len(buffer), size), read_piece)
         if any(s is None for s in sums):
             raise CorruptCheckpointError(
                 f"{self.path}: key {key!r} (dataset {name!r}) ends past the end of "
-                f"the file: the file is truncated. {_DAMAGED_FIX}"
+                f"the file: the file is truncated. {DAMAGED_FIX}"
             )
         if expected is not None:
             self._compare(key, name, pieces.combine(sums), expected)
-
-
-# Attribute types read without h5py's high-level conversions (read_attributes).
-_PLAIN_ATTRIBUTE_CLASSES = (h5py.h5t.INTEGER, h5py.h5t.FLOAT, h5py.h5t.ENUM)
-
-
-def read_attributes(dset: h5py.Dataset) -> dict[str, Any]:
-    """``dict(dset.attrs)``, the same values and types, in 70% of the time.
-
-    For numbers, booleans and fixed-length strings (every attribute we write)
-    the value is read through HDF5's low-level calls with the stored type as
-    the memory type (the bytes are copied, not converted); anything else
-    (variable-length strings, empty attributes, compound types, as files of
-    the reference system have) is read by h5py as usual. Attributes were
-    half the time of loading a small tensor.
-    """
-    dsid = dset.id
-    values: dict[str, Any] = {}
-    for index in range(h5py.h5a.get_num_attrs(dsid)):
-        attr = h5py.h5a.open(dsid, index=index)
-        try:
-            name = attr.name.decode("utf-8")
-        except UnicodeDecodeError:  # a name h5py decodes its own way
-            return dict(dset.attrs)
-        tid = attr.get_type()
-        kind = tid.get_class()
-        space = attr.get_space()
-        array = None
-        plain = kind in _PLAIN_ATTRIBUTE_CLASSES or (
-            kind == h5py.h5t.STRING and not tid.is_variable_str()
-        )
-        if plain and space.get_simple_extent_type() != h5py.h5s.NULL:  # NULL: h5py.Empty
-            try:
-                array = np.empty(space.shape, tid.dtype)
-            except (TypeError, ValueError):  # no numpy dtype for it: h5py knows better
-                array = None
-        if array is None:
-            values[name] = dset.attrs[name]
-            continue
-        attr.read(array, mtype=tid)
-        values[name] = array[()] if array.ndim == 0 else array
-    return values
-
-
-def _register_filters() -> None:
-    """Make HDF5 filters from hdf5plugin (LZ4 = 32004, ...) available, once."""
-    import hdf5plugin  # noqa: F401  (importing registers the filters)
-
-
-def _raw_offset(dset: h5py.Dataset) -> int | None:
-    """File offset of the data if it is one plain byte range, else None."""
-    plist = dset.id.get_create_plist()
-    if plist.get_layout() != h5py.h5d.CONTIGUOUS or plist.get_nfilters() != 0:
-        return None
-    if plist.get_external_count() != 0:
-        return None
-    return dset.id.get_offset()
-
-
-def _storage(dset: h5py.Dataset) -> str:
-    if dset.shape is None:
-        return "attribute"
-    plist = dset.id.get_create_plist()
-    filters = []
-    for i in range(plist.get_nfilters()):
-        code = plist.get_filter(i)[0]
-        filters.append(
-            {1: "gzip", 2: "shuffle", 3: "fletcher32", 32004: "lz4"}.get(code, str(code))
-        )
-    if filters:
-        return "+".join(filters)
-    layout = plist.get_layout()
-    return {h5py.h5d.CONTIGUOUS: "contiguous", h5py.h5d.COMPACT: "compact"}.get(layout, "chunked")

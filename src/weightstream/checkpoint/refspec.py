@@ -17,7 +17,7 @@ import pickle
 from collections import OrderedDict, defaultdict
 from typing import Any
 
-from weightstream.checkpoint.format import Branch, Leaf, Node, join_key
+from weightstream.checkpoint.tree import Branch, Leaf, Node, join_key
 
 
 class _SpecStub:

@@ -1,11 +1,17 @@
 """safetensors, single file and Hugging Face sharded: a reader and a streaming writer.
 
-The format is simple enough to read and write directly (8-byte little-endian
-header length, a JSON header of name -> dtype, shape, byte range, then the
-data), which lets both directions stream tensor by tensor: the reader fills a
-preallocated tensor from the byte range, the writer writes the header from
-the shapes alone and then each tensor's bytes as it is read from the source.
-The ``safetensors`` package is not needed at run time.
+Reading goes through the ``safetensors`` library (``safe_open``), one tensor
+at a time, with its ``pread`` backend: each tensor is read into fresh memory
+(one copy) and nothing else of the file stays mapped, so reading a checkpoint
+tensor by tensor holds one tensor (Note [bounded loads]). Its default
+``mmap`` backend maps the whole file writable and private: every page read
+stays in the process until the file is closed, and the kernel refuses such a
+mapping for a file larger than RAM. So ``load(mmap=True)`` copies here too.
+
+Writing streams as well: the header (8-byte little-endian length, a JSON
+header of name -> dtype, shape, byte range) is written from the shapes alone,
+then each tensor's bytes as it is read from the source. The library's writers
+(``save_file``, ``serialize_file``) need every tensor in memory at once.
 
 safetensors holds only tensors, and no two names may share bytes. So the
 writer duplicates tied tensors, and records in ``__metadata__["weightstream"]``
@@ -16,6 +22,7 @@ For a sharded checkpoint that record is in the index's ``metadata``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -24,29 +31,26 @@ from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 
 from weightstream.checkpoint.errors import CheckpointError, CorruptCheckpointError
-from weightstream.checkpoint.format import (
-    Branch,
-    Deferred,
-    Leaf,
-    flatten,
-    iter_leaves,
-    map_file_range,
-    storage_array,
-    torch_dtype_from_name,
-    tree_from_json,
-    tree_to_json,
-)
+from weightstream.checkpoint.format import torch_dtype_from_name
 from weightstream.checkpoint.source import (
     SAFETENSORS_INDEX,
     SAFETENSORS_SINGLE,
     LeafInfo,
     Source,
-    read_exact,
     read_json,
+)
+from weightstream.checkpoint.tree import (
+    Branch,
+    Deferred,
+    Leaf,
+    flatten,
+    iter_leaves,
+    tree_from_json,
+    tree_to_json,
 )
 from weightstream.checkpoint.writer import (
     SLAB_BYTES,
@@ -75,68 +79,48 @@ DTYPES: dict[str, torch.dtype] = {
 }
 CODES = {v: k for k, v in DTYPES.items()}
 METADATA_KEY = "weightstream"
-_MAX_HEADER = 100 * 2**20
 _JSON_SCALARS = (type(None), bool, int, float, str)
 
 
-class _Entry:
-    __slots__ = ("begin", "dtype", "end", "file", "shape")
-
-    def __init__(self, file: Path, dtype: torch.dtype, shape: tuple, begin: int, end: int):
-        self.file, self.dtype, self.shape, self.begin, self.end = file, dtype, shape, begin, end
-
-
-def read_header(file: Path) -> tuple[dict[str, _Entry], dict[str, str]]:
-    """The tensors of one safetensors file (name -> entry, absolute offsets) and its metadata."""
-    try:
-        with open(file, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            raw = fh.read(8)
-            if len(raw) < 8:
-                raise ValueError("shorter than the 8-byte header length")
-            (n,) = struct.unpack("<Q", raw)
-            if n > min(size - 8, _MAX_HEADER):
-                raise ValueError(f"header length {n} exceeds the file ({size} bytes)")
-            header = json.loads(fh.read(n))
-    except (OSError, ValueError) as e:
-        raise CorruptCheckpointError(
-            f"{file}: not a readable safetensors file ({e}); it is truncated or damaged. "
-            "Download or copy it again."
-        ) from e
-    metadata = header.pop("__metadata__", None) or {}
-    entries: dict[str, _Entry] = {}
-    for name, spec in header.items():
-        try:
-            dtype = DTYPES[spec["dtype"]]
-            shape = tuple(int(d) for d in spec["shape"])
-            begin, end = (int(x) for x in spec["data_offsets"])
-        except KeyError as e:
-            raise CheckpointError(
-                f"{file}: tensor {name!r} has dtype {spec.get('dtype')!r} or a header this "
-                f"reader does not know ({e}); upgrade weightstream or convert the file."
-            ) from e
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        if end - begin != nbytes or 8 + n + end > size:
-            raise CorruptCheckpointError(
-                f"{file}: tensor {name!r} needs bytes {begin}..{end} of the data but the file "
-                f"has {size - 8 - n} bytes of data: the file is truncated or damaged. Download "
-                "or copy it again."
-            )
-        entries[name] = _Entry(file, dtype, shape, 8 + n + begin, 8 + n + end)
-    return entries, metadata
+def _damaged(file: Path, e: Exception) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{file}: not a readable safetensors file ({e}); it is truncated or damaged. "
+        "Download or copy it again."
+    )
 
 
 class SafetensorsSource(Source):
-    """A safetensors file, or a sharded checkpoint through its index (or directory)."""
+    """A safetensors file, or a sharded checkpoint through its index (or directory).
+
+    Every file stays open (``safe_open``) until :meth:`close`. ``mmap`` is
+    accepted for :func:`~weightstream.checkpoint.load` and ignored (see the
+    module's docstring).
+    """
 
     format = "safetensors"
 
     def __init__(self, path: Path, *, mmap: bool = False) -> None:
         self.path = Path(path)
-        self._use_mmap = mmap
-        self._sizes: dict[Path, int] = {}  # for mapped reads
-        self._fds: dict[Path, int] = {}
-        record: Any = None
+        self._files = contextlib.ExitStack()
+        self._entries: dict[str, tuple[Path, Any]] = {}  # name -> (file, its safe_open)
+        try:
+            record = self._open()
+        except BaseException:
+            self.close()
+            raise
+        self._values: dict[str, Any] = {}
+        self._ties: dict[str, str] = {}
+        self.tree = self._tree(record)
+
+    def _open_file(self, file: Path) -> Any:
+        try:
+            handle = safe_open(file, framework="pt", backend="pread")
+        except SafetensorError as e:
+            raise _damaged(file, e) from e
+        return self._files.enter_context(handle)
+
+    def _open(self) -> Any:
+        """Open the file(s); the weightstream record (or None)."""
         index = None
         if self.path.is_dir():
             if (self.path / SAFETENSORS_INDEX).is_file():
@@ -145,36 +129,33 @@ class SafetensorsSource(Source):
                 self.path = self.path / SAFETENSORS_SINGLE
         elif self.path.name.endswith(".index.json"):
             index = self.path
-        self._entries: dict[str, _Entry] = {}
-        if index is not None:
-            self.format = "safetensors-sharded"
-            doc = read_json(index, "sharded checkpoint index")
-            weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-            if not isinstance(weight_map, dict):
-                raise CheckpointError(f"{index}: not a safetensors index (no weight_map).")
-            shards: dict[str, dict[str, _Entry]] = {}
-            for name, shard in weight_map.items():
-                if shard not in shards:
-                    shard_path = index.parent / shard
-                    if not shard_path.is_file():
-                        raise CorruptCheckpointError(
-                            f"{index}: shard {shard} (holding {name!r}) is missing; copy "
-                            "every shard listed in the index."
-                        )
-                    shards[shard] = read_header(shard_path)[0]
-                if name not in shards[shard]:
+        if index is None:
+            handle = self._open_file(self.path)
+            self._entries = {name: (self.path, handle) for name in handle.offset_keys()}
+            return (handle.metadata() or {}).get(METADATA_KEY)
+        self.format = "safetensors-sharded"
+        doc = read_json(index, "sharded checkpoint index")
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: not a safetensors index (no weight_map).")
+        shards: dict[str, tuple[Path, Any, set[str]]] = {}
+        for name, shard in weight_map.items():
+            if shard not in shards:
+                shard_path = index.parent / shard
+                if not shard_path.is_file():
                     raise CorruptCheckpointError(
-                        f"{index}: {name!r} is not in its shard {shard}; the index and the "
-                        "shards do not belong together."
+                        f"{index}: shard {shard} (holding {name!r}) is missing; copy "
+                        "every shard listed in the index."
                     )
-                self._entries[name] = shards[shard][name]
-            record = (doc.get("metadata") or {}).get(METADATA_KEY)
-        else:
-            self._entries, metadata = read_header(self.path)
-            record = metadata.get(METADATA_KEY)
-        self._values: dict[str, Any] = {}
-        self._ties: dict[str, str] = {}
-        self.tree = self._tree(record)
+                handle = self._open_file(shard_path)
+                shards[shard] = (shard_path, handle, set(handle.keys()))
+            if name not in shards[shard][2]:
+                raise CorruptCheckpointError(
+                    f"{index}: {name!r} is not in its shard {shard}; the index and the "
+                    "shards do not belong together."
+                )
+            self._entries[name] = shards[shard][:2]
+        return (doc.get("metadata") or {}).get(METADATA_KEY)
 
     def _tree(self, record: Any) -> Any:
         if record is not None:
@@ -189,42 +170,25 @@ class SafetensorsSource(Source):
             except (ValueError, KeyError, TypeError):
                 pass  # not our record after all: plain flat tensors below
             self._values, self._ties = {}, {}
-        names = sorted(
-            self._entries, key=lambda k: (str(self._entries[k].file), self._entries[k].begin)
-        )
+        # By file, and in a file by offset.
+        files = sorted(dict(self._entries.values()).items(), key=lambda item: str(item[0]))
+        names = [n for _, handle in files for n in handle.offset_keys() if n in self._entries]
         return Branch("dict", names, [Leaf(n) for n in names])
 
-    def _fd(self, file: Path) -> int:
-        if file not in self._fds:
-            self._fds[file] = os.open(file, os.O_RDONLY)
-        return self._fds[file]
+    def _entry(self, key: str) -> tuple[Path, Any]:
+        try:
+            return self._entries[key]
+        except KeyError:
+            raise KeyError(f"{self.path} has no key {key!r}") from None
 
     def read(self, key: str) -> Any:
         if key in self._values:
             return self._values[key]
+        file, handle = self._entry(key)
         try:
-            entry = self._entries[key]
-        except KeyError:
-            raise KeyError(f"{self.path} has no key {key!r}") from None
-        if self._use_mmap:
-            fd = self._fd(entry.file)
-            if entry.file not in self._sizes:
-                self._sizes[entry.file] = os.fstat(fd).st_size
-            mapped = map_file_range(
-                fd, entry.begin, entry.dtype, entry.shape, self._sizes[entry.file]
-            )
-            if mapped is not None:
-                return mapped
-        out = torch.empty(entry.shape, dtype=entry.dtype)
-        if out.numel() == 0:
-            return out
-        buffer = memoryview(storage_array(out).reshape(-1).view(np.uint8))
-        if not read_exact(self._fd(entry.file), buffer, entry.begin):
-            raise CorruptCheckpointError(
-                f"{entry.file}: tensor {key!r} ends past the end of the file: the file "
-                "is truncated. Download or copy it again."
-            )
-        return out
+            return handle.get_tensor(key)
+        except SafetensorError as e:  # e.g. the file was truncated since it was opened
+            raise _damaged(file, e) from e
 
     def tie(self, key: str) -> Hashable | None:
         return ("safetensors", id(self), self._ties.get(key, key))
@@ -234,24 +198,24 @@ class SafetensorsSource(Source):
             value = self._values[key]
             kind = {type(None): "none", str: "string"}.get(type(value), "scalar")
             return LeafInfo(key, kind, None, type(value).__name__, 0, "metadata")
-        entry = self._entries[key]
+        file, handle = self._entry(key)
+        spec = handle.get_slice(key)  # the header's entry; reads no data
+        shape, code = tuple(spec.get_shape()), spec.get_dtype()
+        if code not in DTYPES:
+            raise CheckpointError(
+                f"{file}: tensor {key!r} has dtype {code!r}, which this reader does not "
+                "know; upgrade weightstream or convert the file."
+            )
+        nbytes = _nbytes(shape, DTYPES[code])
         return LeafInfo(
-            key,
-            "tensor",
-            entry.shape,
-            str(entry.dtype),
-            entry.end - entry.begin,
-            entry.file.name,
-            self._ties.get(key),
+            key, "tensor", shape, str(DTYPES[code]), nbytes, file.name, self._ties.get(key)
         )
 
     def properties(self) -> dict[str, Any]:
-        return {"format": self.format, "files": len({e.file for e in self._entries.values()})}
+        return {"format": self.format, "files": len({f for f, _ in self._entries.values()})}
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds = {}
+        self._files.close()
 
 
 # --------------------------------------------------------------------------
@@ -403,18 +367,12 @@ def _write_file(target: Path, tensors: list, metadata: dict[str, str], fsync: bo
 
 
 def _write_tensor_bytes(fh: Any, t: torch.Tensor) -> None:
-    """Write ``t``'s bytes in C order, strided tensors in pieces (no full copy)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    t = t.resolve_conj().resolve_neg()
-    if t.numel() == 0:
+    """Write ``t``'s bytes in C order; a strided tensor in pieces of about SLAB_BYTES
+    along dim 0, each copied contiguous in turn (never the whole tensor)."""
+    t = t.detach().cpu().resolve_conj().resolve_neg()
+    if not t.is_contiguous():  # so not 0-d, not empty
+        rows = max(1, SLAB_BYTES // max(1, t[0].numel() * t.element_size()))
+        for piece in t.split(rows):
+            _write_tensor_bytes(fh, piece.contiguous())
         return
-    if t.is_contiguous() or t.dim() == 0:
-        fh.write(memoryview(storage_array(t.contiguous()).reshape(-1).view(np.uint8)))
-        return
-    rows = max(1, SLAB_BYTES // max(1, t[0].numel() * t.element_size()))
-    for start in range(0, t.shape[0], rows):
-        piece = storage_array(t[start : start + rows].contiguous())
-        fh.write(memoryview(piece.reshape(-1).view(np.uint8)))
-        del piece  # before the next piece exists: one piece at a time
+    fh.write(t.reshape(-1).view(torch.uint8).numpy())

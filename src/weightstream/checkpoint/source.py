@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from weightstream.checkpoint.errors import CheckpointError
-from weightstream.checkpoint.format import Node, iter_leaves
+from weightstream.checkpoint.tree import Node, iter_leaves
 
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 SAFETENSORS_INDEX = "model.safetensors.index.json"

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from weightstream.checkpoint.errors import CorruptCheckpointError
-from weightstream.checkpoint.format import flatten, resolve_leaves, unflatten
 from weightstream.checkpoint.source import LeafInfo, Source
+from weightstream.checkpoint.tree import flatten, resolve_leaves, unflatten
 from weightstream.checkpoint.writer import atomic_path, is_plain_tensor, storage_identity
 
 

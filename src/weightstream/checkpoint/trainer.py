@@ -44,7 +44,7 @@ def list_checkpoints(model_dir: str | os.PathLike) -> list[tuple[int, Path]]:
 
 def is_complete_checkpoint(path: str | os.PathLike) -> bool:
     """True when ``path`` opens as HDF5 and has ``__SUCCESS__`` (no data is read)."""
-    from weightstream.checkpoint.reader import open_h5
+    from weightstream.checkpoint.h5file import open_h5
 
     try:
         with open_h5(path) as f:

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import threading
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
@@ -66,54 +65,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from weightstream.checkpoint import kernel, pieces
+from weightstream.checkpoint import format as fmt
+from weightstream.checkpoint import pieces
 from weightstream.checkpoint.crash import crash_point
 from weightstream.checkpoint.errors import CheckpointWriteError
-from weightstream.checkpoint.format import (
-    ATTR_BFLOAT16,
-    ATTR_CHECKSUM,
-    ATTR_DTYPE,
-    ATTR_IS_PARAMETER,
-    ATTR_LIBRARY_VERSION,
-    ATTR_NUMPY_SCALAR,
-    ATTR_PYTHON_TYPE,
-    ATTR_REQUIRES_GRAD,
-    ATTR_SHAPE,
-    ATTR_SPEC,
-    ATTR_SPEC_CHECKSUM,
-    ATTR_STRING,
-    ATTR_SUCCESS,
-    ATTR_TYPE,
-    ATTR_VALUE,
-    ATTR_VERSION,
-    ENCODING_BFLOAT16,
-    ENCODING_BYTES,
-    FORMAT_VERSION,
-    MAX_STRING_ATTR_BYTES,
-    TYPE_BIGINT,
-    TYPE_BYTES,
-    TYPE_NONE,
-    TYPE_NUMPY,
-    TYPE_PICKLE,
-    TYPE_SCALAR,
-    TYPE_STRING,
-    TYPE_TENSOR,
-    TYPE_TORCH_DEVICE,
-    TYPE_TORCH_DTYPE,
-    TYPE_TORCH_SIZE,
-    Deferred,
-    Sum64,
-    checksum,
-    dataset_name,
-    dtype_name,
-    flatten,
-    storage_array,
-    stored_shape,
-    tensor_encoding,
-    tree_to_json,
-)
+from weightstream.checkpoint.tree import Deferred, flatten, tree_to_json
+from weightstream.checkpoint.write_guard import WriteGuard
 from weightstream.common import files
 from weightstream.common.pages import release_pages, trim_heap
+from weightstream.common.version import __version__
 
 # Tensors are written in pieces of about this many bytes (Note [save memory]):
 # small enough to stay in the CPU cache between checksum and write, and the
@@ -192,13 +152,13 @@ def save(
                     writer.write(key, name, value)
                     guard.check()  # stop at the first failed write
                     crash_point("save.leaf")  # Note [crash points]
-                f.attrs[ATTR_SPEC] = spec
-                f.attrs[ATTR_SPEC_CHECKSUM] = np.uint64(
-                    checksum(np.frombuffer(spec.encode(), np.uint8))
+                f.attrs[fmt.ATTR_SPEC] = spec
+                f.attrs[fmt.ATTR_SPEC_CHECKSUM] = np.uint64(
+                    fmt.checksum(np.frombuffer(spec.encode(), np.uint8))
                 )
-                f.attrs[ATTR_VERSION] = FORMAT_VERSION
-                set_text(f.attrs, ATTR_LIBRARY_VERSION, _library_version())
-                f.attrs[ATTR_SUCCESS] = True  # last: Note [atomic save]
+                f.attrs[fmt.ATTR_VERSION] = fmt.FORMAT_VERSION
+                set_text(f.attrs, fmt.ATTR_LIBRARY_VERSION, __version__)
+                f.attrs[fmt.ATTR_SUCCESS] = True  # last: Note [atomic save]
             guard.check()  # closing flushes the metadata: that may fail too
     except (OSError, RuntimeError) as e:
         # A failed write (full disk, file size limit, read-only directory);
@@ -218,98 +178,6 @@ def atomic_path(target: Path, *, fsync: bool = True):
     after the rename. Also used for safetensors and torch outputs.
     """
     return files.atomic_path(target, fsync=fsync, renamed=lambda: crash_point("save.renamed"))
-
-
-class WriteGuard:
-    """The file object HDF5 writes a checkpoint through (``driver="fileobj"``).
-
-    Note [failed writes]: HDF5 does not survive write errors well. When a
-    write fails (full disk, file size limit, quota), h5py raises on some later
-    call, objects whose metadata cannot be flushed stay open, their
-    deallocation raises again, and the process can crash with a segmentation
-    fault (in the middle of the save, or at exit when HDF5 closes what is left).
-    So HDF5 never sees a failed write: the guard keeps the first error and
-    pretends later writes succeed (they are dropped; the file is deleted
-    anyway), HDF5 closes cleanly, and :meth:`check` raises the kept error.
-    Reads, seeks and the rest go straight to the file.
-    """
-
-    def __init__(self, raw, *, durable: bool = False) -> None:
-        self._raw = raw  # an unbuffered binary file: every write reaches the OS now
-        self.error: OSError | None = None
-        self._lock = threading.Lock()
-        self._durable = durable  # it will be fsynced: start writeback early
-        self._unflushed = 0  # bytes of data written since writeback was last started
-
-    def write(self, data) -> int:
-        # HDF5 writes from one thread; the lock keeps its writes apart from pwrite's.
-        return self._write_all(data, lambda view, done: self._raw.write(view[done:]))
-
-    def pwrite(self, data, offset: int) -> int:
-        """Write ``data`` at ``offset`` without moving the file position.
-
-        For the data HDF5 does not see (Note [direct data writes]); called from
-        several threads at once (Note [parallel pieces]). A failure is kept
-        like one of :meth:`write`. Returns the number of bytes.
-        """
-        fd = self._raw.fileno()
-        return self._write_all(data, lambda view, done: os.pwrite(fd, view[done:], offset + done))
-
-    def _write_all(self, data, put) -> int:
-        """Write all of ``data`` with ``put(view, bytes_done)`` (a write may be partial),
-        unless a write failed before; keep the first failure. Returns the length.
-
-        One writer at a time: concurrent writes into one file contend for its
-        inode lock in the kernel, which costs CPU and gains little (Note
-        [parallel pieces]); the other threads sum their next piece meanwhile.
-        """
-        view = memoryview(data).cast("B")
-        with self._lock:
-            if self.error is None:
-                try:
-                    done = 0
-                    while done < len(view):
-                        done += put(view, done)
-                except OSError as e:
-                    self.error = e  # the first failure: later writes are skipped
-                else:
-                    self._wrote(len(view))
-        return len(view)
-
-    def _wrote(self, nbytes: int) -> None:
-        """Count written bytes; start writeback every so often (Note [early writeback])."""
-        self._unflushed += nbytes
-        if self._durable and self._unflushed >= kernel.WRITEBACK_BYTES:
-            self._unflushed = 0
-            kernel.start_writeback(self._raw.fileno())
-
-    def truncate(self, size: int | None = None) -> int:
-        if self.error is None:
-            try:
-                return self._raw.truncate(size)
-            except OSError as e:
-                self.error = e
-        return self._raw.tell() if size is None else size
-
-    def flush(self) -> None:
-        pass  # unbuffered: nothing is held back
-
-    def read(self, size: int = -1) -> bytes:
-        return self._raw.read(size)
-
-    def readinto(self, buffer) -> int:
-        return self._raw.readinto(buffer)
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        return self._raw.seek(offset, whence)
-
-    def tell(self) -> int:
-        return self._raw.tell()
-
-    def check(self) -> None:
-        """Raise the first failed write, if there was one."""
-        if self.error is not None:
-            raise self.error
 
 
 def _target_path(path: Any, what: str) -> Path:
@@ -352,7 +220,7 @@ def _compression_options(compression: str | None, level: int | None) -> dict:
 
 
 def _dataset_names(keys: list[str]) -> list[str]:
-    names = [dataset_name(k) for k in keys]
+    names = [fmt.dataset_name(k) for k in keys]
     seen: dict[str, str] = {}
     for key, name in zip(keys, names):
         if name in seen:
@@ -363,12 +231,6 @@ def _dataset_names(keys: list[str]) -> list[str]:
             )
         seen[name] = key
     return names
-
-
-def _library_version() -> str:
-    from weightstream.common.version import __version__
-
-    return str(__version__)
 
 
 def storage_identity(t: torch.Tensor) -> Hashable | None:
@@ -457,37 +319,37 @@ class LeafWriter:
         if is_plain_tensor(value):
             self._write_tensor(name, value)
         elif value is None:
-            self._empty(name, TYPE_NONE)
+            self._empty(name, fmt.TYPE_NONE)
         elif type(value) in (bool, float, complex) or (
             type(value) is int and -(2**63) <= value < 2**63
         ):
-            self._data(name, np.asarray(value), TYPE_SCALAR)
+            self._data(name, np.asarray(value), fmt.TYPE_SCALAR)
         elif type(value) is int:
-            self._empty(name, TYPE_BIGINT, {ATTR_VALUE: str(value)})
+            self._empty(name, fmt.TYPE_BIGINT, {fmt.ATTR_VALUE: str(value)})
         elif type(value) is str:
             self._write_string(name, value)
         elif type(value) in (bytes, bytearray):
             array = np.frombuffer(bytes(value), dtype=np.uint8)
-            self._data(name, array, TYPE_BYTES, {ATTR_PYTHON_TYPE: type(value).__name__})
+            self._data(name, array, fmt.TYPE_BYTES, {fmt.ATTR_PYTHON_TYPE: type(value).__name__})
         elif isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind in "biufc":
             scalar = isinstance(value, np.generic)
-            dset = self._data(name, np.asarray(value), TYPE_NUMPY, compress=not scalar)
-            self._put(dset, ATTR_BFLOAT16, np.bool_(False))
+            dset = self._data(name, np.asarray(value), fmt.TYPE_NUMPY, compress=not scalar)
+            self._put(dset, fmt.ATTR_BFLOAT16, np.bool_(False))
             if scalar:
-                self._put(dset, ATTR_NUMPY_SCALAR, np.bool_(True))
+                self._put(dset, fmt.ATTR_NUMPY_SCALAR, np.bool_(True))
         elif isinstance(value, torch.dtype):
-            self._empty(name, TYPE_TORCH_DTYPE, {ATTR_VALUE: dtype_name(value)})
+            self._empty(name, fmt.TYPE_TORCH_DTYPE, {fmt.ATTR_VALUE: fmt.dtype_name(value)})
         elif isinstance(value, torch.device):
-            self._empty(name, TYPE_TORCH_DEVICE, {ATTR_VALUE: str(value)})
+            self._empty(name, fmt.TYPE_TORCH_DEVICE, {fmt.ATTR_VALUE: str(value)})
         elif type(value) is torch.Size:
-            self._data(name, np.asarray(list(value), dtype=np.int64), TYPE_TORCH_SIZE)
+            self._data(name, np.asarray(list(value), dtype=np.int64), fmt.TYPE_TORCH_SIZE)
         else:
             self._write_pickle(key, name, value)
 
     def _empty(self, name: str, tag: str, text: dict[str, str] | None = None) -> h5py.Dataset:
         """A dataset without data: the value lives in its (checksummed) attributes."""
         dset = self._f.create_dataset(name, data=h5py.Empty("f"))
-        self._text(dset, ATTR_TYPE, tag)
+        self._text(dset, fmt.ATTR_TYPE, tag)
         for attr, value in (text or {}).items():
             self._text(dset, attr, value)
         return dset
@@ -506,10 +368,10 @@ class LeafWriter:
         if not array.flags.c_contiguous:
             array = array.copy(order="C")  # (np.ascontiguousarray would make 0-d 1-d)
         dset = self._f.create_dataset(name, data=array, **options)
-        self._text(dset, ATTR_TYPE, tag)
+        self._text(dset, fmt.ATTR_TYPE, tag)
         for attr, value in (text or {}).items():
             self._text(dset, attr, value)
-        self._put(dset, ATTR_CHECKSUM, np.uint64(checksum(array)))
+        self._put(dset, fmt.ATTR_CHECKSUM, np.uint64(fmt.checksum(array)))
         return dset
 
     def _options_for(self, shape: tuple[int, ...]) -> dict:
@@ -525,10 +387,10 @@ class LeafWriter:
         if t.device.type != "cpu":
             t = t.to("cpu")  # one tensor at a time (Note [save memory])
         t = t.resolve_conj().resolve_neg()  # no copy unless a lazy conj/neg bit is set
-        encoding, np_dtype = tensor_encoding(t.dtype)
-        if encoding == ENCODING_BYTES and not t.is_contiguous():
+        encoding, np_dtype = fmt.tensor_encoding(t.dtype)
+        if encoding == fmt.ENCODING_BYTES and not t.is_contiguous():
             t = t.contiguous()
-        shape = stored_shape(tuple(t.shape), t.dtype)
+        shape = fmt.stored_shape(tuple(t.shape), t.dtype)
         options = self._options_for(shape)
         direct = not options and len(shape) > 0
         if not options:
@@ -540,39 +402,38 @@ class LeafWriter:
             dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
             options["dcpl"] = dcpl
         dset = self._f.create_dataset(name, shape=shape, dtype=np_dtype, **options)
-        digest = Sum64()
+        digest = fmt.Sum64()
         offset = dset.id.get_offset() if direct and t.numel() > 0 else None
         if offset is not None and t.is_contiguous():
-            total = self._write_flat_at(offset, storage_array(t))
-        elif offset is not None:
-            self._write_pieces_at(offset, t, digest)
-            total = digest.digest()
+            total = self._write_flat_at(offset, fmt.storage_array(t))
         else:
             if t.numel() > 0:
-                self._write_pieces(dset, t, digest)
+                self._write_pieces(dset, offset, t, digest)
             total = digest.digest()
         # A tensor of the disk store: its pages go back once written, so a save
         # never holds more than one tensor of it (Note [disk tier]).
         release_pages([t])
-        self._text(dset, ATTR_TYPE, TYPE_TENSOR)
-        self._text(dset, ATTR_DTYPE, dtype_name(value.dtype))
-        self._put(dset, ATTR_SHAPE, np.asarray(tuple(value.shape), dtype=np.int64))
-        self._put(dset, ATTR_BFLOAT16, np.bool_(encoding == ENCODING_BFLOAT16))
-        self._put(dset, ATTR_CHECKSUM, np.uint64(total))
+        self._text(dset, fmt.ATTR_TYPE, fmt.TYPE_TENSOR)
+        self._text(dset, fmt.ATTR_DTYPE, fmt.dtype_name(value.dtype))
+        self._put(dset, fmt.ATTR_SHAPE, np.asarray(tuple(value.shape), dtype=np.int64))
+        self._put(dset, fmt.ATTR_BFLOAT16, np.bool_(encoding == fmt.ENCODING_BFLOAT16))
+        self._put(dset, fmt.ATTR_CHECKSUM, np.uint64(total))
         if is_parameter:
-            self._put(dset, ATTR_IS_PARAMETER, np.bool_(True))
-            self._put(dset, ATTR_REQUIRES_GRAD, np.bool_(requires_grad))
+            self._put(dset, fmt.ATTR_IS_PARAMETER, np.bool_(True))
+            self._put(dset, fmt.ATTR_REQUIRES_GRAD, np.bool_(requires_grad))
 
-    @staticmethod
-    def _write_pieces(dset: h5py.Dataset, t: torch.Tensor, digest: Sum64) -> None:
-        """Write ``t`` in pieces of about SLAB_BYTES along dim 0 (Note [save memory]).
+    def _write_pieces(
+        self, dset: h5py.Dataset, offset: int | None, t: torch.Tensor, digest: fmt.Sum64
+    ) -> None:
+        """Write ``t`` in pieces of about SLAB_BYTES along dim 0 (Note [save memory]):
+        through HDF5, or straight to the file at ``offset`` (Note [direct data writes]).
 
         Each piece is summed for the checksum and then written while it is still
         in the CPU cache (one pass over memory, not two); a piece of a strided
         tensor is first copied contiguous, so a save holds at most one piece.
         """
         if t.dim() == 0:
-            array = storage_array(t)
+            array = fmt.storage_array(t)
             dset.write_direct(array)
             digest.update(array)
             return
@@ -581,9 +442,12 @@ class LeafWriter:
         for start in range(0, t.shape[0], rows):
             stop = min(start + rows, t.shape[0])
             piece = t[start:stop]
-            array = storage_array(piece if piece.is_contiguous() else piece.contiguous())
+            array = fmt.storage_array(piece if piece.is_contiguous() else piece.contiguous())
             digest.update(array)
-            dset.write_direct(array, dest_sel=np.s_[start:stop])
+            if offset is None:
+                dset.write_direct(array, dest_sel=np.s_[start:stop])
+            else:
+                self._guard.pwrite(array.reshape(-1).view(np.uint8), offset + start * row_bytes)
             del piece, array  # before the next piece exists: one piece at a time
 
     def _write_flat_at(self, offset: int, array: np.ndarray) -> int:
@@ -599,37 +463,27 @@ class LeafWriter:
 
         def write_piece(i: int) -> int:
             piece = data[i * size : (i + 1) * size]
-            total = checksum(piece)  # then written while it is in the CPU cache
+            total = fmt.checksum(piece)  # then written while it is in the CPU cache
             guard.pwrite(piece, offset + i * size)
             return total
 
         count = pieces.piece_count(len(data), size)
         return pieces.combine(pieces.for_each_piece(count, write_piece))
 
-    def _write_pieces_at(self, offset: int, t: torch.Tensor, digest: Sum64) -> None:
-        """:meth:`_write_pieces` of a strided tensor, but straight to the file at
-        ``offset`` (Note [direct data writes]); one piece at a time (Note [save memory]).
-        """
-        row_bytes = max(1, t[0].numel() * t.element_size())
-        rows = max(1, SLAB_BYTES // row_bytes)
-        position = offset
-        for start in range(0, t.shape[0], rows):
-            piece = t[start : start + rows]
-            array = storage_array(piece if piece.is_contiguous() else piece.contiguous())
-            digest.update(array)
-            position += self._guard.pwrite(array.reshape(-1).view(np.uint8), position)
-            del piece, array  # before the next piece exists: one piece at a time
-
     def _write_string(self, name: str, value: str) -> None:
         try:
             encoded = value.encode("utf-8")
         except UnicodeEncodeError:
             encoded = None  # lone surrogates: kept, as bytes in the data
-        if encoded is not None and len(encoded) <= MAX_STRING_ATTR_BYTES and b"\0" not in encoded:
-            self._empty(name, TYPE_STRING, {ATTR_STRING: value})
+        if (
+            encoded is not None
+            and len(encoded) <= fmt.MAX_STRING_ATTR_BYTES
+            and b"\0" not in encoded
+        ):
+            self._empty(name, fmt.TYPE_STRING, {fmt.ATTR_STRING: value})
         else:
             data = value.encode("utf-8", errors="surrogatepass")
-            self._data(name, np.frombuffer(data, dtype=np.uint8), TYPE_STRING)
+            self._data(name, np.frombuffer(data, dtype=np.uint8), fmt.TYPE_STRING)
 
     def _write_pickle(self, key: str, name: str, value: Any) -> None:
         try:
@@ -642,7 +496,7 @@ class LeafWriter:
             ) from e
         python_type = f"{type(value).__module__}.{type(value).__qualname__}"
         array = np.frombuffer(data, dtype=np.uint8)
-        self._data(name, array, TYPE_PICKLE, {ATTR_PYTHON_TYPE: python_type})
+        self._data(name, array, fmt.TYPE_PICKLE, {fmt.ATTR_PYTHON_TYPE: python_type})
 
 
 def set_text(attrs: h5py.AttributeManager, name: str, value: str) -> None:

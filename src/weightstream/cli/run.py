@@ -12,6 +12,7 @@ model_dir after a training run:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import random
@@ -28,12 +29,13 @@ from weightstream import checkpoint as ckpt
 from weightstream.cli.params import Params, save_params
 from weightstream.cli.run_args import build_run_parser, params_from_args
 from weightstream.config import run_configuration
+from weightstream.data.streaming import batch_size_of
 from weightstream.models import hf
 from weightstream.models.hf_names import hf_name_map
 from weightstream.runtime import swarm
 from weightstream.runtime.performance import PerformanceTracker
 from weightstream.runtime.rng import capture_rng_state, restore_rng_state
-from weightstream.train.trainer import Trainer, TrainerSettings, batch_size_of
+from weightstream.train.trainer import Trainer, TrainerSettings
 
 log = logging.getLogger("weightstream")
 
@@ -118,34 +120,26 @@ class Run:
         rc = self.rc
         shapes_only = rc.validate_only or rc.compile_only
         warm = weights_from_checkpoint and self.ws and not shapes_only
-        on_meta = shapes_only or (self.ws and rc.store == "disk") or warm
+        on_meta = shapes_only or (self.ws and rc.streaming.store == "disk") or warm
         model = self.params.model.build("meta" if on_meta else "cpu")
         kwargs = {"device": self.device}
         if self.ws:
-            # The sharded store runs on gloo (CPU) only so far (Note [sharded store]).
-            default_sharding = "sharded" if self.device.type == "cpu" else "replicated"
-            kwargs.update(
-                prefetch_depth=self.rc.prefetch_depth,
-                unit_size_target=self.rc.unit_size_target,
+            # The runconfig's streaming settings are the engine's StreamingConfig;
+            # the run derives the rest. Nothing is stored when only shapes are
+            # needed. The disk store's files go beside the run's other outputs by
+            # default: on the disk the user chose, not in /tmp.
+            disk = rc.streaming.store == "disk" and not shapes_only
+            store_dir = rc.streaming.store_dir or str(self.model_dir / "store")
+            kwargs["streaming"] = dataclasses.replace(
+                rc.streaming,
                 compute_dtype=self._compute_dtype(),
-                overlap_updates=self.rc.overlap_updates,
-                # num_wgt_servers bounds the owner ranks of a sharded store
-                # (Note [sharded store]); more than the ranks means every rank.
-                store_sharding=self.rc.store_sharding or default_sharding,
-                weight_servers=self.rc.num_wgt_servers,
                 init_weights=not warm,
-            )
-            if hf.is_hf_model(model):
                 # A transformers model streams decoder layer by decoder layer.
-                kwargs.update(unit_classes=hf.unit_classes(model))
-            if self.rc.store == "disk" and not shapes_only:  # nothing to store then
-                kwargs.update(
-                    store="disk",
-                    # Beside the run's other outputs by default: on the disk the
-                    # user chose, not in /tmp. The files are unlinked once mapped.
-                    store_dir=self.rc.store_dir or str(self.model_dir / "store"),
-                    host_memory_budget=self.rc.host_memory_budget,
-                )
+                unit_classes=hf.unit_classes(model) if hf.is_hf_model(model) else None,
+                store="disk" if disk else "ram",
+                store_dir=store_dir if disk else None,
+                host_memory_budget=rc.streaming.host_memory_budget if disk else None,
+            )
         # compile() joins the ranks: every rank starts from rank 0's weights, and
         # SwarmX reduces the gradients in every backward (Note [swarm reduce]).
         compiled = cstorch.compile(model, backend="wse_ws" if self.ws else "wse_lp", **kwargs)
@@ -218,6 +212,7 @@ class Run:
 
     def _execute_configured(self) -> int:
         self.model_dir.mkdir(parents=True, exist_ok=True)
+        servers = self.rc.streaming.num_wgt_servers  # null: configure()'s default
         with run_configuration(
             model_dir=str(self.model_dir),
             compile_dir=self.rc.compile_dir,
@@ -225,7 +220,7 @@ class Run:
             validate_only=self.rc.validate_only,
             checkpoint_steps=self.rc.checkpoint_steps,
             num_csx=self.rc.num_csx,
-            max_wgt_servers=self.rc.num_wgt_servers,
+            **({"max_wgt_servers": servers} if servers else {}),
             num_workers_per_csx=self.rc.num_workers_per_csx,
         ):
             try:

@@ -31,14 +31,11 @@ import torch
 
 from weightstream.compiler.cost import StepCosts, unit_costs
 from weightstream.compiler.estimate import Estimate, EstimateSettings, estimate
-from weightstream.compiler.machine import (
-    MachineProfile,
-    attention_curve_for,
-    load_or_measure,
-    update_cost,
-    update_spec,
-)
+from weightstream.compiler.machine import attention_curve_for, load_or_measure, update_cost
+from weightstream.compiler.profile import MachineProfile
 from weightstream.compiler.report import compile_checksum, load_compile_dir, write_compile_dir
+from weightstream.compiler.software import tiny_training_steps
+from weightstream.compiler.updates import update_spec
 from weightstream.runtime.config import StreamingConfig
 from weightstream.runtime.partition import Plan, build_plan
 
@@ -78,8 +75,8 @@ def settings_of(run) -> dict:
     return {
         "execution_mode": rc.execution_mode,
         "device": str(run.device),
-        "prefetch_depth": rc.prefetch_depth,
-        "unit_size_target": rc.unit_size_target,
+        "prefetch_depth": rc.streaming.prefetch_depth,
+        "unit_size_target": rc.streaming.unit_size_target,
         "compute_dtype": compute or "float32",
         "num_csx": rc.num_csx,
         # The estimate depends on these too (a cached estimate must match them).
@@ -107,11 +104,10 @@ def input_seconds_per_batch(section: dict, device, quick: bool = False) -> float
     """Seconds one batch of ``section`` costs the training process (0 with worker processes).
 
     Each timed batch follows a tiny training step and its logging
-    (``machine.tiny_training_steps``), as a batch does in a run.
+    (``software.tiny_training_steps``), as a batch does in a run.
     """
     if int(section.get("num_workers") or 0) > 0:
         return 0.0
-    from weightstream.compiler.machine import tiny_training_steps
     from weightstream.data.throughput import measure_input
 
     steps = 2 if quick else INPUT_TIMING_BATCHES
@@ -159,7 +155,7 @@ def estimate_from_params(
     planned as the run plans it: traced units for weight streaming, one unit per
     module for layer pipelined.
     """
-    from weightstream.data.dataloader import _batch_size_of
+    from weightstream.data.streaming import batch_size_of
     from weightstream.data.throughput import section_with_workers
     from weightstream.runtime.trace import trace_forward
 
@@ -179,9 +175,7 @@ def estimate_from_params(
         model = params.model.build()
     rc = params.runconfig
     if rc.execution_mode == "weight_streaming":
-        config = StreamingConfig(
-            prefetch_depth=rc.prefetch_depth, unit_size_target=rc.unit_size_target
-        )
+        config = rc.streaming  # the run's streaming settings
         try:
             plan = build_plan(model, config, trace_forward(model, args, {}))
         except Exception:  # as the engine: a structural plan when the trace fails
@@ -189,7 +183,7 @@ def estimate_from_params(
     else:
         plan = build_plan(model, StreamingConfig(granularity="module"))
     machine = load_or_measure(device, quick=quick_profile())
-    batch_size = _batch_size_of(batch)
+    batch_size = batch_size_of(batch)
     settings = estimate_settings(params, device, batch_size, machine, input_s, model)
     _, est = estimate_for(
         model, plan, args, batch_size, task=task, machine=machine, settings=settings
@@ -218,7 +212,7 @@ def estimate_settings(
     attention_curve_for(machine, compute_dtype)
     return EstimateSettings(
         batch_size=batch_size,
-        prefetch_depth=rc.prefetch_depth if ws else 0,
+        prefetch_depth=rc.streaming.prefetch_depth if ws else 0,
         compute_dtype=compute_dtype,
         transfer_dtype=None if compute in ("float32", "cbfloat16") or not ws else compute,
         weight_streaming=ws,

@@ -15,13 +15,13 @@ Per entry (a streaming unit, or everything outside the units) and pass
   (``MachineProfile.op_throughput``; Note [operator bytes] in ``cost.py``);
 * overhead: operators run x the fixed cost of one operator in that pass
   (``op_overhead_fwd_s`` / ``op_overhead_bwd_s``; Note [fixed costs] in
-  ``machine.py``).
+  ``software.py``).
 
 work = (compute + memory + overhead) x ``in_situ_factor``: the profile's figures
 time each kind of work alone, and a training step runs slower than the sum of
 its parts (cold operands, outputs on fresh memory, the prefetch thread beside
 the compute); the factor is measured on a proxy training step (Note [in situ]
-in ``machine.py``). The streaming bookkeeping and a measured update below are
+in ``software.py``). The streaming bookkeeping and a measured update below are
 scaled by it too. Compute in a dtype slower than float32 takes a diluted factor
 (``MachineProfile.in_situ_compute_factor``).
 
@@ -65,7 +65,7 @@ the compile phase when the data loader has no worker processes; 0 with
 workers, whose throughput the input analyzer compares with the model's).
 
 step overhead: the run loop's bookkeeping per step (``step_overhead_s``:
-reading the loss back, logging TensorBoard scalars; ``machine.py``).
+reading the loss back, logging TensorBoard scalars; ``software.py``).
 
 step = sum over units (forward share + backward share + stream) + stream call +
 outside work (forward + backward) + update + step overhead + input; est. samples/sec =

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-SCHEMA = 4
+SCHEMA = 5  # 5: ``disturbed`` (Note [quiet timings])
 
 
 @dataclass
@@ -61,6 +61,9 @@ class MachineProfile:
     runtime_digest: str = ""  # of the sources the software figures timed
     # share of the CPUs other processes used while this was measured (OtherLoad)
     other_load: float | None = None
+    # phases other processes kept busy through their retries (Note [quiet timings]):
+    # a cached profile with any is measured again
+    disturbed: list[str] = field(default_factory=list)
     quick: bool = False  # measured with tiny sizes (tests): not representative
     measured_at: str = ""
     samples: dict[str, list[float]] = field(default_factory=dict)  # every repetition

@@ -32,6 +32,30 @@ def stdlib_source_files() -> list[Path]:
     return files
 
 
+def text_files(entries: Sequence[str | os.PathLike], where: str, fix: str) -> list[Path]:
+    """The files ``entries`` name: a file, or every regular, non-hidden file below a directory.
+
+    In a stable order (a directory's files sorted). ``where`` names the setting
+    and ``fix`` says what to give instead, for the errors.
+    """
+    files: list[Path] = []
+    for entry in map(Path, entries):
+        if entry.is_dir():
+            files += sorted(
+                p
+                for p in entry.rglob("*")
+                if p.is_file()
+                and not any(part.startswith(".") for part in p.relative_to(entry).parts)
+            )
+        elif entry.is_file():
+            files.append(entry)
+        else:
+            raise ValueError(f"{where}: {str(entry)!r} does not exist; {fix}.")
+    if not files:
+        raise ValueError(f"{where} ({', '.join(map(str, entries))}) names no files; {fix}.")
+    return files
+
+
 def read_texts(
     paths: Sequence[str | os.PathLike] | None = None, max_bytes: int = 8 * 2**20
 ) -> list[bytes]:

@@ -16,27 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from weightstream.data.corpus import read_corpus, read_texts, stdlib_source_files
-
-
-def _files(inputs: list[str]) -> list[Path]:
-    files: list[Path] = []
-    for entry in map(Path, inputs):
-        if entry.is_dir():
-            # Every regular, non-hidden file below it, as TextCorpusProcessor's data_dir.
-            files += sorted(
-                p
-                for p in entry.rglob("*")
-                if p.is_file()
-                and not any(part.startswith(".") for part in p.relative_to(entry).parts)
-            )
-        elif entry.is_file():
-            files.append(entry)
-        else:
-            raise ValueError(f"--input {str(entry)!r} does not exist.")
-    if not files:
-        raise ValueError(f"--input {' '.join(inputs)} names no files.")
-    return files
+from weightstream.data.corpus import read_corpus, read_texts, stdlib_source_files, text_files
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.max_bytes < 1:
             raise ValueError(f"--max_bytes must be >= 1, got {args.max_bytes}.")
-        files = _files(args.input) if args.input else stdlib_source_files()
+        files = (
+            text_files(args.input, "--input", "give text files or directories of them")
+            if args.input
+            else stdlib_source_files()
+        )
         tokenizer = None
         if args.tokenizer:
             from weightstream.data.tokenize import load_tokenizer

@@ -23,10 +23,10 @@ __all__ = [
     "capture",
     "fast_forward_target",
     "generators",
-    "global_order",
     "input_workers",
     "is_stateful",
     "set_epoch",
+    "shards_itself",
     "splits_over_workers",
     "stateful_parts",
     "trusted_length",
@@ -126,7 +126,9 @@ def fast_forward_target(loader: Any) -> tuple[DistributedSampler, int] | None:
 
     A restored pass can then skip consumed batches in the sampler instead of
     loading them. Only when nothing else carries state along the pass: a
-    torch DataLoader over a map-style dataset without its own state_dict.
+    torch DataLoader over a map-style dataset without its own state_dict. For
+    the same reason the loader's position is then a place in the sampler's
+    global order, the same on every rank (Note [global position]).
     """
     if not isinstance(loader, _TorchDataLoader) or isinstance(
         loader.dataset, torch.utils.data.IterableDataset
@@ -146,16 +148,6 @@ def fast_forward_target(loader: Any) -> tuple[DistributedSampler, int] | None:
     return None
 
 
-def global_order(loader: Any) -> tuple[DistributedSampler, int] | None:
-    """The DistributedSampler whose global order alone decides the loader's batches, and items per batch.
-
-    The same loaders as :func:`fast_forward_target`, for the same reason:
-    nothing but the sampler carries state along a pass, so the loader's
-    position is a place in the sampler's global order, the same on every rank.
-    """
-    return fast_forward_target(loader)
-
-
 def input_workers(loader: Any) -> int | None:
     """The worker processes of a torch DataLoader (``num_workers``); None for other loaders."""
     return loader.num_workers if isinstance(loader, _TorchDataLoader) else None
@@ -172,3 +164,12 @@ def splits_over_workers(loader: Any) -> bool:
     return isinstance(loader, _TorchDataLoader) and isinstance(
         loader.dataset, torch.utils.data.IterableDataset
     )
+
+
+def shards_itself(loader: Any) -> bool:
+    """Whether ``loader`` (a torch DataLoader) draws its indices with a distributed sampler."""
+    samplers = [getattr(loader, "sampler", None)]
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    samplers.append(getattr(batch_sampler, "sampler", None))
+    kinds = (DistributedSampler, torch.utils.data.DistributedSampler)
+    return any(isinstance(s, kinds) for s in samplers)

@@ -32,11 +32,8 @@ from __future__ import annotations
 
 import difflib
 import os
-import warnings
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -44,9 +41,10 @@ import torch.nn.functional as F
 import torch.utils.data
 from torch.utils.data import Dataset
 
-from weightstream.data.corpus import VOCAB_SIZE, ByteCorpusDataset, read_texts
+from weightstream.data.corpus import VOCAB_SIZE, ByteCorpusDataset, read_texts, text_files
 from weightstream.data.gpt_hdf5 import GptHDF5Dataset, scan_gpt_hdf5_dir, write_gpt_hdf5
 from weightstream.data.sampler import DistributedSampler
+from weightstream.data.section import SEQ_KEYS, LoaderSettings, Section, loader_settings
 from weightstream.data.tokenize import encode, load_tokenizer
 from weightstream.data.tokenize import vocab_size as tokenizer_vocab_size
 
@@ -75,7 +73,6 @@ COMMON_KEYS = frozenset(
         "persistent_workers",
     }
 )
-_SEQ_KEYS = frozenset({"seq_len", "max_sequence_length"})
 
 DATA_PROCESSORS: dict[str, DataProcessor] = {}
 _KEYS: dict[str, frozenset[str]] = {}
@@ -119,167 +116,8 @@ def _streamer_position() -> tuple[int, int]:
     return get_streaming_rank(), num_streamers()
 
 
-# -- reading a section ---------------------------------------------------------------
-
-
-class _Section:
-    """The input section being read: typed getters whose errors name ``section.key``."""
-
-    def __init__(self, name: str, params: Mapping[str, Any], is_training: bool) -> None:
-        if not isinstance(params, Mapping):
-            raise TypeError(
-                f"{'train_input' if is_training else 'eval_input'} must be a mapping of keys to "
-                f"values, got {type(params).__name__}."
-            )
-        self.processor = name
-        self.section = "train_input" if is_training else "eval_input"
-        self.params = dict(params)
-        unknown = sorted(set(self.params) - _KEYS[name])
-        if unknown:
-            key = unknown[0]
-            close = difflib.get_close_matches(key, sorted(_KEYS[name]), n=3)
-            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
-            raise ValueError(
-                f"{self.section}.{key} is not a key of data_processor {name!r}.{hint} "
-                f"Valid keys: {', '.join(sorted(_KEYS[name]))}."
-            )
-
-    def where(self, key: str) -> str:
-        return f"{self.section}.{key}"
-
-    def has(self, key: str) -> bool:
-        return self.params.get(key) is not None
-
-    def get(self, key: str, default: Any) -> Any:
-        # A key given as null means "the default", as if it were absent: the
-        # params parser writes every common key, with None for unset ones.
-        value = self.params.get(key)
-        return default if value is None else value
-
-    def int_(self, key: str, default: int | None, minimum: int) -> int:
-        value = self.get(key, default)
-        if value is None:
-            raise ValueError(
-                f"{self.where(key)} is required by data_processor {self.processor!r}; add it."
-            )
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(
-                f"{self.where(key)} must be an int, got {type(value).__name__} {value!r}."
-            )
-        if value < minimum:
-            raise ValueError(f"{self.where(key)} must be >= {minimum}, got {value}.")
-        return value
-
-    def path_(self, key: str) -> str:
-        value = self.get(key, None)
-        if not isinstance(value, (str, os.PathLike)) or not str(value):
-            raise ValueError(f"{self.where(key)} must be a path, got {value!r}.")
-        return os.fspath(value)
-
-    def float_(self, key: str, default: float, low: float, high: float) -> float:
-        value = self.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value < high:
-            raise ValueError(
-                f"{self.where(key)} must be a number strictly between {low} and {high}, got "
-                f"{value!r}."
-            )
-        return float(value)
-
-    def bool_(self, key: str, default: bool) -> bool:
-        value = self.get(key, default)
-        if not isinstance(value, bool):
-            raise TypeError(
-                f"{self.where(key)} must be true or false, got {type(value).__name__} {value!r}."
-            )
-        return value
-
-    def choice(self, key: str, default: Any, choices: tuple) -> Any:
-        value = self.get(key, default)
-        if value not in choices:
-            raise ValueError(
-                f"{self.where(key)} must be one of {', '.join(map(repr, choices))}, got {value!r}."
-            )
-        return value
-
-    def seq_len(self, default: int | None) -> int:
-        """``seq_len``, or its reference name ``max_sequence_length`` (both: they must agree)."""
-        given = {k: self.params[k] for k in sorted(_SEQ_KEYS) if self.params.get(k) is not None}
-        if len(given) == 2 and given["seq_len"] != given["max_sequence_length"]:
-            raise ValueError(
-                f"{self.where('seq_len')} ({given['seq_len']}) and "
-                f"{self.where('max_sequence_length')} ({given['max_sequence_length']}) name the "
-                "same setting with different values; keep one of them."
-            )
-        key = next(iter(given), "seq_len")
-        return self.int_(key, default, minimum=1)
-
-    def ignore(self, key: str, why: str) -> None:
-        if self.has(key):
-            warnings.warn(f"{self.where(key)} is ignored: {why}.", stacklevel=3)
-
-
-@dataclass(frozen=True)
-class _LoaderSettings:
-    """The common keys, checked; ``per_rank_batch`` is this rank's share of batch_size."""
-
-    batch_size: int
-    per_rank_batch: int
-    shuffle: bool
-    shuffle_seed: int
-    drop_last: bool
-    num_workers: int
-    prefetch_factor: int | None
-    persistent_workers: bool
-    rank: int
-    num_ranks: int
-
-    def worker_kwargs(self) -> dict[str, Any]:
-        if self.num_workers == 0:
-            return {"num_workers": 0}
-        kwargs: dict[str, Any] = {
-            "num_workers": self.num_workers,
-            "persistent_workers": self.persistent_workers,
-        }
-        if self.prefetch_factor is not None:
-            kwargs["prefetch_factor"] = self.prefetch_factor
-        return kwargs
-
-
-def _loader_settings(s: _Section, is_training: bool) -> _LoaderSettings:
-    batch_size = s.int_("batch_size", None, minimum=1)
-    rank, num_ranks = _streamer_position()
-    if batch_size % num_ranks:
-        raise ValueError(
-            f"{s.where('batch_size')} = {batch_size} (the global batch) does not divide by the "
-            f"{num_ranks} data-parallel ranks, and each rank must get the same share. Use a "
-            f"multiple of {num_ranks}, e.g. {(batch_size // num_ranks + 1) * num_ranks}."
-        )
-    num_workers = s.int_("num_workers", 0, minimum=0)
-    prefetch = s.params.get("prefetch_factor")
-    if prefetch is not None:
-        prefetch = s.int_("prefetch_factor", None, minimum=1)
-    persistent = s.bool_("persistent_workers", False)
-    if num_workers == 0:
-        s.ignore("prefetch_factor", "it applies to worker processes and num_workers is 0")
-        if persistent:
-            s.ignore("persistent_workers", "it applies to worker processes and num_workers is 0")
-            persistent = False
-    return _LoaderSettings(
-        batch_size=batch_size,
-        per_rank_batch=batch_size // num_ranks,
-        shuffle=s.bool_("shuffle", is_training),
-        shuffle_seed=s.int_("shuffle_seed", 0, minimum=0),
-        drop_last=s.bool_("drop_last", True),
-        num_workers=num_workers,
-        prefetch_factor=prefetch,
-        persistent_workers=persistent,
-        rank=rank,
-        num_ranks=num_ranks,
-    )
-
-
 def _map_style_loader(
-    s: _Section, settings: _LoaderSettings, dataset: Dataset
+    s: Section, settings: LoaderSettings, dataset: Dataset
 ) -> torch.utils.data.DataLoader:
     """Batches of ``dataset`` in the DistributedSampler's global order, this rank's share."""
     n, need = len(dataset), settings.batch_size
@@ -322,7 +160,7 @@ class _LMWindows(Dataset):
         }
 
 
-def _text_files(s: _Section) -> list[Path] | None:
+def _text_files(s: Section) -> list[Path] | None:
     """data_dir as a file list: None (standard library), a file, a directory, or a list of those."""
     data_dir = s.params.get("data_dir")
     if data_dir is None:
@@ -334,31 +172,17 @@ def _text_files(s: _Section) -> list[Path] | None:
         raise TypeError(
             f"{s.where('data_dir')} must be a path or a list of paths, got {data_dir!r}."
         )
-    files: list[Path] = []
-    for entry in map(Path, entries):
-        if entry.is_dir():
-            # Every regular, non-hidden file below the directory, in a stable order.
-            files += sorted(
-                p
-                for p in entry.rglob("*")
-                if p.is_file()
-                and not any(part.startswith(".") for part in p.relative_to(entry).parts)
-            )
-        elif entry.is_file():
-            files.append(entry)
-        else:
-            raise ValueError(
-                f"{s.where('data_dir')}: {str(entry)!r} does not exist; give text files or "
-                "directories of them, or remove data_dir to use the standard library's source."
-            )
-    if not files:
-        raise ValueError(f"{s.where('data_dir')} = {data_dir!r} contains no files.")
-    return files
+    return text_files(
+        entries,
+        s.where("data_dir"),
+        "give text files or directories of them, or remove data_dir to use the standard "
+        "library's source",
+    )
 
 
 @_register(
     "TextCorpusProcessor",
-    _SEQ_KEYS | {"vocab_size", "max_bytes", "eval_fraction", "tokenizer"},
+    SEQ_KEYS | {"vocab_size", "max_bytes", "eval_fraction", "tokenizer"},
 )
 def text_corpus_processor(params: dict, is_training: bool) -> torch.utils.data.DataLoader:
     """lm batches from text files (default: the Python standard library's source).
@@ -371,8 +195,8 @@ def text_corpus_processor(params: dict, is_training: bool) -> torch.utils.data.D
     a vocabulary of 256); ``vocab_size``, if given, must be at least the
     tokenizer's vocabulary.
     """
-    s = _Section("TextCorpusProcessor", params, is_training)
-    settings = _loader_settings(s, is_training)
+    s = Section("TextCorpusProcessor", params, is_training, _KEYS["TextCorpusProcessor"])
+    settings = loader_settings(s, is_training, *_streamer_position())
     seq_len = s.seq_len(256)
     tokens = None
     vocab = VOCAB_SIZE
@@ -418,7 +242,7 @@ def data_vocab_size(params: dict) -> int | None:
 # -- GptHDF5DataProcessor -------------------------------------------------------------
 
 
-@_register("GptHDF5DataProcessor", _SEQ_KEYS | {"vocab_size"})
+@_register("GptHDF5DataProcessor", SEQ_KEYS | {"vocab_size"})
 def gpt_hdf5_processor(params: dict, is_training: bool) -> torch.utils.data.DataLoader:
     """lm batches from a directory of GPT HDF5 files (format: ``weightstream.data.gpt_hdf5``).
 
@@ -428,8 +252,8 @@ def gpt_hdf5_processor(params: dict, is_training: bool) -> torch.utils.data.Data
     against it. Files are sharded across ranks and input workers (Note [hdf5
     sharding]), so the directory needs at least one file per rank.
     """
-    s = _Section("GptHDF5DataProcessor", params, is_training)
-    settings = _loader_settings(s, is_training)
+    s = Section("GptHDF5DataProcessor", params, is_training, _KEYS["GptHDF5DataProcessor"])
+    settings = loader_settings(s, is_training, *_streamer_position())
     if not s.has("data_dir"):
         raise ValueError(
             f"{s.where('data_dir')} is required by GptHDF5DataProcessor: the directory of .h5 "
@@ -439,7 +263,7 @@ def gpt_hdf5_processor(params: dict, is_training: bool) -> torch.utils.data.Data
     if not isinstance(data_dir, (str, os.PathLike)):
         raise TypeError(f"{s.where('data_dir')} must be a directory path, got {data_dir!r}.")
     files, features = scan_gpt_hdf5_dir(data_dir, key=s.where("data_dir"))
-    if any(s.has(k) for k in _SEQ_KEYS):
+    if any(s.has(k) for k in SEQ_KEYS):
         seq_len = s.seq_len(None)
         if seq_len != files[0].seq_len:
             raise ValueError(
@@ -514,8 +338,8 @@ def digits_processor(params: dict, is_training: bool) -> torch.utils.data.DataLo
     corner pixels are the original ones) to 28x28 = 784 features, the input of
     the fc_mnist model. ``eval_fraction`` (default 0.2): see :func:`digits_split`.
     """
-    s = _Section("DigitsProcessor", params, is_training)
-    settings = _loader_settings(s, is_training)
+    s = Section("DigitsProcessor", params, is_training, _KEYS["DigitsProcessor"])
+    settings = loader_settings(s, is_training, *_streamer_position())
     s.ignore("data_dir", "DigitsProcessor reads scikit-learn's bundled copy of the digits")
     image_size = s.int_("image_size", 28, minimum=1)
     if image_size not in (8, 28):
@@ -574,7 +398,7 @@ class _SyntheticSamples(Dataset):
 
 @_register(
     "SyntheticDataProcessor",
-    _SEQ_KEYS | {"task", "vocab_size", "in_features", "num_classes", "num_samples", "seed"},
+    SEQ_KEYS | {"task", "vocab_size", "in_features", "num_classes", "num_samples", "seed"},
 )
 def synthetic_processor(params: dict, is_training: bool) -> torch.utils.data.DataLoader:
     """Random lm or classification batches, for smoke tests and throughput runs (nothing to learn).
@@ -586,8 +410,8 @@ def synthetic_processor(params: dict, is_training: bool) -> torch.utils.data.Dat
     ``num_samples`` per epoch (default 1024); ``seed`` (default 0). train_input
     and eval_input draw different samples from the same seed.
     """
-    s = _Section("SyntheticDataProcessor", params, is_training)
-    settings = _loader_settings(s, is_training)
+    s = Section("SyntheticDataProcessor", params, is_training, _KEYS["SyntheticDataProcessor"])
+    settings = loader_settings(s, is_training, *_streamer_position())
     s.ignore("data_dir", "SyntheticDataProcessor generates its data")
     task = s.choice("task", "lm", ("lm", "classification"))
     if task == "lm":
@@ -595,7 +419,7 @@ def synthetic_processor(params: dict, is_training: bool) -> torch.utils.data.Dat
             s.ignore(key, "it applies to task 'classification'")
         sizes = {"seq_len": s.seq_len(256), "vocab_size": s.int_("vocab_size", 4096, minimum=1)}
     else:
-        for key in sorted(_SEQ_KEYS | {"vocab_size"}):
+        for key in sorted(SEQ_KEYS | {"vocab_size"}):
             s.ignore(key, "it applies to task 'lm'")
         sizes = {
             "in_features": s.int_("in_features", 784, minimum=1),

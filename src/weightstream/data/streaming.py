@@ -19,10 +19,21 @@ import contextlib
 import contextvars
 import os
 from collections.abc import Iterator
+from typing import Any
 
+import numpy as np
+import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
 
-__all__ = ["get_streaming_batch_size", "get_streaming_rank", "is_streamer", "num_streamers"]
+__all__ = [
+    "batch_size_of",
+    "get_streaming_batch_size",
+    "get_streaming_rank",
+    "is_streamer",
+    "num_streamers",
+    "rank_share",
+]
 
 
 class _Watch:
@@ -30,7 +41,7 @@ class _Watch:
 
 
 # While the DataLoader calls an input_fn: whether it asked which rank it is
-# (Note [rank share] in data/dataloader.py).
+# (Note [rank share]).
 _watch: contextvars.ContextVar[_Watch | None] = contextvars.ContextVar(
     "weightstream_streaming_watch", default=None
 )
@@ -61,7 +72,7 @@ def _launched() -> tuple[int, int] | None:
     """(rank, world size) from torchrun's environment, before the process group exists.
 
     ``cstorch.compile`` joins the ranks; a DataLoader built before it must see
-    them already (Note [rank share] in data/dataloader.py).
+    them already (Note [rank share]).
     """
     try:
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -120,3 +131,52 @@ def get_streaming_batch_size(global_batch: int) -> int:
             f"{(global_batch // streamers + 1) * streamers}), or change the number of ranks."
         )
     return global_batch // streamers
+
+
+def batch_size_of(batch: Any) -> int:
+    """Samples in a batch: the first dimension of its first tensor (or array); 1 if it has none."""
+    stack = [batch]
+    while stack:
+        item = stack.pop(0)
+        if isinstance(item, (torch.Tensor, np.ndarray)):
+            if item.ndim >= 1:
+                return int(item.shape[0])
+            continue
+        if isinstance(item, dict):
+            stack[:0] = list(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack[:0] = list(item)
+    return 1
+
+
+# Note [rank share]
+# -----------------
+# Under data parallel every rank builds its own loader with input_fn (the
+# reference's contract), and an input_fn written for the reference shards its
+# data by rank itself: it asks ``get_streaming_rank()``, ``num_streamers()`` or
+# ``get_streaming_batch_size()``, or its loader uses a DistributedSampler. Such
+# a loader is left alone. An input_fn that does none of that (a script written
+# for one device) makes the same global batches on every rank; the DataLoader
+# then gives each rank its share: the contiguous 1/N of every batch's rows at
+# the rank's place (rank r of N takes rows r*B/N .. (r+1)*B/N - 1), so N ranks
+# together train on exactly the global batch a single device would.
+
+
+def rank_share(batch: Any, rank: int, world: int) -> Any:
+    """Rank ``rank``'s rows of every tensor in ``batch`` (Note [rank share])."""
+
+    def share(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0:
+            return t
+        rows = t.shape[0]
+        if rows % world:
+            raise ValueError(
+                f"a batch of {rows} samples does not divide over {world} data-parallel ranks: "
+                "each rank takes an equal share of every global batch. Use a batch size that "
+                f"is a multiple of {world} (drop_last=True drops a short last batch), or shard "
+                "the data in input_fn yourself (get_streaming_batch_size, DistributedSampler)."
+            )
+        per = rows // world
+        return t[rank * per : (rank + 1) * per]
+
+    return pytree.tree_map_only(torch.Tensor, share, batch)

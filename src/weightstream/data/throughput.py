@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from weightstream.data.dataloader import _batch_size_of
+from weightstream.data.streaming import batch_size_of
 
 _WORKER_KEYS = ("prefetch_factor", "persistent_workers")
 
@@ -105,7 +105,7 @@ def measure_input(
         seconds = 0.0
         while batches < steps:
             t_batch = time.perf_counter()
-            samples += _batch_size_of(next_batch())
+            samples += batch_size_of(next_batch())
             seconds += time.perf_counter() - t_batch
             batches += 1
             if between is not None:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from weightstream.common.flat import flatten, unflatten_views
+
 
 @dataclass
 class Transfer:
@@ -92,13 +94,10 @@ class DeviceOps:
         """One flat device buffer holding ``masters`` back to back, cast to ``dtype``."""
         flat = torch.empty(out_numel, dtype=dtype, device=self.device)
         if self.is_cpu:
-            torch.cat([m.detach().reshape(-1) for m in masters], out=flat)
+            flatten(masters, out=flat)
         else:
-            offset = 0
-            for m in masters:
-                n = m.numel()
-                flat[offset : offset + n].view_as(m).copy_(m.detach(), non_blocking=True)
-                offset += n
+            for view, m in zip(unflatten_views(flat, masters), masters):
+                view.copy_(m.detach(), non_blocking=True)
         return flat
 
     def to_host(self, grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from torch.utils import _pytree as pytree
 
 from weightstream.common.materialize import materialize, materialize_buffers
 from weightstream.common.units import format_bytes
+from weightstream.config import current_config
 from weightstream.optim.binding import hosts
 from weightstream.runtime import swarm
 from weightstream.runtime.config import StreamingConfig
@@ -189,14 +190,19 @@ class StreamingEngine:
         owners = None
         # Events name a bucket by its first unit (a tied head's bucket is its embedding's).
         first_unit = [self.plan.units[g[0]].display_name for g in unit_groups(unit_params)]
-        if self.config.store_sharding == "sharded":
+        # None: sharded on the CPU, as the reference's MemoryX (StreamingConfig).
+        sharding = self.config.store_sharding or (
+            "sharded" if self.device.type == "cpu" else "replicated"
+        )
+        if sharding == "sharded":
             if self.device.type != "cpu":
                 raise ValueError(
                     "store_sharding='sharded' runs on the CPU (gloo) only so far; use "
                     "store_sharding='replicated' on accelerators."
                 )
             # Fixed with the structural plan, before any optimizer state exists.
-            self.shards = ShardedStore(unit_params, self.config.weight_servers, self.store)
+            servers = self.config.num_wgt_servers or current_config().max_wgt_servers
+            self.shards = ShardedStore(unit_params, servers, self.store)
             buckets, owners = self.shards.group_params, self.shards.group_owner
         else:
             buckets = unit_group_params(unit_params)

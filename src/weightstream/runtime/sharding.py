@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from weightstream.common.flat import flatten, unflatten_views
 from weightstream.common.pages import release_pages
 from weightstream.runtime import swarm
 from weightstream.runtime.store import DiskStore
@@ -246,19 +247,17 @@ class ShardedStore:
         for i, t in enumerate(tensors):
             by_dtype.setdefault(t.dtype, []).append(i)
         for dtype, idx in by_dtype.items():
-            numel = sum(tensors[i].numel() for i in idx)
+            same = [tensors[i] for i in idx]
             if owner == self.rank:
-                flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
+                flat = flatten(same)
             else:
-                flat = torch.empty(numel, dtype=dtype, device=tensors[idx[0]].device)
+                numel = sum(t.numel() for t in same)
+                flat = torch.empty(numel, dtype=dtype, device=same[0].device)
             dist.broadcast(flat, src=owner, group=self.state_group)  # host sync point
             if owner == self.rank:
                 continue  # the owner's tensors are the values
-            offset = 0
-            for i in idx:
-                n = tensors[i].numel()
-                out[i] = self._whole(flat[offset : offset + n].view(tensors[i].shape))
-                offset += n
+            for i, view in zip(idx, unflatten_views(flat, same)):
+                out[i] = self._whole(view)
         return out
 
     def _whole(self, value: torch.Tensor) -> torch.Tensor:

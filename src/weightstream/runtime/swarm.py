@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from weightstream.common.flat import flatten, unflatten_views
+
 # Gradients of parameters outside a streaming plan (layer pipelined) travel in
 # buckets of about this many bytes: fewer, larger collectives than one per
 # tensor, each started as soon as its gradients are final.
@@ -267,7 +269,7 @@ class GradientReducer:
             by_kind.setdefault((p.grad.dtype, p.grad.device), []).append(p)
         owner = None if self.owners is None else self.owners[b]
         for same in by_kind.values():
-            flat = torch.cat([p.grad.detach().reshape(-1) for p in same])
+            flat = flatten([p.grad for p in same])
             if owner is None:
                 work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
             else:
@@ -288,12 +290,10 @@ class GradientReducer:
             if self.owners is not None and self.owners[item.bucket] != self.rank:
                 continue
             item.flat.div_(self.world)
-            offset = 0
-            for p in item.params:
-                n = p.grad.numel()
+            grads = [p.grad for p in item.params]
+            for p, mean in zip(item.params, unflatten_views(item.flat, grads)):
                 # In place: the gradient keeps its storage (a disk store's file).
-                p.grad.copy_(item.flat[offset : offset + n].view_as(p.grad))
-                offset += n
+                p.grad.copy_(mean)
                 earlier = self._set_aside.pop(id(p), None)
                 if earlier is not None:
                     p.grad.add_(earlier)

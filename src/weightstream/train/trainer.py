@@ -35,6 +35,7 @@ from weightstream.amp.step_helper import apply_gradients
 from weightstream.checkpoint.crash import counting_ops
 from weightstream.checkpoint.weights import load_weights
 from weightstream.data.state import aggregate_state_dict
+from weightstream.data.streaming import batch_size_of
 from weightstream.models.tasks import task_loss
 from weightstream.runtime import swarm
 from weightstream.runtime.performance import PerformanceTracker
@@ -44,11 +45,6 @@ log = logging.getLogger("weightstream")
 
 # The per-step loss log, relative to model_dir (see LossLog).
 LOSS_LOG = Path("train") / "losses.jsonl"
-
-
-def batch_size_of(batch: dict) -> int:
-    first = batch["input_ids"] if "input_ids" in batch else batch["inputs"]
-    return int(first.shape[0])
 
 
 @dataclass
