@@ -809,6 +809,7 @@ def test_a_runtime_change_measures_only_the_software_figures_again(
     first = _cached(quick_profile, tmp_path, monkeypatch)
     monkeypatch.setattr(machine_mod, "runtime_digest", lambda: "another runtime")
     monkeypatch.setattr(machine_mod, "measure", lambda *a, **k: pytest.fail("hardware measured"))
+    monkeypatch.setattr(machine_mod, "wait_for_quiet", lambda timeout: True)  # a quiet machine
     software = []
 
     def fake_software(device, sizes, copy_bandwidth, calm):
@@ -976,6 +977,12 @@ def test_a_profile_measured_beside_a_busy_process_is_not_trusted(tmp_path, monke
             return calm
 
         monkeypatch.setattr(machine_mod, "measure", fake_measure)
+        # While the machine is still busy the marked profile serves: a measurement
+        # now would be disturbed too.
+        monkeypatch.setattr(machine_mod, "wait_for_quiet", lambda timeout: False)
+        assert load_or_measure("cpu", path=path, quick=True).disturbed == busy.disturbed
+        assert calls == []
+        monkeypatch.setattr(machine_mod, "wait_for_quiet", lambda timeout: True)  # quiet now
         assert load_or_measure("cpu", path=path, quick=True) == calm
         assert len(calls) == 1  # the disturbed profile was measured again, not trusted
         assert load_or_measure("cpu", path=path, quick=True) == calm
@@ -991,6 +998,7 @@ def test_a_profile_whose_software_figures_were_disturbed_measures_them_again(
     data = {**quick_profile.to_dict(), "disk_dir": str(tmp_path), "disturbed": ["software"]}
     write_text_atomic(path, json.dumps(data))
     monkeypatch.setattr(machine_mod, "measure", lambda *a, **k: pytest.fail("hardware measured"))
+    monkeypatch.setattr(machine_mod, "wait_for_quiet", lambda timeout: True)  # a quiet machine
     software = []
 
     def fake_software(device, sizes, copy_bandwidth, calm):

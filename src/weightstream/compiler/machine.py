@@ -30,7 +30,15 @@ import torch
 from weightstream.common.files import write_text_atomic
 from weightstream.compiler import hardware, software, updates
 from weightstream.compiler.profile import SCHEMA, MachineProfile, UpdateCost
-from weightstream.compiler.timing import FULL, QUICK, CalmPhases, OtherLoad, Patience, best_curve
+from weightstream.compiler.timing import (
+    FULL,
+    QUICK,
+    CalmPhases,
+    OtherLoad,
+    Patience,
+    best_curve,
+    wait_for_quiet,
+)
 
 ENV_CACHE_DIR = "WEIGHTSTREAM_CACHE_DIR"
 # The package files whose code the software figures time (Note [fixed costs]).
@@ -231,7 +239,8 @@ def load_or_measure(
     tiny sizes (a few milliseconds; for tests), cached under its own key. A
     cached profile measured with other runtime sources, or whose software
     figures alone were disturbed, keeps its hardware figures and measures the
-    software ones again; one with other disturbed phases is a miss.
+    software ones again; one with other disturbed phases is a miss, unless other
+    processes keep the CPUs busy now: then it serves until a quiet run refreshes it.
     """
     device = torch.device(device)
     path = Path(path) if path is not None else default_path(device, quick)
@@ -245,13 +254,18 @@ def load_or_measure(
             and cached.num_threads == torch.get_num_threads()
             and cached.quick == quick
             and cached.disk_dir == str(disk_dir)
-            and _SOFTWARE_PHASES.issuperset(cached.disturbed)
         ):
-            if cached.runtime_digest == runtime_digest() and not cached.disturbed:
+            current = cached.runtime_digest == runtime_digest()
+            # A disturbed profile is refreshed by the first run that finds the
+            # machine quiet; while it is still busy, measuring again would be
+            # disturbed too, so the marked profile serves (Note [quiet timings]).
+            busy = bool(cached.disturbed) and not wait_for_quiet(0.0)
+            if current and (busy or not cached.disturbed):
                 return cached
-            profile = remeasure_software(cached)
-            _save(profile, path)
-            return profile
+            if busy or _SOFTWARE_PHASES.issuperset(cached.disturbed):
+                profile = remeasure_software(cached)
+                _save(profile, path)
+                return profile
     profile = measure(device, quick=quick, disk_dir=disk_dir)
     _save(profile, path)
     return profile
