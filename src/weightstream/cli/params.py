@@ -253,12 +253,8 @@ class RunConfigParams:
     @classmethod
     def from_dict(cls, raw: Any) -> RunConfigParams:
         s = "runconfig"
-        values = schema.resolve_aliases(s, StreamingConfig, as_section(s, raw))
-        own = [n for n in init_names(cls) if n != "streaming"]
+        values = schema.known_keys(s, StreamingConfig, as_section(s, raw), cls.keys())
         streaming_names = schema.params_names(StreamingConfig)
-        unknown = [k for k in values if k not in own and k not in streaming_names]
-        if unknown:
-            raise unknown_keys_error(s, unknown, cls.keys() + list(schema.aliases(StreamingConfig)))
         streaming = {k: values.pop(k) for k in streaming_names if k in values}
         return cls(**values, streaming=StreamingConfig(**streaming, section=s))
 

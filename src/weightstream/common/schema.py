@@ -5,8 +5,8 @@ A section of the params file is a dataclass next to the component it configures
 fields carry their annotation and a :func:`setting` with the documentation, the
 bounds, the fix to suggest and the other names the setting is accepted under;
 :func:`check` checks (and normalises) an instance against all of it, and
-:func:`build` makes one from a section's raw mapping: aliases resolved, unknown
-keys refused with the nearest valid ones. ``docs/params.md`` is generated from
+:func:`known_keys` takes a section's raw mapping: aliases resolved, unknown keys
+refused with the nearest valid ones. ``docs/params.md`` is generated from
 the same fields (``weightstream.cli.params_doc``).
 
 Why not pydantic: YAML gives lists where a field wants a tuple, ints where it
@@ -38,14 +38,13 @@ from typing import Any, Literal, Union
 __all__ = [
     "aliases",
     "as_section",
-    "at_least",
-    "build",
     "check",
     "convert",
     "describe",
     "got",
     "hints",
     "init_names",
+    "known_keys",
     "params_names",
     "plain",
     "require",
@@ -72,7 +71,7 @@ def setting(
     in_params: bool = True,
     default_factory: Any = dataclasses.MISSING,
 ) -> Any:
-    """A dataclass field with what :func:`check`, :func:`build` and the params
+    """A dataclass field with what :func:`check`, :func:`known_keys` and the params
     reference need: ``doc`` (one paragraph), the bounds ``ge`` / ``gt`` (checked
     when the value is not None), the ``fix`` a bound's error suggests, other
     names it is accepted under (``aliases``), and whether the params file may set
@@ -262,16 +261,6 @@ def _path(section: str, name: str) -> str:
     return f"{section}.{name}" if section else name
 
 
-def at_least(section: str, obj: Any, names: tuple[str, ...], minimum: float, fix: str) -> None:
-    """Each named field, when set, must be >= minimum."""
-    for name in names:
-        value = getattr(obj, name)
-        if value is not None and value < minimum:
-            raise ValueError(
-                f"{_path(section, name)} must be >= {minimum}, got {value!r}. Fix: {fix}."
-            )
-
-
 def _check_bounds(path: str, value: Any, meta: Mapping[str, Any]) -> None:
     values = value if isinstance(value, tuple) else (value,)
     for bound, ok, words in (
@@ -344,15 +333,14 @@ def params_names(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if f.init and f.metadata.get("in_params", True)]
 
 
-def build(cls: type, raw: Mapping[str, Any], section: str, **fixed: Any) -> Any:
-    """``cls`` built from a section's mapping: aliases resolved, keys that are not
-    its params settings refused (with the nearest valid ones), ``fixed`` added."""
-    values = resolve_aliases(section, cls, dict(raw))
-    valid = params_names(cls)
-    unknown = [k for k in values if k not in valid]
+def known_keys(section: str, cls: type, values: Mapping[str, Any], valid: list[str]) -> dict:
+    """``values`` with ``cls``'s aliases renamed to their settings; a key that is not
+    in ``valid`` is refused with the nearest valid ones."""
+    out = resolve_aliases(section, cls, dict(values))
+    unknown = [k for k in out if k not in valid]
     if unknown:
-        raise unknown_keys_error(section, unknown, valid + list(aliases(cls)))
-    return cls(**values, **fixed)
+        raise unknown_keys_error(section, unknown, [*valid, *aliases(cls)])
+    return out
 
 
 def as_section(section: str, raw: Any) -> dict[str, Any]:

@@ -11,10 +11,9 @@ import torch
 from weightstream.common.schema import (
     check,
     init_names,
+    known_keys,
     params_names,
-    resolve_aliases,
     setting,
-    unknown_keys_error,
 )
 
 GRANULARITIES = ("auto", "module")
@@ -175,11 +174,7 @@ class StreamingConfig:
     def from_kwargs(cls, section: str = "", **kwargs: Any) -> StreamingConfig:
         """The settings given by name, an alias (``weight_servers``) for its setting;
         an unknown name is refused with the nearest valid ones."""
-        values = resolve_aliases(section or "StreamingConfig", cls, kwargs)
-        valid = init_names(cls)
-        unknown = [k for k in values if k not in valid]
-        if unknown:
-            raise unknown_keys_error(section or "StreamingConfig", unknown, valid)
+        values = known_keys(section or "StreamingConfig", cls, kwargs, init_names(cls))
         return cls(**values, section=section)
 
     def params_values(self) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from weightstream.common.flat import unflatten_views
 from weightstream.runtime.device import Transfer
 from weightstream.runtime.partition import UnitSpec
 
@@ -87,11 +88,9 @@ class UnitCopy:
             self.buffers = buffers
             self.tensors = [None] * len(self.unit.params)  # type: ignore[list-item]
             for buf, idx in zip(buffers, self.unit.groups.values()):
-                offset = 0
-                for i in idx:
-                    p = self.unit.params[i]
-                    self.tensors[i] = buf[offset : offset + p.numel()].view(p.shape)
-                    offset += p.numel()
+                views = unflatten_views(buf, [self.unit.params[i] for i in idx])
+                for i, view in zip(idx, views):
+                    self.tensors[i] = view
             self.state = WeightState.RESIDENT
         assert self.state is WeightState.RESIDENT, f"wait() on a copy in state {self.state}"
         return self.tensors  # type: ignore[return-value]
