@@ -32,7 +32,6 @@ from weightstream.compiler import software as software_mod
 from weightstream.compiler import timing
 from weightstream.compiler import updates as updates_mod
 from weightstream.compiler.cost import (
-    OP_CLASSES,
     OUTSIDE_NAME,
     StepCosts,
     UnitCost,
@@ -41,6 +40,7 @@ from weightstream.compiler.cost import (
 )
 from weightstream.compiler.estimate import EstimateSettings, estimate
 from weightstream.compiler.machine import load_or_measure
+from weightstream.compiler.operators import OP_CLASSES
 from weightstream.compiler.profile import MachineProfile, UpdateCost
 from weightstream.compiler.report import compile_checksum, load_compile_dir, write_compile_dir
 from weightstream.models import GPT, GPTConfig

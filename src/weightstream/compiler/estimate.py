@@ -12,7 +12,7 @@ Per entry (a streaming unit, or everything outside the units) and pass
   attention throughput at n, plus any other counted FLOPs / the peak;
 * memory: for each non-matmul operator, the bytes it reads and writes / the
   measured throughput of its class at its size
-  (``MachineProfile.op_throughput``; Note [operator bytes] in ``cost.py``);
+  (``MachineProfile.op_throughput``; Note [operator bytes] in ``operators.py``);
 * overhead: operators run x the fixed cost of one operator in that pass
   (``op_overhead_fwd_s`` / ``op_overhead_bwd_s``; Note [fixed costs] in
   ``software.py``).

@@ -5,7 +5,7 @@
 * matmul throughput by size (float32): ``n x n x n`` products for n from 16
   to 512, timed as in a training pass (each of its own operands, outputs
   kept alive: 10-20% slower than a loop over the same hot matrices); a
-  product of effective size n (``cost.matmul_size``: the geometric mean of
+  product of effective size n (``operators.matmul_size``: the geometric mean of
   its two smallest dimensions) runs at the throughput interpolated at n
   (log-log), rising to the peak beyond the largest size;
 * attention throughput by size: a causal scaled dot-product attention,
@@ -15,7 +15,7 @@
 * operator throughput (bytes read + written per second) of non-matmul
   operators: the "simple" class (elementwise arithmetic: ``x * y``, forward
   and backward) at three operator sizes, and each class of
-  ``cost.OP_CLASSES`` (gelu, silu, layer_norm, softmax, transcendental) at one
+  ``operators.OP_CLASSES`` (gelu, silu, layer_norm, softmax, transcendental) at one
   size, forward + backward, timed as in a training pass (the forwards of
   several independent inputs, outputs kept alive, then one backward: cold
   inputs and fresh outputs, not a tight loop over hot memory). Bytes are
@@ -46,7 +46,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from weightstream.compiler.cost import OP_CLASSES, SIMPLE, attention_size, function_costs
+from weightstream.compiler.cost import function_costs
+from weightstream.compiler.operators import OP_CLASSES, SIMPLE, attention_size
 from weightstream.compiler.profile import _interp
 from weightstream.compiler.timing import REPEATS, Calm, Sizes, best_curve, best_of, seconds
 
