@@ -635,6 +635,24 @@ def test_layer_pipelined_estimate_has_no_transfer_and_no_streaming():
     assert lp.step_s < ws.step_s
 
 
+def test_a_recomputed_unit_does_its_forward_work_again_in_the_backward():
+    costs = _costs()
+    for weight_streaming in (True, False):
+        base = estimate(
+            costs, _overhead_profile(), EstimateSettings(8, weight_streaming=weight_streaming)
+        )
+        settings = EstimateSettings(8, weight_streaming=weight_streaming, recompute=(1,))
+        again = estimate(costs, _overhead_profile(), settings)
+        for b, a in zip(base.units, again.units):
+            extra = b.fwd_work_s if a.index == 1 else 0.0
+            assert a.bwd_work_s == pytest.approx(b.bwd_work_s + extra, rel=1e-12)
+            assert a.bwd_compute_s == pytest.approx(
+                b.bwd_compute_s + (b.fwd_compute_s if a.index == 1 else 0.0), rel=1e-12
+            )
+            assert (a.fwd_s, a.bwd_transfer_s) == (b.fwd_s, b.bwd_transfer_s)
+        assert again.step_s > base.step_s
+
+
 # ---- checksum and compile directory -------------------------------------------------------
 
 

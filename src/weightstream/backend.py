@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import warnings
 
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ from torch.utils import _pytree as pytree
 from weightstream.runtime import swarm
 from weightstream.runtime.config import StreamingConfig
 from weightstream.runtime.engine import StreamingEngine
+from weightstream.runtime.recompute import UnitForward, checkpoint_units
 
 
 class ExecutionMode(enum.Enum):
@@ -72,12 +74,16 @@ class CompiledModule(nn.Module):
         engine=None,
         on_meta: bool = False,
         reducer: swarm.GradientReducer | None = None,
+        checkpointed: list[UnitForward] | None = None,
     ):
         super().__init__()
         self._orig_mod = module
         self.mode = mode
         self.device = device
         self._engine = engine
+        # Layer pipelined with activation_checkpointing: the units' checkpointed
+        # forwards (weight streaming: the engine's streamer owns them).
+        self._checkpointed = checkpointed or []
         self._on_meta = on_meta
         # Layer pipelined under data parallel: SwarmX's reduce of the resident
         # parameters' gradients (weight streaming: the engine's own).
@@ -91,6 +97,12 @@ class CompiledModule(nn.Module):
     @property
     def plan(self):
         return None if self._engine is None else self._engine.plan
+
+    @property
+    def recomputed_modules(self) -> list[nn.Module]:
+        """Layer pipelined with activation checkpointing: the modules whose forward runs
+        again in the backward (weight streaming: ``engine.streamer.recompute``)."""
+        return [w.module for w in self._checkpointed]
 
     def no_sync(self):
         """Backwards inside accumulate gradients locally; SwarmX reduces at the first
@@ -108,6 +120,9 @@ class CompiledModule(nn.Module):
         if self._reducer is not None:
             self._reducer.close()
             self._reducer = None
+        for wrapper in self._checkpointed:
+            wrapper.remove()
+        self._checkpointed = []
 
     def forward(self, *args, **kwargs):
         if self._engine is not None:
@@ -165,17 +180,24 @@ def compile(
         device: the compute device (default: CUDA if available, else CPU; ``"gpu"``
             means CUDA).
         streaming: a :class:`StreamingConfig`; or give its fields as keyword
-            arguments (``prefetch_depth=2, granularity="module"``).
+            arguments (``prefetch_depth=2, granularity="module"``). Layer pipelined
+            takes ``activation_checkpointing`` (applied to the units the config's
+            settings choose) and nothing else of it.
     """
     mode, name = resolve_backend(backend)
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile() expects a torch.nn.Module, got {type(model).__name__}.")
     if streaming is not None and streaming_kwargs:
         raise TypeError("pass either streaming=StreamingConfig(...) or its fields, not both.")
+    if mode is ExecutionMode.LAYER_PIPELINED and "activation_checkpointing" in streaming_kwargs:
+        value = streaming_kwargs.pop("activation_checkpointing")
+        streaming = StreamingConfig.from_kwargs(activation_checkpointing=value)
     if streaming_kwargs and mode is not ExecutionMode.WEIGHT_STREAMING:
+        lp = mode is ExecutionMode.LAYER_PIPELINED
+        only = " (of them it takes activation_checkpointing)" if lp else ""
         raise TypeError(
             f"streaming options {sorted(streaming_kwargs)} apply only to weight streaming "
-            f"(backend 'wse_ws'); backend {backend!r} does not stream."
+            f"(backend 'wse_ws'); backend {backend!r} does not stream{only}."
         )
     if device is None:
         device = (
@@ -198,6 +220,18 @@ def compile(
         # nothing to move, and running it is refused with a message.
         return CompiledModule(model, mode, device, on_meta=True)
     model.to(device)
+    checkpointed = None
+    checkpointing = streaming is not None and streaming.activation_checkpointing
+    if mode is ExecutionMode.EAGER and checkpointing:
+        warnings.warn(
+            f"activation_checkpointing is ignored by backend {backend!r}, which runs the "
+            "model as it is. Fix: use backend 'wse_ws' or 'wse_lp', or leave it False.",
+            stacklevel=2,
+        )
+    if mode is ExecutionMode.LAYER_PIPELINED and checkpointing:
+        # The units weight streaming would recompute, recomputed here with their
+        # weights resident (Note [activation checkpointing] in runtime/recompute.py).
+        checkpointed = checkpoint_units(model, streaming)
     reducer = None
     if (
         mode is ExecutionMode.LAYER_PIPELINED
@@ -208,4 +242,4 @@ def compile(
         # SwarmX averages the gradients in each backward (Note [swarm reduce]).
         swarm.broadcast_module(model)
         reducer = swarm.GradientReducer(swarm.resident_buckets(list(model.parameters())))
-    return CompiledModule(model, mode, device, reducer=reducer)
+    return CompiledModule(model, mode, device, reducer=reducer, checkpointed=checkpointed)

@@ -140,6 +140,13 @@ class Run:
                 store_dir=store_dir if disk else None,
                 host_memory_budget=rc.streaming.host_memory_budget if disk else None,
             )
+        elif rc.streaming.activation_checkpointing:
+            # Layer pipelined recomputes the units these settings choose (Note
+            # [activation checkpointing] in runtime/recompute.py).
+            kwargs["streaming"] = dataclasses.replace(
+                rc.streaming,
+                unit_classes=hf.unit_classes(model) if hf.is_hf_model(model) else None,
+            )
         # compile() joins the ranks: every rank starts from rank 0's weights, and
         # SwarmX reduces the gradients in every backward (Note [swarm reduce]).
         compiled = cstorch.compile(model, backend="wse_ws" if self.ws else "wse_lp", **kwargs)

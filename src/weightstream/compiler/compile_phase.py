@@ -77,6 +77,9 @@ def settings_of(run) -> dict:
         "device": str(run.device),
         "prefetch_depth": rc.streaming.prefetch_depth,
         "unit_size_target": rc.streaming.unit_size_target,
+        "granularity": rc.streaming.granularity,
+        "unit_modules": list(rc.streaming.unit_modules or ()),
+        "activation_checkpointing": rc.streaming.activation_checkpointing,
         "compute_dtype": compute or "float32",
         "num_csx": rc.num_csx,
         # The estimate depends on these too (a cached estimate must match them).
@@ -98,6 +101,16 @@ def task_loss_fn(task: str, args: tuple) -> Callable:
         return task_loss(task, lambda _x: out, {key: inputs, "labels": labels})[0]
 
     return loss_fn
+
+
+def recomputed(compiled, plan: Plan) -> tuple[int, ...]:
+    """The units of ``plan`` whose forward runs again in the backward: the streamer's
+    choice (weight streaming), or those inside a checkpointed module (layer pipelined)."""
+    engine = compiled.engine
+    if engine is not None and engine.streamer is not None:
+        return tuple(sorted(engine.streamer.recompute))
+    inside = {id(m) for top in compiled.recomputed_modules for m in top.modules()}
+    return tuple(u.index for u in plan.units if id(u.module) in inside)
 
 
 def input_seconds_per_batch(section: dict, device, quick: bool = False) -> float:
@@ -198,9 +211,11 @@ def estimate_settings(
     machine: MachineProfile,
     input_s: float,
     model: torch.nn.Module | None = None,
+    recompute: tuple[int, ...] = (),
 ) -> EstimateSettings:
     """The estimate settings of a params file's run (the update cost measured if new,
-    on tensors as large as ``model``'s trainable parameters when given)."""
+    on tensors as large as ``model``'s trainable parameters when given; ``recompute``:
+    the units activation checkpointing runs again)."""
     numel = None
     if model is not None:
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -219,6 +234,7 @@ def estimate_settings(
         update=update_cost(machine, _update_spec_of(params, device, ws, numel)),
         input_s=input_s,
         step_overhead_s=machine.step_overhead_s,
+        recompute=recompute,
     )
 
 
@@ -243,7 +259,10 @@ def run(run, compiled, args: tuple, batch_size: int) -> dict:
     quick = quick_profile()
     machine = load_or_measure(run.device, quick=quick)
     input_s = input_seconds_per_batch(run.params.train_input.to_dict(), run.device, quick)
-    settings_e = estimate_settings(run.params, run.device, batch_size, machine, input_s, model)
+    recompute = recomputed(compiled, plan)
+    settings_e = estimate_settings(
+        run.params, run.device, batch_size, machine, input_s, model, recompute
+    )
     try:
         costs, est = estimate_for(
             model, plan, args, batch_size, task=run.task, machine=machine, settings=settings_e

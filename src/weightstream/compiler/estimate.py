@@ -50,6 +50,10 @@ prefetch handed to the background thread), scaled like the rest.
 Layer pipelined runs (``weight_streaming=False``) have no transfer and no
 stream term: a unit's share is its work.
 
+A unit whose forward runs again in its backward (``activation_checkpointing``;
+``EstimateSettings.recompute``) adds its forward work to its backward work; its
+backward fetch is counted already.
+
 update: the optimizer step after the backward (no overlap). With a measured
 ``UpdateCost`` (``machine.update_cost``: the trainer's whole update sequence,
 clipping, loss scaler and learning-rate scheduler included): fixed + trainable
@@ -107,6 +111,8 @@ class EstimateSettings:
         update: the measured cost of the run's optimizer update, or None.
         input_s: seconds per batch the input pipeline costs the training process.
         step_overhead_s: seconds per step of the training loop's own bookkeeping.
+        recompute: indices of the units whose forward runs again in their backward
+            (``activation_checkpointing``): their backward work includes it.
     """
 
     batch_size: int
@@ -118,8 +124,10 @@ class EstimateSettings:
     update: UpdateCost | None = None
     input_s: float = 0.0
     step_overhead_s: float = 0.0
+    recompute: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        self.recompute = tuple(sorted(self.recompute))
         self.compute_dtype = str(self.compute_dtype).removeprefix("torch.")
         if self.transfer_dtype is not None:
             self.transfer_dtype = str(self.transfer_dtype).removeprefix("torch.")
@@ -302,6 +310,7 @@ def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettin
     ws = settings.weight_streaming
     overlap = settings.prefetch_depth >= 1
     upd = settings.update
+    recompute = set(settings.recompute)
     units = []
     link_bytes = host_bytes = 0
     n = len(costs.units)
@@ -315,6 +324,12 @@ def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettin
         upd_bytes = u.trainable_numel * settings.optimizer_bytes_per_param
         host_bytes += upd_bytes
         fwd, bwd = _entry_work(u, machine, dtype)
+        if u.index in recompute:  # activation checkpointing: the forward again
+            bwd = PassWork(
+                bwd.compute_s + fwd.compute_s,
+                bwd.memory_s + fwd.memory_s,
+                bwd.overhead_s + fwd.overhead_s,
+            )
         ft, bt = transfers[i]
         if overlap:
             next_ft = transfers[i + 1][0] if i + 1 < n else 0.0

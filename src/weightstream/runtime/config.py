@@ -81,6 +81,16 @@ class StreamingConfig:
         "forward, which waits per unit (Note [overlapped updates] in runtime/updater.py). "
         "p.grad is None right after step() in this mode.",
     )
+    activation_checkpointing: bool = setting(
+        False,
+        doc="Keep only each streaming unit's inputs from the forward and recompute the "
+        "unit's forward inside its backward, its weights fetched once more (as the "
+        "backward fetches them anyway): activation memory drops to the units' inputs plus "
+        "one unit's activations, for one more forward's compute. Exact: dropout draws the "
+        "same numbers again. A unit whose forward encloses other units (a root that owns "
+        "the embedding) keeps its own activations. Layer pipelined applies it to the same "
+        "units (Note [activation checkpointing] in runtime/recompute.py).",
+    )
     store: Literal["ram", "disk"] = setting(
         "ram",
         doc="Where the store keeps masters, gradients and optimizer state: 'ram' "

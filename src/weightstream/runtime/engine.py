@@ -19,6 +19,7 @@ from weightstream.runtime.device import DeviceOps
 from weightstream.runtime.loading import copy_then_release, holds_tensors
 from weightstream.runtime.partition import Plan, build_plan
 from weightstream.runtime.placement import default_budget
+from weightstream.runtime.recompute import recomputed_units
 from weightstream.runtime.sharding import ShardedStore, unit_group_params, unit_groups
 from weightstream.runtime.store import DiskStore
 from weightstream.runtime.streamer import Streamer
@@ -306,6 +307,7 @@ class StreamingEngine:
                 "init_weights=False) and no state dict filled them. Fix: load the weights "
                 "first (model.load_state_dict), or give their modules reset_parameters()."
             )
+        trace = None
         try:
             trace = trace_forward(self.module, args, kwargs)
         except Exception as exc:
@@ -323,6 +325,7 @@ class StreamingEngine:
         self.plan = plan
         if self.updater is not None:
             self.updater.set_units([u.params for u in plan.units])
+        recompute = self._recomputed_units(plan, trace)
         self.streamer = Streamer(
             plan,
             self.ops,
@@ -333,8 +336,26 @@ class StreamingEngine:
             store=self.store,
             shards=self.shards,
             note=self.events,
+            recompute=recompute,
         )
         self.streamer.install()
+
+    def _recomputed_units(self, plan: Plan, trace) -> set[int]:
+        """The units checkpointed under ``activation_checkpointing`` (Note [activation
+        checkpointing] in runtime/recompute.py)."""
+        if not self.config.activation_checkpointing:
+            return set()
+        chosen = recomputed_units(plan, trace)
+        if not chosen:
+            warnings.warn(
+                "weightstream: activation_checkpointing is ignored for this model: every "
+                "streaming unit either encloses other units or reads weights of an enclosing "
+                "unit, so none can be recomputed. Fix: choose smaller units "
+                "(granularity='module', unit_modules or unit_classes), or set "
+                "activation_checkpointing=False.",
+                stacklevel=4,
+            )
+        return chosen
 
     def synchronize(self) -> None:
         """Wait until an overlapped optimizer step is completely applied."""

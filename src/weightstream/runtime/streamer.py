@@ -23,6 +23,10 @@ closes. The unpack hook rebuilds the exact view from a fresh backward fetch of
 the same unit, whose buffer has the identical layout. Tensors derived from a
 weight by a real computation (a dtype cast, ``.contiguous()``) are ordinary
 activations and stay saved as they are.
+
+With activation checkpointing a unit's call saves nothing of its own: its forward
+is recomputed in the backward inside a window of its own (Note [activation
+checkpointing] in recompute.py).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from torch import nn
 
 from weightstream.runtime.device import DeviceOps
 from weightstream.runtime.partition import Plan
+from weightstream.runtime.recompute import UnitForward, checkpointed
 from weightstream.runtime.residency import ResidencyMeter
 from weightstream.runtime.unit import StreamingUnit, UnitCopy
 
@@ -46,6 +51,7 @@ class _Sequence:
     id: int
     units: list[int] = field(default_factory=list)
     saved: set[int] = field(default_factory=set)  # positions with saved weights
+    recompute: set[int] = field(default_factory=set)  # positions recomputed in the backward
     adhoc: bool = False  # opened by a unit called outside the compiled forward
 
 
@@ -116,6 +122,38 @@ class _Window:
     previous: list[tuple[nn.Module, str, torch.Tensor]]
 
 
+class _Region:
+    """One checkpointed call of a unit: its first run opens a forward window and
+    remembers where; each recompute opens a backward window at the same position
+    (Note [activation checkpointing])."""
+
+    __slots__ = ("inner", "pos", "seq", "streamer", "unit")
+
+    def __init__(self, streamer: Streamer, unit: StreamingUnit, inner):
+        self.streamer = streamer
+        self.unit = unit
+        self.inner = inner  # the module's own forward
+        self.seq: _Sequence | None = None
+        self.pos = -1
+
+    def __call__(self, first: bool, *args, **kwargs):
+        streamer = self.streamer
+        if first:
+            window = streamer._enter(self.unit)
+            self.seq, self.pos = streamer._seq, window.pos
+            self.seq.recompute.add(self.pos)
+            try:
+                return self.inner(*args, **kwargs)
+            finally:
+                streamer._exit(self.unit)
+        assert self.seq is not None, "a recompute before the first run"
+        window = streamer._enter_recompute(self.unit, self.seq, self.pos)
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            streamer._close(window)  # also on the checkpoint's early stop
+
+
 class Streamer:
     """Owns the units' device copies, the module hooks and the saved-tensor hooks."""
 
@@ -130,8 +168,12 @@ class Streamer:
         store=None,
         shards=None,
         note=None,
+        recompute: set[int] | frozenset[int] = frozenset(),
     ):
         self.plan = plan
+        # Indices of the units whose forward is recomputed in the backward
+        # (Note [activation checkpointing] in recompute.py).
+        self.recompute = frozenset(recompute)
         self._note = note  # records streaming events (the engine's EventLog)
         # A sharded store (Note [sharded store] in runtime/sharding.py): weights
         # are broadcast from their owners.
@@ -170,6 +212,11 @@ class Streamer:
     def install(self) -> None:
         for unit in self.units:
             m = unit.spec.module
+            if unit.index in self.recompute:
+                # The window must sit inside the checkpointed call, which only a
+                # forward of ours can arrange (Note [activation checkpointing]).
+                self._hooks.append(UnitForward(m, self._make_run(unit)))
+                continue
             self._hooks.append(m.register_forward_pre_hook(self._make_pre(unit)))
             self._hooks.append(m.register_forward_hook(self._make_post(unit), always_call=True))
 
@@ -190,6 +237,21 @@ class Streamer:
             self._exit(unit)
 
         return post
+
+    def _make_run(self, unit: StreamingUnit):
+        module = unit.spec.module
+
+        def run(inner, args: tuple, kwargs: dict):
+            if torch.is_grad_enabled():
+                return checkpointed(module, _Region(self, unit, inner), args, kwargs)
+            # Nothing is saved for a backward: the plain window.
+            self._enter(unit)
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self._exit(unit)
+
+        return run
 
     # ---- fetching -------------------------------------------------------------
 
@@ -257,7 +319,7 @@ class Streamer:
             self._close(self._windows.pop())
         self.end_forward()
 
-    def _enter(self, unit: StreamingUnit) -> None:
+    def _enter(self, unit: StreamingUnit) -> _Window:
         if self._seq is None:
             # Called outside the compiled module's forward (the user called the
             # original module): stream anyway, in a one-off sequence.
@@ -276,9 +338,15 @@ class Streamer:
 
         for buf_i, buf in enumerate(copy.buffers or ()):
             self._buffer_owner[id(buf)] = (seq, pos, buf_i)
+        window = self._open(unit, pos, copy, tensors, self._note)
+        self._windows.append(window)
+        return window
+
+    def _open(self, unit: StreamingUnit, pos: int, copy: UnitCopy, tensors, note) -> _Window:
+        """Swap the device copies into the unit's slots (its own and foreign ones)."""
         masters = unit.params
         if torch.is_grad_enabled() and any(p.requires_grad for p in masters):
-            link = _Link(self.ops, list(tensors), unit.spec.display_name, self._note)
+            link = _Link(self.ops, list(tensors), unit.spec.display_name, note)
             tensors = list(_StreamIn.apply(link, *masters))
         by_param = {id(p): t for p, t in zip(masters, tensors)}
         previous = []
@@ -289,7 +357,7 @@ class Streamer:
             for owner, name in self._slots_by_param.get(id(p), ()):
                 previous.append((owner, name, owner._parameters[name]))
                 owner._parameters[name] = by_param[id(p)]
-        self._windows.append(_Window(unit, pos, copy, previous))
+        return _Window(unit, pos, copy, previous)
 
     def _exit(self, unit: StreamingUnit) -> None:
         if not self._windows or self._windows[-1].unit is not unit:
@@ -330,15 +398,8 @@ class Streamer:
     def unpack(self, saved):
         if not isinstance(saved, _SavedWeight):
             return saved
-        if not self._bwd_callback_queued:
-            # Runs once the whole backward pass is done: drop every backward copy.
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-            self._bwd_callback_queued = True
+        self._begin_backward_fetch(saved.seq, saved.pos)
         seq, pos = saved.seq, saved.pos
-        # Backward has moved past later positions of this sequence: drop them
-        # before fetching, so they never count together with this one.
-        for k in [k for k in self._bwd if k[0] == seq.id and k[1] > pos]:
-            self._bwd.pop(k).evict()
         key = (seq.id, pos)
         copy = self._bwd.get(key)
         if copy is None:
@@ -349,8 +410,33 @@ class Streamer:
         buf = copy.buffers[saved.group]
         return buf.as_strided(saved.size, saved.stride, saved.offset)
 
+    def _begin_backward_fetch(self, seq: _Sequence, pos: int) -> None:
+        if not self._bwd_callback_queued:
+            # Runs once the whole backward pass is done: drop every backward copy.
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._bwd_callback_queued = True
+        # Backward has moved past later positions of this sequence: drop them
+        # before fetching, so they never count together with this one.
+        for k in [k for k in self._bwd if k[0] == seq.id and k[1] > pos]:
+            self._bwd.pop(k).evict()
+
+    def _enter_recompute(self, unit: StreamingUnit, seq: _Sequence, pos: int) -> _Window:
+        """The backward window of a recomputed call: the weights fetched again (or
+        prefetched), swapped in; closed by ``_close`` (Note [activation checkpointing])."""
+        self._begin_backward_fetch(seq, pos)
+        # The recomputed views of the buffer are held by the checkpoint until the
+        # backward consumes them; nobody needs this copy after the window.
+        copy = self._bwd.pop((seq.id, pos), None)
+        if copy is None:
+            copy = self._issue(unit, background=False)
+        tensors = copy.wait()
+        self._prefetch_backward(seq, pos)
+        # No note: the first run's _StreamIn notes the unit's backward end.
+        return self._open(unit, pos, copy, tensors, None)
+
     def _prefetch_backward(self, seq: _Sequence, pos: int) -> None:
-        wanted = [p for p in sorted(seq.saved, reverse=True) if p < pos][: self.depth]
+        needed = seq.saved | seq.recompute
+        wanted = [p for p in sorted(needed, reverse=True) if p < pos][: self.depth]
         for p in wanted:
             key = (seq.id, p)
             if key not in self._bwd:
