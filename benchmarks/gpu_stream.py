@@ -1,0 +1,826 @@
+"""Weight streaming on an accelerator, against resident eager PyTorch and FSDP2 CPU offload.
+
+Trains Llama-style decoders (``weightstream.models.Llama``, sizes from ``SIZES``:
+about 1B to 5B parameters, or a few million with ``--tiny``) for ``--warmup``
+untimed steps and ``--steps`` timed ones, in three ways, one after the other
+(they do not fit in memory together), each on a freshly built model drawn from
+the same seed and fed the same batch:
+
+* **WS**: ``weightstream.backend.compile(model, "wse_ws", device=...,
+  compute_dtype=...)``, every decoder block one streaming unit, the host masters
+  updated by ``weightstream.optim.AdamW(fused=True)``;
+* **eager**: the same model resident on the device under autocast of the same
+  dtype, ``torch.optim.AdamW(fused=True)`` on the device; only where its
+  estimated memory fits (params x 18 bytes + activations), else a reason;
+* **FSDP2 CPU offload**: ``fully_shard`` on every block and on the root with
+  ``CPUOffloadPolicy`` and ``MixedPrecisionPolicy(param_dtype=...)``, in this
+  one process with a world-size-1 process group (gloo on CPU, nccl on CUDA),
+  ``torch.optim.AdamW(fused=True)`` on the offloaded fp32 shards.
+
+Measured on the spot before the models (Note [roofline]): the dense matmul peak of
+the compute dtype, pinned H2D and D2H bandwidth (on the CPU, a host memory copy),
+pageable H2D, and host memory bandwidth. Per size it prints step time
+min / median / max with the forward / backward / optimizer split, tokens/s, model
+TFLOPS (6 x params x tokens / median step, attention FLOPs not counted) and % of
+the measured peak, the bytes WS moved over the link per step and their rate, and
+the roofline as a fraction of the measured WS step, and two ratios:
+``ws_vs_eager`` = WS median step / eager median step (above 1: WS is slower) and
+``ws_vs_fsdp2`` = WS tokens/s / FSDP2 tokens/s (above 1: WS is faster). The last
+line is ``RESULT {json}``; a size that does not fit the host is reported as
+``skipped`` with why, a WS failure as ``error`` (and the exit status is 1).
+
+    PYTHONPATH=src python3 benchmarks/gpu_stream.py [--sizes 1b,3b,5b] [--steps 5]
+    .venv/bin/python benchmarks/gpu_stream.py --device cpu --tiny --steps 2 --warmup 1
+
+Note [roofline]
+---------------
+The physical limit of one WS step is the largest of
+
+* compute: 6 x params x tokens / the measured dense matmul peak of the dtype;
+* link: the bytes the runtime moved to the device in the step (its residency
+  meter's count: every weight fetch, forward and backward, in the transfer
+  dtype) and back (the gradients, in the transfer dtype: computed from the
+  plan, the runtime has no counter for them) over the measured pinned
+  bandwidth of each direction. PCIe is full duplex, so on CUDA the two
+  directions overlap (max); on the CPU the "link" is a host memory copy and the
+  two share the memory bus (sum);
+* host: the optimizer's host memory traffic, 28 bytes per trainable parameter
+  (AdamW in fp32 reads param, grad, exp_avg, exp_avg_sq and writes param,
+  exp_avg, exp_avg_sq), over the measured host memory bandwidth.
+
+``fraction_of_roofline = roofline_s / measured median step``. On the CPU the
+three share the same cores and memory, so no run can overlap them and the
+fraction stays well below 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from _common import fmt, lm_loss, print_result, summary
+
+import weightstream as cstorch
+from weightstream import backend
+from weightstream.models import Llama, LlamaConfig
+from weightstream.models.llama import LlamaBlock
+
+GiB = 2**30
+# The same AdamW hyperparameters for every mode (weightstream's AdamW and torch's
+# differ in their default eps and weight decay).
+ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+# Host bytes of training state per parameter: fp32 master, fp32 gradient, two fp32 moments.
+STATE_BYTES_PER_PARAM = 16
+# Host memory traffic of one fused fp32 AdamW update per parameter (Note [roofline]).
+ADAMW_BYTES_PER_PARAM = 28
+# Margin on the activation estimate when deciding whether eager fits.
+ACTIVATION_MARGIN = 1.25
+
+
+@dataclass(frozen=True)
+class Size:
+    cfg: LlamaConfig
+    batch: int  # default batch (--batch overrides)
+    seq: int  # default sequence length (--seq overrides)
+
+
+_LLAMA = {"vocab_size": 32000, "seq_len": 2048, "n_kv_head": 8}
+# Llama-3.2-like shapes with Llama 2's 32000-token vocabulary. Default batches keep
+# the activations (about 15 / 34 / 21 GiB in bf16) well inside an 80 GB device next
+# to WS's streamed weights; 5b is the largest whose fp32 masters, gradients and AdamW
+# state (16 bytes a parameter, 78 GB) fit a 128 GiB host with room for the rest.
+SIZES: dict[str, Size] = {
+    "tiny": Size(
+        LlamaConfig(vocab_size=1024, seq_len=64, n_layer=4, d_model=256, n_head=4, n_kv_head=2),
+        batch=4,
+        seq=64,
+    ),  # 3.7M params
+    "1b": Size(LlamaConfig(**_LLAMA, n_layer=16, d_model=2048, n_head=32, d_ff=8192), 4, 2048),
+    "3b": Size(LlamaConfig(**_LLAMA, n_layer=28, d_model=3072, n_head=24, d_ff=8192), 4, 2048),
+    "5b": Size(LlamaConfig(**_LLAMA, n_layer=26, d_model=4096, n_head=32, d_ff=11008), 2, 2048),
+    # Llama-2-7B's shape: its 108 GB of state needs a host larger than 128 GiB.
+    "7b": Size(
+        LlamaConfig(vocab_size=32000, seq_len=2048, n_layer=32, d_model=4096, n_head=32),
+        2,
+        2048,
+    ),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+# ---- the device ---------------------------------------------------------------------------
+
+
+def sync(device: torch.device) -> None:
+    """Host sync point: wait until the device has finished everything queued."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    """Give back what the last model left: Python garbage, cached device blocks and
+    cached pinned host blocks (FSDP2's offloaded shards are pinned)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
+        if empty_host_cache is not None:
+            empty_host_cache()
+
+
+def host_available_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def device_free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free_memory(device)
+        return torch.cuda.mem_get_info(device)[0]
+    return host_available_bytes()
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "cpu"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+# ---- machine limits, measured on the spot ---------------------------------------------------
+
+
+def _best_seconds(fn, device: torch.device, reps: int, rounds: int = 3) -> float:
+    """Best time of ``reps`` calls over ``rounds`` tries, per call (after one warm-up)."""
+    fn()
+    sync(device)
+    best = math.inf
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync(device)
+        best = min(best, (time.perf_counter() - t) / reps)
+    return best
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, n: int, reps: int) -> float:
+    """FLOP/s of an n x n x n product of ``dtype`` on the device (the dense peak)."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    seconds = _best_seconds(lambda: torch.mm(a, b, out=out), device, reps)
+    return 2 * n**3 / seconds
+
+
+def link_bandwidths(device: torch.device, nbytes: int) -> dict[str, float]:
+    """Bytes/s of host -> device and device -> host copies: from pinned memory (what
+    a streaming runtime should use) and from pageable memory. On the CPU, a host
+    memory copy (each byte counted once) stands for every one of them."""
+    if device.type != "cuda":
+        src = torch.ones(nbytes, dtype=torch.uint8)
+        dst = torch.empty_like(src).fill_(2)
+        h2d = nbytes / _best_seconds(lambda: dst.copy_(src), device, 3)
+        d2h = nbytes / _best_seconds(lambda: src.copy_(dst), device, 3)
+        return {"pinned_h2d": h2d, "pinned_d2h": d2h, "pageable_h2d": h2d}
+    pinned = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
+    pageable = torch.ones(nbytes, dtype=torch.uint8)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    out = {
+        "pinned_h2d": nbytes
+        / _best_seconds(lambda: dev.copy_(pinned, non_blocking=True), device, 5),
+        "pinned_d2h": nbytes
+        / _best_seconds(lambda: pinned.copy_(dev, non_blocking=True), device, 5),
+        "pageable_h2d": nbytes / _best_seconds(lambda: dev.copy_(pageable), device, 3),
+    }
+    return out  # the buffers go with this frame (main frees the device's cache)
+
+
+def host_bandwidth(nbytes: int) -> float:
+    """Host memory bytes read + written per second: the best of a copy, an add and an
+    in-place scale (the last is the pattern of an in-place optimizer update; see
+    benchmarks/host_optimizer.py)."""
+    a = torch.ones(nbytes // 4)
+    b = torch.full_like(a, 2.0)
+    cpu = torch.device("cpu")
+    best = 0.0
+    for op, moved in ((lambda: b.copy_(a), 2), (lambda: b.add_(a), 3), (lambda: b.mul_(1.0), 2)):
+        best = max(best, moved * nbytes / _best_seconds(op, cpu, 3, rounds=2))
+    return best
+
+
+def pick_dtype(device: torch.device, requested: str, n: int, reps: int):
+    """The compute dtype, why, and the measured dense peak of each dtype tried."""
+    if requested != "auto":
+        dtype = DTYPES[requested]
+        return dtype, "requested", {requested: matmul_peak(device, dtype, n, reps)}
+    if device.type == "cuda":
+        return (
+            torch.bfloat16,
+            "bf16 on CUDA",
+            {"bf16": matmul_peak(device, torch.bfloat16, n, reps)},
+        )
+    # The CPU: bf16 only where the hardware has bf16 dot products and it is faster.
+    peaks = {k: matmul_peak(device, dt, n, reps) for k, dt in DTYPES.items()}
+    native = sorted({"avx512_bf16", "amx_bf16", "bf16"} & _cpu_flags())
+    speed = f"bf16 matmul {peaks['bf16'] / 1e9:.0f} vs fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if native and peaks["bf16"] >= peaks["fp32"]:
+        return torch.bfloat16, f"native bf16 ({', '.join(native)}; {capability}); {speed}", peaks
+    why = "no native bf16 in the CPU flags" if not native else "bf16 is slower"
+    return torch.float32, f"{why} ({capability}); {speed}", peaks
+
+
+# ---- models and their memory ------------------------------------------------------------
+
+
+def config_of(size: Size, seq: int) -> LlamaConfig:
+    return dataclasses.replace(size.cfg, seq_len=max(seq, size.cfg.seq_len))
+
+
+def count_params(cfg: LlamaConfig) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in Llama(cfg).parameters())
+
+
+def build(cfg: LlamaConfig) -> Llama:
+    torch.manual_seed(0)
+    return Llama(cfg)
+
+
+def activation_bytes(cfg: LlamaConfig, tokens: int, dtype: torch.dtype) -> int:
+    """Rough bytes saved for the backward of one step (before a margin).
+
+    Per token and block, in elements of the compute dtype (e bytes each) unless
+    said: two RMSNorms (the fp32 input, 4 d bytes, and the normed output, e d);
+    attention (rotated q, its rotate-half, the repeated k and v, the attention
+    output and the o_proj input: about 7 d + 2 kv); the SwiGLU's gate, silu,
+    up and product (4 ffn). Then the logits: e + 4 (the fp32 copy) + 4 (log-softmax)
+    + 4 (their gradient) bytes per token and vocabulary entry.
+    """
+    e = torch.empty((), dtype=dtype).element_size()
+    d, kv, f = cfg.d_model, cfg.kv_heads * cfg.head_dim, cfg.ffn_dim
+    per_block = 8 * d + e * (7 * d + 2 * kv + 4 * f)
+    return tokens * (cfg.n_layer * per_block + cfg.vocab_size * (e + 12))
+
+
+# ---- one training step --------------------------------------------------------------------
+
+
+def train_step(model, opt, x, y, device: torch.device, autocast_dtype) -> tuple[float, list]:
+    """One step: forward, backward, update; the loss and the seconds of each phase.
+
+    The device is synchronized at each phase's end (host sync points) so that the
+    phases are timed apart; the kernels of a phase are queued long before its end,
+    so this costs the device one launch latency per phase.
+    """
+    ctx = (
+        torch.autocast(device.type, dtype=autocast_dtype)
+        if autocast_dtype is not None
+        else contextlib.nullcontext()
+    )
+    t0 = time.perf_counter()
+    with ctx:
+        loss = lm_loss(model(x), y)
+    sync(device)
+    t1 = time.perf_counter()
+    loss.backward()
+    sync(device)
+    t2 = time.perf_counter()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sync(device)
+    t3 = time.perf_counter()
+    return loss.item(), [t1 - t0, t2 - t1, t3 - t2]
+
+
+@dataclass
+class Timing:
+    steps: list[float] = dataclasses.field(default_factory=list)
+    phases: list[list[float]] = dataclasses.field(default_factory=list)
+    losses: list[float] = dataclasses.field(default_factory=list)
+
+    def figures(self, tokens: int, params: int, peak: float) -> dict:
+        med = statistics.median(self.steps)
+        flops = 6 * params * tokens / med
+        return {
+            "step_s": summary(self.steps),
+            "phases_s": {
+                name: statistics.median(p[i] for p in self.phases)
+                for i, name in enumerate(("forward", "backward", "optimizer"))
+            },
+            "tokens_per_s": tokens / med,
+            "tflops": flops / 1e12,
+            "pct_peak": 100 * flops / peak,
+            "loss": {"first": self.losses[0], "last": self.losses[-1]},
+        }
+
+
+def run_steps(model, opt, x, y, device, autocast_dtype, warmup: int, steps: int, on_timed=None):
+    """``warmup`` untimed steps, then ``steps`` timed ones; ``on_timed()`` runs just before
+    the first timed step (to read counters and reset peaks)."""
+    timing = Timing()
+    for i in range(warmup + steps):
+        if i == warmup and on_timed is not None:
+            on_timed()
+        loss, phases = train_step(model, opt, x, y, device, autocast_dtype)
+        timing.losses.append(loss)
+        if i >= warmup:
+            timing.phases.append(phases)
+            timing.steps.append(sum(phases))
+    return timing
+
+
+def _reset_device_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _device_peak(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def _failure(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        text = "out of device memory: " + text
+    return text[:400]
+
+
+# ---- weight streaming -----------------------------------------------------------------------
+
+
+def _fetched_bytes(runner) -> int | None:
+    """The engine's count of bytes it copied to the device so far (its residency meter)."""
+    streamer = getattr(runner.engine, "streamer", None)
+    meter = getattr(streamer, "meter", None)
+    return getattr(meter, "total_fetched_bytes", None)
+
+
+def _transfer_bytes(runner) -> tuple[int, int, int]:
+    """From the plan: the bytes of one fetch of every unit and of every gradient, in the
+    transfer dtype, and the device-memory bound of the streamed weights."""
+    engine = runner.engine
+    fetch = sum(u.device_bytes() for u in engine.streamer.units)
+    grads = sum(
+        p.numel() * torch.empty((), dtype=engine.stream_dtype(p)).element_size()
+        for p in runner.parameters()
+        if p.requires_grad
+    )
+    return fetch, grads, engine.plan.weight_bound(engine.config.prefetch_depth)
+
+
+def run_ws(cfg, x, y, device, dtype, args) -> dict:
+    model = build(cfg)
+    runner = backend.compile(
+        model,
+        "wse_ws",
+        device=device,
+        compute_dtype=dtype,
+        unit_classes=(LlamaBlock,),
+        prefetch_depth=args.prefetch_depth,
+        overlap_updates=args.overlap_updates,
+        # This process's model alone, even if a process group exists (FSDP2's is
+        # destroyed after each size, but a launcher's environment must not join it).
+        data_parallel=False,
+    )
+    opt = cstorch.optim.AdamW(model.parameters(), **ADAMW, fused=True)
+    start: list[int | None] = []
+
+    def on_timed():
+        _reset_device_peak(device)
+        start.append(_fetched_bytes(runner))
+
+    try:
+        timing = run_steps(runner, opt, x, y, device, None, args.warmup, args.steps, on_timed)
+        fetch, grads, bound = _transfer_bytes(runner)
+        end = _fetched_bytes(runner)
+        counted = None if end is None or start[0] is None else (end - start[0]) / args.steps
+        plan = runner.engine.plan
+        return {
+            "timing": timing,
+            "units": len(plan.units),
+            "largest_unit_bytes": plan.largest_unit_bytes,
+            "weight_bound_bytes": bound,
+            "h2d_bytes_counted": counted,
+            "h2d_bytes_plan": 2 * fetch,  # Note [roofline]: a forward and a backward fetch
+            "d2h_bytes_plan": grads,
+            "device_peak_bytes": _device_peak(device),
+        }
+    finally:
+        runner.close()  # its tensors go with this frame; run_size frees the memory
+
+
+# ---- the peers ------------------------------------------------------------------------------
+
+
+def steps_with_adamw(model, x, y, device, autocast_dtype, args) -> tuple[Timing, str]:
+    """The steps of a peer with torch's fused AdamW; where the fused kernel refuses the
+    parameters (at construction or at the first step: FSDP2's DTensor shards, say),
+    once more with its foreach AdamW. Returns the timing and which AdamW ran."""
+    params = list(model.parameters())
+
+    def run(opt):
+        return run_steps(
+            model, opt, x, y, device, autocast_dtype, args.warmup, args.steps,
+            lambda: _reset_device_peak(device),
+        )  # fmt: skip
+
+    try:
+        return run(torch.optim.AdamW(params, **ADAMW, fused=True)), "torch AdamW fused"
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except (RuntimeError, ValueError, TypeError, NotImplementedError) as exc:
+        why = f"{type(exc).__name__}: {exc}"[:200]
+    for p in params:
+        p.grad = None
+    opt = torch.optim.AdamW(params, **ADAMW, foreach=True)
+    return run(opt), f"torch AdamW foreach (fused failed: {why})"
+
+
+def run_eager(cfg, x, y, device, dtype, args, params: int, act_bytes: int) -> dict:
+    """The model resident on the device; a reason instead where it would not fit."""
+    autocast = None if dtype == torch.float32 else dtype
+    per_param = STATE_BYTES_PER_PARAM + (
+        torch.empty((), dtype=dtype).element_size() if autocast else 0
+    )
+    need = params * per_param + act_bytes
+    free = device_free_bytes(device)
+    if need > free:
+        return {
+            "reason": f"does not fit: needs about {need / GiB:.1f} GiB (params x {per_param} "
+            f"bytes + activations {act_bytes / GiB:.1f} GiB), {free / GiB:.1f} GiB free"
+        }
+    model = None
+    try:
+        model = build(cfg).to(device)
+        timing, optimizer = steps_with_adamw(model, x, y, device, autocast, args)
+        return {"timing": timing, "device_peak_bytes": _device_peak(device), "optimizer": optimizer}
+    except Exception as exc:  # the peer is reported unavailable, with why
+        return {"reason": _failure(exc)}
+    finally:
+        del model
+        free_memory(device)
+
+
+def run_fsdp2(cfg, x, y, device, dtype, args, params: int) -> dict:
+    """FSDP2 with CPU offload in this process, world size 1; a reason where it cannot run."""
+    need = params * STATE_BYTES_PER_PARAM
+    free = host_available_bytes()
+    if need * 1.1 > free:
+        return {
+            "reason": f"host memory: needs about {need / GiB:.1f} GiB of fp32 state, "
+            f"{free / GiB:.1f} GiB available"
+        }
+    try:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    except Exception as exc:
+        return {"reason": _failure(exc)}
+    if not dist.is_available():
+        return {"reason": "torch.distributed is not available in this build"}
+    pg_backend = "nccl" if device.type == "cuda" else "gloo"
+    fd, store_path = tempfile.mkstemp(prefix="gpu_stream_pg_")
+    os.close(fd)
+    model = None
+    initialized = False
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            pg_backend, store=dist.FileStore(store_path, 1), rank=0, world_size=1
+        )
+        initialized = True
+        mesh = init_device_mesh(device.type, (1,))
+        mp = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype)
+        # Pinned shards let the copies to the device run asynchronously; there is
+        # no pinned memory without an accelerator.
+        offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        model = build(cfg)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        timing, optimizer = steps_with_adamw(model, x, y, device, None, args)
+        return {
+            "timing": timing,
+            "device_peak_bytes": _device_peak(device),
+            "backend": pg_backend,
+            "optimizer": optimizer,
+        }
+    except Exception as exc:  # the peer is reported unavailable, with why
+        return {"reason": _failure(exc)}
+    finally:
+        del model
+        if initialized:
+            dist.destroy_process_group()
+        with contextlib.suppress(OSError):
+            os.unlink(store_path)
+        free_memory(device)
+
+
+# ---- one size -------------------------------------------------------------------------------
+
+
+def roofline(params, tokens, peak, h2d, d2h, limits, device) -> dict:
+    """Note [roofline]."""
+    compute = 6 * params * tokens / peak
+    to_dev, from_dev = h2d / limits["pinned_h2d"], d2h / limits["pinned_d2h"]
+    link = max(to_dev, from_dev) if device.type == "cuda" else to_dev + from_dev
+    host = ADAMW_BYTES_PER_PARAM * params / limits["host"]
+    parts = {"compute_s": compute, "link_s": link, "host_s": host}
+    bound = max(parts, key=parts.get)
+    return {**parts, "roofline_s": parts[bound], "bound": bound[: -len("_s")]}
+
+
+def peer_figures(r: dict, tokens: int, params: int, peak: float) -> dict:
+    if "timing" not in r:
+        return {"reason": r["reason"]}
+    out = r["timing"].figures(tokens, params, peak)
+    if r.get("device_peak_bytes") is not None:
+        out["device_peak_gib"] = r["device_peak_bytes"] / GiB
+    for key, name in (("backend", "process_group"), ("optimizer", "optimizer")):
+        if key in r:
+            out[name] = r[key]
+    return out
+
+
+def run_size(name: str, size: Size, device, dtype, peak: float, limits: dict, args) -> dict:
+    seq = args.seq or size.seq
+    batch = args.batch or size.batch
+    cfg = config_of(size, seq)
+    params = count_params(cfg)
+    tokens = batch * seq
+    print(
+        f"\n[{name}] Llama {cfg.n_layer} blocks, d_model {cfg.d_model}, heads {cfg.n_head}/"
+        f"{cfg.kv_heads}, ffn {cfg.ffn_dim}, vocab {cfg.vocab_size}: {params / 1e9:.3f}B params; "
+        f"batch {batch} x seq {seq} = {tokens} tokens/step, {dtype_name(dtype)}",
+        flush=True,
+    )
+    base = {"params": params, "tokens_per_step": tokens, "batch": batch, "seq": seq}
+    host_need = params * STATE_BYTES_PER_PARAM
+    if host_need * 1.1 + 2 * GiB > host_available_bytes():
+        reason = (
+            f"host memory: the fp32 state needs {host_need / GiB:.1f} GiB, "
+            f"{host_available_bytes() / GiB:.1f} GiB available"
+        )
+        print(f"  skipped: {reason}")
+        return {**base, "skipped": reason}
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+    y = torch.roll(x, -1, 1)
+    x, y = x.to(device), y.to(device)
+
+    error = None
+    try:
+        ws = run_ws(cfg, x, y, device, dtype, args)
+    except Exception as exc:
+        error = _failure(exc)
+    # After the except block: no traceback holds the frames' tensors any more.
+    free_memory(device)
+    if error is not None:
+        print(f"  WS failed: {error}")
+        return {**base, "error": error}
+    fig = ws["timing"].figures(tokens, params, peak)
+    med = fig["step_s"]["median"]
+    h2d = ws["h2d_bytes_counted"] if ws["h2d_bytes_counted"] is not None else ws["h2d_bytes_plan"]
+    d2h = ws["d2h_bytes_plan"]
+    roof = roofline(params, tokens, peak, h2d, d2h, limits, device)
+
+    # Eager needs about what WS keeps on the device besides its streamed weights.
+    act = ACTIVATION_MARGIN * activation_bytes(cfg, tokens, dtype)
+    if ws["device_peak_bytes"] is not None:
+        act = max(act, ws["device_peak_bytes"] - ws["weight_bound_bytes"])
+    peers = {}
+    if "eager" in args.peers:
+        peers["eager"] = run_eager(cfg, x, y, device, dtype, args, params, int(act))
+    if "fsdp2" in args.peers:
+        peers["fsdp2_cpu_offload"] = run_fsdp2(cfg, x, y, device, dtype, args, params)
+    peer = {
+        key: peer_figures(peers[key], tokens, params, peak)
+        if key in peers
+        else {"reason": "not run (--peers)"}
+        for key in ("eager", "fsdp2_cpu_offload")
+    }
+
+    result = {
+        **base,
+        **fig,
+        "h2d_bytes_per_step": h2d,
+        "h2d_bytes_plan": ws["h2d_bytes_plan"],
+        "d2h_bytes_per_step": d2h,
+        "h2d_gbps": h2d / med / 1e9,
+        "d2h_gbps": d2h / med / 1e9,
+        "pinned_h2d_gbps": limits["pinned_h2d"] / 1e9,
+        "pinned_d2h_gbps": limits["pinned_d2h"] / 1e9,
+        "pageable_h2d_gbps": limits["pageable_h2d"] / 1e9,
+        "roofline": roof,
+        "roofline_s": roof["roofline_s"],
+        "fraction_of_roofline": roof["roofline_s"] / med,
+        "optimizer": "weightstream AdamW fused (host masters)",
+        "units": ws["units"],
+        "largest_unit_bytes": ws["largest_unit_bytes"],
+        "weight_bound_bytes": ws["weight_bound_bytes"],
+        "device_peak_gib": None
+        if ws["device_peak_bytes"] is None
+        else ws["device_peak_bytes"] / GiB,
+        "peer": peer,
+        "ws_vs_fsdp2": _ratio(fig["tokens_per_s"], peer["fsdp2_cpu_offload"].get("tokens_per_s")),
+        "ws_vs_eager": _ratio(med, peer["eager"].get("step_s", {}).get("median")),
+    }
+    report_size(result)
+    return result
+
+
+def _ratio(a: float, b: float | None) -> float | None:
+    return None if b is None else a / b
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+
+
+PEER_NAMES = {"eager": "eager", "fsdp2_cpu_offload": "FSDP2 offload"}
+
+
+def report_size(r: dict) -> None:
+    head = f"  {'mode':<14} {'step s min / median / max':<26} {'tokens/s':>10} {'TFLOPS':>8} "
+    print(head + f"{'% peak':>7}  fwd / bwd / opt s (median)  loss first -> last")
+    rows = [("WS", r)] + [(PEER_NAMES.get(k, k), v) for k, v in r["peer"].items()]
+    for name, f in rows:
+        if "step_s" not in f:
+            print(f"  {name:<14} unavailable: {f['reason']}")
+            continue
+        ph = f["phases_s"]
+        print(
+            f"  {name:<14} {fmt(f['step_s']):<26} {f['tokens_per_s']:>10.0f} {f['tflops']:>8.3f} "
+            f"{f['pct_peak']:>6.1f}%  {ph['forward']:.3f} / {ph['backward']:.3f} / "
+            f"{ph['optimizer']:.3f}     {f['loss']['first']:.4f} -> {f['loss']['last']:.4f}"
+        )
+    counted = (
+        ""
+        if r["h2d_bytes_per_step"] == r["h2d_bytes_plan"]
+        else (f" (plan, 2 fetches: {r['h2d_bytes_plan'] / 1e9:.3f})")
+    )
+    print(
+        f"  WS link per step: H2D {r['h2d_bytes_per_step'] / 1e9:.3f} GB{counted} at "
+        f"{r['h2d_gbps']:.2f} GB/s (pinned {r['pinned_h2d_gbps']:.2f}, pageable "
+        f"{r['pageable_h2d_gbps']:.2f}); D2H {r['d2h_bytes_per_step'] / 1e9:.3f} GB at "
+        f"{r['d2h_gbps']:.2f} GB/s (pinned {r['pinned_d2h_gbps']:.2f})"
+    )
+    peak = "" if r["device_peak_gib"] is None else f"; device peak {r['device_peak_gib']:.2f} GiB"
+    print(
+        f"  WS plan: {r['units']} units, largest {r['largest_unit_bytes'] / 2**20:.1f} MiB, "
+        f"streamed weights bound {r['weight_bound_bytes'] / 2**20:.1f} MiB{peak}"
+    )
+    roof = r["roofline"]
+    print(
+        f"  roofline: compute {roof['compute_s']:.4f} s, link {roof['link_s']:.4f} s, host "
+        f"optimizer {roof['host_s']:.4f} s -> {roof['roofline_s']:.4f} s ({roof['bound']}); "
+        f"WS at {r['fraction_of_roofline']:.0%} of it"
+    )
+    ratios = []
+    if r["ws_vs_eager"] is not None:
+        ratios.append(f"WS/eager step time {r['ws_vs_eager']:.2f}x")
+    if r["ws_vs_fsdp2"] is not None:
+        ratios.append(f"WS/FSDP2 tokens/s {r['ws_vs_fsdp2']:.2f}x")
+    if ratios:
+        print("  " + "; ".join(ratios))
+
+
+# ---- main -----------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    ap.add_argument("--device", choices=("cpu", "cuda"), default=default_device)
+    ap.add_argument(
+        "--tiny", action="store_true", help="the tiny config only (same as --sizes tiny)"
+    )
+    ap.add_argument(
+        "--sizes",
+        default="1b,3b,5b",
+        help=f"comma-separated names among {', '.join(SIZES)} (default 1b,3b,5b)",
+    )
+    ap.add_argument("--batch", type=int, help="sequences per step (default: the size's)")
+    ap.add_argument("--seq", type=int, help="tokens per sequence (default: the size's)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per mode")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    ap.add_argument(
+        "--dtype",
+        choices=("auto", *DTYPES),
+        default="auto",
+        help="compute dtype (auto: bf16 on CUDA; on the CPU bf16 if native and faster, else fp32)",
+    )
+    ap.add_argument(
+        "--peers", default="eager,fsdp2", help="peers to run: eager, fsdp2 (comma-separated)"
+    )
+    ap.add_argument("--prefetch-depth", type=int, default=1, help="WS units fetched ahead")
+    ap.add_argument(
+        "--overlap-updates", action="store_true", help="WS: updates behind the next forward"
+    )
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch.cuda.is_available() is False; use --device cpu")
+    args.sizes = ["tiny"] if args.tiny else [s.strip() for s in args.sizes.split(",") if s.strip()]
+    unknown = [s for s in args.sizes if s not in SIZES]
+    if unknown:
+        ap.error(f"unknown sizes {unknown}; choose among {', '.join(SIZES)}")
+    args.peers = {p.strip() for p in args.peers.split(",") if p.strip()}
+    if args.peers - {"eager", "fsdp2"}:
+        ap.error(f"unknown peers {sorted(args.peers - {'eager', 'fsdp2'})}; use eager, fsdp2")
+    if args.steps < 1 or args.warmup < 0:
+        ap.error("--steps must be >= 1 and --warmup >= 0")
+    return args
+
+
+def main() -> None:
+    sys.stdout.reconfigure(line_buffering=True)  # each line as it comes, through a pipe too
+    args = parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    tiny = args.sizes == ["tiny"]
+    # Measurement sizes: large enough for the device's peak, small enough to be quick.
+    n, reps = (8192, 20) if device.type == "cuda" else ((1024, 3) if tiny else (2048, 3))
+    link_bytes = GiB if device.type == "cuda" else (64 if tiny else 512) * 2**20
+    host_bytes = (64 if tiny else 512) * 2**20
+
+    dtype, why, peaks = pick_dtype(device, args.dtype, n, reps)
+    peak = peaks[dtype_name(dtype)]
+    limits = link_bandwidths(device, link_bytes)
+    free_memory(device)
+    limits["host"] = host_bandwidth(host_bytes)
+    print(
+        f"device {device} ({device_name(device)}); torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; host memory available "
+        f"{host_available_bytes() / GiB:.1f} GiB"
+    )
+    print(f"compute dtype {dtype_name(dtype)}: {why}")
+    print(
+        f"measured: {dtype_name(dtype)} dense peak {peak / 1e12:.3f} TFLOP/s ({n}^3 matmul); "
+        f"pinned H2D {limits['pinned_h2d'] / 1e9:.2f} GB/s, D2H {limits['pinned_d2h'] / 1e9:.2f} "
+        f"GB/s, pageable H2D {limits['pageable_h2d'] / 1e9:.2f} GB/s"
+        f"{' (CPU: a host memory copy)' if device.type == 'cpu' else ''}; host memory "
+        f"{limits['host'] / 1e9:.1f} GB/s"
+    )
+    print(f"{args.warmup} warm-up + {args.steps} timed steps per mode, modes run one after another")
+
+    sizes = {}
+    for name in args.sizes:
+        sizes[name] = run_size(name, SIZES[name], device, dtype, peak, limits, args)
+        free_memory(device)
+    print_result(
+        "gpu_stream",
+        device=str(device),
+        device_name=device_name(device),
+        dtype=dtype_name(dtype),
+        dtype_reason=why,
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        steps=args.steps,
+        warmup=args.warmup,
+        limits={
+            "peak_tflops": peak / 1e12,
+            "matmul_tflops": {k: v / 1e12 for k, v in peaks.items()},
+            "pinned_h2d_gbps": limits["pinned_h2d"] / 1e9,
+            "pinned_d2h_gbps": limits["pinned_d2h"] / 1e9,
+            "pageable_h2d_gbps": limits["pageable_h2d"] / 1e9,
+            "host_gbps": limits["host"] / 1e9,
+        },
+        sizes=sizes,
+    )
+    if any("error" in s for s in sizes.values()):
+        sys.exit(1)  # WS itself failed on some size (its error is in the RESULT)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""benchmarks/gpu_stream.py runs in its tiny CPU version and reports every figure.
+
+Only the shape and sanity of the RESULT line are checked, never a timing
+(design.md: benchmarks print ratios, tests do not assert speed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_stream.py"
+
+SIZE_FIELDS = (
+    "params",
+    "tokens_per_step",
+    "step_s",
+    "tokens_per_s",
+    "tflops",
+    "pct_peak",
+    "h2d_gbps",
+    "d2h_gbps",
+    "pinned_h2d_gbps",
+    "roofline_s",
+    "fraction_of_roofline",
+    "peer",
+    "ws_vs_fsdp2",
+    "ws_vs_eager",
+)
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_tiny_cpu_run_reports_every_field():
+    # One thread: the machine's cores are shared, and two OpenMP threads on a
+    # busy core make small operators wait for each other for tens of milliseconds.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--device",
+        "cpu",
+        "--tiny",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+    ]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("RESULT "), done.stdout[-2000:]
+    r = json.loads(last[len("RESULT ") :])
+
+    assert r["benchmark"] == "gpu_stream"
+    assert r["device"] == "cpu"
+    assert r["dtype"] in ("bf16", "fp32") and r["dtype_reason"]
+    assert list(r["sizes"]) == ["tiny"]
+    s = r["sizes"]["tiny"]
+    missing = [k for k in SIZE_FIELDS if k not in s]
+    assert not missing, missing
+
+    assert 1e6 < s["params"] < 1e7
+    assert s["tokens_per_step"] == s["batch"] * s["seq"]
+    steps = s["step_s"]
+    assert all(_positive(steps[k]) for k in ("min", "median", "max"))
+    assert steps["min"] <= steps["median"] <= steps["max"]
+    for k in ("tokens_per_s", "tflops", "pct_peak", "h2d_gbps", "d2h_gbps", "pinned_h2d_gbps"):
+        assert _positive(s[k]), (k, s[k])
+    assert math.isclose(s["tokens_per_s"], s["tokens_per_step"] / steps["median"])
+    # Every weight crosses the "link" at least once a step, its gradient once back.
+    assert s["h2d_bytes_per_step"] >= s["d2h_bytes_per_step"] > 0
+    assert _positive(s["roofline_s"])
+    assert 0 < s["fraction_of_roofline"] <= 1.5
+    assert s["roofline"]["bound"] in ("compute", "link", "host")
+    assert math.isfinite(s["loss"]["first"])
+
+    peers = s["peer"]
+    assert set(peers) == {"eager", "fsdp2_cpu_offload"}
+    for name, p in peers.items():
+        if "reason" in p:
+            assert isinstance(p["reason"], str) and p["reason"], name
+            continue
+        assert _positive(p["step_s"]["median"]) and _positive(p["tokens_per_s"]), name
+        # The same model, seed and batch: the first losses agree to bf16 rounding.
+        assert abs(p["loss"]["first"] - s["loss"]["first"]) < 0.05, (name, p["loss"])
+    for ratio, peer in (("ws_vs_eager", "eager"), ("ws_vs_fsdp2", "fsdp2_cpu_offload")):
+        if "reason" in peers[peer]:
+            assert s[ratio] is None
+        else:
+            assert _positive(s[ratio])
