@@ -91,6 +91,16 @@ class StreamingConfig:
         "the embedding) keeps its own activations. Layer pipelined applies it to the same "
         "units (Note [activation checkpointing] in runtime/recompute.py).",
     )
+    host_mirror: bool | None = setting(
+        None,
+        doc="Keep each streamed unit's weights also as one flat host buffer in their "
+        "compute dtype (pinned on accelerators), written once per forward pass, and copy "
+        "that buffer to the device: one asynchronous copy of 2 bytes a parameter in bf16 "
+        "instead of a cast per tensor from pageable fp32 (Note [host mirror] in "
+        "runtime/mirror.py). Costs host memory of the weights in the compute dtype. "
+        "null: on for accelerators, off on the CPU (where both move the same bytes). Not "
+        "used with a sharded or disk store, or cbfloat16.",
+    )
     store: Literal["ram", "disk"] = setting(
         "ram",
         doc="Where the store keeps masters, gradients and optimizer state: 'ram' "

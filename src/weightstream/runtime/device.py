@@ -3,9 +3,11 @@
 The rest of the runtime speaks only of "copy these host tensors to the compute
 device" and "wait until that copy is usable"; this module decides how:
 
-* CUDA (and other accelerators with streams): copies run on a dedicated copy
-  stream from pinned host memory, and readiness is a stream event that the
-  compute stream waits on.
+* CUDA (and other accelerators with streams): background copies are issued
+  from the prefetch thread on a dedicated copy stream, from pinned host memory
+  where the store keeps a mirror (Note [host mirror] in mirror.py), and
+  readiness is a stream event that the compute stream waits on; the buffers
+  are recorded on the compute stream so the allocator does not reuse them early.
 * CPU as the compute device: there is no separate memory, but the streaming
   discipline is the same (a distinct device copy exists only while a unit
   runs). Prefetches run on one background thread so that the copy of the next
@@ -27,18 +29,29 @@ from weightstream.common.flat import flatten, unflatten_views
 class Transfer:
     """A copy to the device that may still be running; ``wait()`` makes it usable."""
 
-    result: object  # the produced value, or a Future of it (CPU async path)
+    result: object  # the produced value, or a Future of it (background copies)
     event: torch.Event | None = None  # accelerator path: recorded on the copy stream
+    recorded: bool = False  # the Future gives (value, event): an accelerator's background copy
 
     def wait(self):
         if isinstance(self.result, concurrent.futures.Future):
-            # Host sync point: blocks until the background copy thread is done.
+            # Host sync point: blocks until the background copy thread has issued
+            # (accelerator) or done (CPU) the copy.
             self.result = self.result.result()
+            if self.recorded:
+                self.result, self.event = self.result
         if self.event is not None:
             # Device-side wait: the current (compute) stream waits for the copy
             # stream; the host does not block.
-            torch.accelerator.current_stream().wait_event(self.event)
+            compute = torch.accelerator.current_stream()
+            compute.wait_event(self.event)
             self.event = None
+            # The buffers were allocated on the copy stream: without this the
+            # caching allocator could hand their memory to the next copy while
+            # kernels of the compute stream still read it.
+            for t in self.result if isinstance(self.result, list) else ():
+                if isinstance(t, torch.Tensor):
+                    t.record_stream(compute)
         return self.result
 
 
@@ -49,7 +62,9 @@ class DeviceOps:
         self.device = torch.device(device)
         self.is_cpu = self.device.type == "cpu"
         # Owner: this object. Why: prefetching the next unit must not wait for
-        # the current unit's compute. One worker keeps copies in issue order.
+        # the current unit's compute, nor its host work (reading the masters,
+        # writing a mirror) hold up the thread that issues the kernels. One
+        # worker keeps copies in issue order.
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         # Owner: this object. Why: host-to-device copies on their own stream
         # overlap with kernels on the compute stream.
@@ -70,23 +85,27 @@ class DeviceOps:
         is waited on: the host optimizer runs only between steps, after every
         transfer of the step was waited on or dropped.
         """
+        if not background:
+            return Transfer(fn())  # on the current stream: ordered with the compute
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="weightstream-prefetch"
+            )
         if self.is_cpu:
-            if not background:
-                return Transfer(fn())
-            if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix="weightstream-prefetch"
-                )
             return Transfer(self._executor.submit(fn))
-        stream = self._copy_stream if background else torch.accelerator.current_stream()
-        if background:
-            # The copy stream must see everything the compute stream did so far
-            # (for example an earlier in-place update of the host tensor's device twin).
-            stream.wait_stream(torch.accelerator.current_stream())
-        with _StreamContext(stream):
-            value = fn()
-            event = stream.record_event() if background else None
-        return Transfer(value, event)
+        stream = self._copy_stream
+        # The copy stream must see everything the compute stream did so far (for
+        # example an earlier in-place update of the host tensor's device twin);
+        # recorded here, on the issuing thread, in issue order.
+        stream.wait_stream(torch.accelerator.current_stream())
+
+        def on_copy_stream():
+            # The current stream is per thread: the worker sets its own.
+            with _StreamContext(stream):
+                value = fn()
+                return value, stream.record_event()
+
+        return Transfer(self._executor.submit(on_copy_stream), recorded=True)
 
     def copy_flat(
         self, masters: Sequence[torch.Tensor], dtype: torch.dtype, out_numel: int
@@ -99,6 +118,19 @@ class DeviceOps:
             for view, m in zip(unflatten_views(flat, masters), masters):
                 view.copy_(m.detach(), non_blocking=True)
         return flat
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer the device can read asynchronously (pinned for accelerators)."""
+        return torch.empty(numel, dtype=dtype, pin_memory=not self.is_cpu)
+
+    def copy_buffer(self, src: torch.Tensor) -> torch.Tensor:
+        """A device copy of the flat host buffer ``src`` (asynchronous from pinned memory
+        on an accelerator's current stream; Note [host mirror] in runtime/mirror.py)."""
+        if self.is_cpu:
+            return src.clone()
+        out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+        out.copy_(src, non_blocking=True)
+        return out
 
     def to_host(self, grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """A gradient computed on the device, as a tensor matching the host master."""

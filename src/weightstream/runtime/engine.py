@@ -337,8 +337,32 @@ class StreamingEngine:
             shards=self.shards,
             note=self.events,
             recompute=recompute,
+            mirror=self._host_mirror(),
         )
         self.streamer.install()
+
+    def _host_mirror(self) -> bool:
+        """Whether fetches copy a compute-dtype mirror (Note [host mirror] in mirror.py)."""
+        wanted = self.config.host_mirror
+        if wanted is None:
+            wanted = self.device.type != "cpu"
+        blocked = (
+            "a disk store"
+            if self.store is not None
+            else "a sharded store"
+            if self.shards is not None
+            else "cbfloat16"
+            if self.config.compute_dtype == "cbfloat16"
+            else None
+        )
+        if blocked and self.config.host_mirror:
+            warnings.warn(
+                f"weightstream: host_mirror is ignored with {blocked}, whose fetches read "
+                "the masters directly (Note [host mirror] in runtime/mirror.py). Fix: leave "
+                "host_mirror unset.",
+                stacklevel=4,
+            )
+        return wanted and blocked is None
 
     def _recomputed_units(self, plan: Plan, trace) -> set[int]:
         """The units checkpointed under ``activation_checkpointing`` (Note [activation

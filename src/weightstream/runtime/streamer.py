@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from weightstream.runtime.device import DeviceOps
+from weightstream.runtime.mirror import HostMirror
 from weightstream.runtime.partition import Plan
 from weightstream.runtime.recompute import UnitForward, checkpointed
 from weightstream.runtime.residency import ResidencyMeter
@@ -169,6 +170,7 @@ class Streamer:
         shards=None,
         note=None,
         recompute: set[int] | frozenset[int] = frozenset(),
+        mirror: bool = False,
     ):
         self.plan = plan
         # Indices of the units whose forward is recomputed in the backward
@@ -185,6 +187,12 @@ class Streamer:
         # unit's share of an overlapped optimizer step.
         self._before_fetch = before_fetch
         self._postprocess = postprocess  # applied to each flat buffer after the copy
+        # Fetches copy each unit's compute-dtype mirror, written once per forward
+        # pass (Note [host mirror] in mirror.py); only where the masters are read
+        # directly and nothing is applied to the copy.
+        self._mirror = mirror and store is None and shards is None and postprocess is None
+        self._mirrors: dict[int, dict[torch.dtype, HostMirror]] = {}  # unit index -> groups
+        self._generation = 0  # the forward pass in progress (mirrors written in it are fresh)
         self.ops = ops
         self.depth = prefetch_depth
         self.units = [StreamingUnit.from_spec(u, compute_dtype_of) for u in plan.units]
@@ -255,13 +263,16 @@ class Streamer:
 
     # ---- fetching -------------------------------------------------------------
 
-    def _issue(self, unit: StreamingUnit, background: bool) -> UnitCopy:
+    def _issue(self, unit: StreamingUnit, background: bool, forward: bool = False) -> UnitCopy:
+        """Fetch ``unit`` (a forward fetch writes a stale mirror: Note [host mirror])."""
         copy = UnitCopy(unit)
         groups = [(dt, [unit.params[i] for i in idx]) for dt, idx in unit.groups.items()]
         ops, meter, post, before = self.ops, self.meter, self._postprocess, self._before_fetch
         store = self._store
         shards = self._shards
         index = unit.index
+        mirrors = self._mirrors_of(unit) if self._mirror else None
+        generation = self._generation if forward else None
 
         def run():
             if before is not None:
@@ -269,7 +280,9 @@ class Streamer:
             buffers = []
             for dt, masters in groups:
                 numel = sum(m.numel() for m in masters)
-                if shards is None:
+                if mirrors is not None:
+                    buf = ops.copy_buffer(mirrors[dt].source(masters, generation))
+                elif shards is None:
                     # Masters kept on disk are read into buffers here, on the
                     # prefetch thread (Note [explicit disk I/O]).
                     paged = store.page_in(masters) if store is not None else None
@@ -297,10 +310,25 @@ class Streamer:
         copy.fetch(ops.submit(run, background=background))
         return copy
 
+    def _mirrors_of(self, unit: StreamingUnit) -> dict[torch.dtype, HostMirror]:
+        mirrors = self._mirrors.get(unit.index)
+        if mirrors is None:
+            mirrors = {
+                dt: HostMirror(self.ops.host_empty(sum(unit.params[i].numel() for i in idx), dt))
+                for dt, idx in unit.groups.items()
+            }
+            self._mirrors[unit.index] = mirrors
+        return mirrors
+
+    def mirror_bytes(self) -> int:
+        """Host bytes the mirrors hold (Note [host mirror])."""
+        return sum(m.nbytes for group in self._mirrors.values() for m in group.values())
+
     # ---- forward ----------------------------------------------------------------
 
     def begin_forward(self) -> None:
         assert not self._windows, "a forward is already running"
+        self._generation += 1
         self._seq = _Sequence(next(self._ids))
         self._prefetch_forward(-1)
 
@@ -323,6 +351,7 @@ class Streamer:
         if self._seq is None:
             # Called outside the compiled module's forward (the user called the
             # original module): stream anyway, in a one-off sequence.
+            self._generation += 1
             self._seq = _Sequence(next(self._ids), adhoc=True)
         seq = self._seq
         pos = len(seq.units)
@@ -332,7 +361,7 @@ class Streamer:
             copy.evict()  # the prediction was wrong
             copy = None
         if copy is None:
-            copy = self._issue(unit, background=False)
+            copy = self._issue(unit, background=False, forward=True)
         tensors = copy.wait()
         self._prefetch_forward(pos)
 
@@ -382,7 +411,8 @@ class Streamer:
             return  # this forward left the predicted path: fetch on demand only
         for p in range(pos + 1, min(pos + 1 + self.depth, len(self._order_hint))):
             if p not in self._prefetched:
-                self._prefetched[p] = self._issue(self.units[self._order_hint[p]], background=True)
+                unit = self.units[self._order_hint[p]]
+                self._prefetched[p] = self._issue(unit, background=True, forward=True)
 
     # ---- saved tensors (backward) -------------------------------------------------
 
