@@ -317,21 +317,14 @@ class GradScaler:
         if self.stage(optimizer) is not OptState.UNSCALED:
             self.unscale_(optimizer)
 
-        if not self._dynamic:
-            skip.record_step(optimizer, False)
-            self._stages[optimizer] = OptState.STEPPED
-            return optimizer.step(*args, **kwargs)
-
-        finite = self._decide_isfinite()
-        if not finite:
-            self._num_skipped_steps += 1
-            skip.record_step(optimizer, True)
-            self._stages[optimizer] = OptState.STEPPED
-            return None
-        if self._max_gradient_norm is not None:
-            self._clip_by_global_norm(optimizer)
-        skip.record_step(optimizer, False)
+        skipped = self._dynamic and not self._decide_isfinite()
+        skip.record_step(optimizer, skipped)
         self._stages[optimizer] = OptState.STEPPED
+        if skipped:
+            self._num_skipped_steps += 1
+            return None
+        if self._max_gradient_norm is not None:  # set in dynamic mode only
+            self._clip_by_global_norm(optimizer)
         return optimizer.step(*args, **kwargs)
 
     def update(self, new_scale: float | None = None) -> None:
@@ -483,13 +476,18 @@ def _check_optimizer(optimizer: Any, method: str) -> None:
         )
 
 
-def _grads_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The existing gradients of the optimizer's parameters, each once."""
+def params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's parameters, each once (a parameter may sit in several groups)."""
     seen: set[int] = set()
-    grads = []
+    params = []
     for group in optimizer.param_groups:
         for param in group["params"]:
-            if param.grad is not None and id(param) not in seen:
+            if id(param) not in seen:
                 seen.add(id(param))
-                grads.append(param.grad.detach())
-    return grads
+                params.append(param)
+    return params
+
+
+def _grads_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The existing gradients of the optimizer's parameters, each once."""
+    return [p.grad.detach() for p in params_of(optimizer) if p.grad is not None]

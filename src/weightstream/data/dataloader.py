@@ -327,31 +327,26 @@ class DataLoader:
         if self._restore is not None:
             position = {k: self._restore[k] for k in resume.POSITION_KEYS}
             user_state = self._restore["user_state"]
-        elif self._it is not None and (
-            self._pass_limit is None or self._batch_in_epoch < self._pass_limit
-        ):
-            # Mid-pass: what the pass began from, and how far into it we are.
-            position = {
-                "seed": self._seed,
-                "epoch": self._epoch,
-                "batch_in_epoch": self._batch_in_epoch,
-                "rng_state": self._rng.state.clone(),
-                "generators": {} if self._stateful else self._pass_start["generators"],
-            }
-            user_state = self._loader_state() if self._stateful else self._pass_start["user_state"]
         else:
-            # Between passes (or at the end of a pass of known length): the next
-            # pass begins from the loader as it is now.
-            next_epoch = self._epoch + (1 if self._it is not None else 0)
-            snapshot = None if self._stateful else loader_parts.capture(self._loader)
+            if self._it is not None and (
+                self._pass_limit is None or self._batch_in_epoch < self._pass_limit
+            ):
+                # Mid-pass: what the pass began from, and how far into it we are.
+                epoch, batch, rng_state = self._epoch, self._batch_in_epoch, self._rng.state.clone()
+                start = self._pass_start
+            else:
+                # Between passes (or at the end of a pass of known length): the next
+                # pass begins from the loader as it is now.
+                epoch, batch, rng_state = self._epoch + (1 if self._it is not None else 0), 0, None
+                start = None if self._stateful else loader_parts.capture(self._loader)
             position = {
                 "seed": self._seed,
-                "epoch": next_epoch,
-                "batch_in_epoch": 0,
-                "rng_state": None,
-                "generators": {} if self._stateful else snapshot["generators"],
+                "epoch": epoch,
+                "batch_in_epoch": batch,
+                "rng_state": rng_state,
+                "generators": {} if self._stateful else start["generators"],
             }
-            user_state = self._loader_state() if self._stateful else snapshot["user_state"]
+            user_state = self._loader_state() if self._stateful else start["user_state"]
         config = current_config()
         return copy.deepcopy(
             {

@@ -135,17 +135,9 @@ def get_streaming_batch_size(global_batch: int) -> int:
 
 def batch_size_of(batch: Any) -> int:
     """Samples in a batch: the first dimension of its first tensor (or array); 1 if it has none."""
-    stack = [batch]
-    while stack:
-        item = stack.pop(0)
-        if isinstance(item, (torch.Tensor, np.ndarray)):
-            if item.ndim >= 1:
-                return int(item.shape[0])
-            continue
-        if isinstance(item, dict):
-            stack[:0] = list(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack[:0] = list(item)
+    for leaf in pytree.tree_leaves(batch):
+        if isinstance(leaf, (torch.Tensor, np.ndarray)) and leaf.ndim >= 1:
+            return int(leaf.shape[0])
     return 1
 
 

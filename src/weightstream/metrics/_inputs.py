@@ -71,14 +71,18 @@ def as_tensor(value: Any, arg: str, metric: str, device: torch.device) -> torch.
     return value.detach().to(device)
 
 
-def check_same_shape(
-    metric: str, a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor, hint: str = ""
-) -> None:
-    if a.shape != b.shape:
+def paired_inputs(
+    metric: str, labels: Any, predictions: Any, weights: Any, device: torch.device, hint: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``labels`` and ``predictions`` as tensors of one shape, and their :func:`effective_weights`."""
+    labels = as_tensor(labels, "labels", metric, device)
+    predictions = as_tensor(predictions, "predictions", metric, device)
+    if labels.shape != predictions.shape:
         raise ValueError(
-            f"{metric}.update(): {a_name} has shape {tuple(a.shape)} but {b_name} has shape "
-            f"{tuple(b.shape)}; they must be equal.{' ' + hint if hint else ''}"
+            f"{metric}.update(): labels has shape {tuple(labels.shape)} but predictions has shape "
+            f"{tuple(predictions.shape)}; they must be equal. {hint}"
         )
+    return labels, predictions, effective_weights(metric, weights, labels.shape, device)
 
 
 def effective_weights(

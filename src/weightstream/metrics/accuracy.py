@@ -7,11 +7,9 @@ from typing import Any
 import torch
 
 from weightstream.metrics._inputs import (
-    as_tensor,
     check_class_ids,
     check_num_classes,
-    check_same_shape,
-    effective_weights,
+    paired_inputs,
 )
 from weightstream.metrics.base import Metric
 
@@ -45,10 +43,9 @@ class AccuracyMetric(Metric):
             weights: ``None`` (all 1), or a tensor broadcastable to ``S``.
         """
         metric = type(self).__name__
-        labels = as_tensor(labels, "labels", metric, self.device)
-        predictions = as_tensor(predictions, "predictions", metric, self.device)
-        check_same_shape(metric, "labels", labels, "predictions", predictions, _ARGMAX_HINT)
-        w = effective_weights(metric, weights, labels.shape, self.device)
+        labels, predictions, w = paired_inputs(
+            metric, labels, predictions, weights, self.device, _ARGMAX_HINT
+        )
         self.total_correct.add_((w * (labels == predictions)).sum())
         self.total_weight.add_(w.sum())
 
@@ -86,10 +83,10 @@ class MeanPerClassAccuracyMetric(Metric):
         """Add a batch: ``labels`` and ``predictions`` class ids of one shape ``S``,
         ``weights`` ``None`` or broadcastable to ``S``."""
         metric = type(self).__name__
-        labels = as_tensor(labels, "labels", metric, self.device)
-        predictions = as_tensor(predictions, "predictions", metric, self.device)
-        check_same_shape(metric, "labels", labels, "predictions", predictions, _ARGMAX_HINT)
-        w = effective_weights(metric, weights, labels.shape, self.device).reshape(-1)
+        labels, predictions, w = paired_inputs(
+            metric, labels, predictions, weights, self.device, _ARGMAX_HINT
+        )
+        w = w.reshape(-1)
         ids = check_class_ids(metric, "labels", labels.reshape(-1), w, self.num_classes)
         correct = w * (labels.reshape(-1) == predictions.reshape(-1))
         self.per_class_correct.index_add_(0, ids, correct)

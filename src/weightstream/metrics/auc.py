@@ -33,10 +33,8 @@ from typing import Any
 import torch
 
 from weightstream.metrics._inputs import (
-    as_tensor,
     check_positive_int,
-    check_same_shape,
-    effective_weights,
+    paired_inputs,
 )
 from weightstream.metrics.base import Metric
 
@@ -104,17 +102,15 @@ class AUCMetric(Metric):
     def update(self, labels: Any, predictions: Any, weights: Any = None) -> None:
         """Add a batch (shapes in the class docstring)."""
         metric = type(self).__name__
-        labels = as_tensor(labels, "labels", metric, self.device)
-        predictions = as_tensor(predictions, "predictions", metric, self.device)
-        check_same_shape(
+        labels, predictions, w = paired_inputs(
             metric,
-            "labels",
             labels,
-            "predictions",
             predictions,
+            weights,
+            self.device,
             "Pass one score per label, e.g. the positive-class probability.",
         )
-        w = effective_weights(metric, weights, labels.shape, self.device).reshape(-1)
+        w = w.reshape(-1)
         scores = predictions.reshape(-1).to(torch.float64).clamp(0.0, 1.0)
         positive = labels.reshape(-1) != 0
         # bucket = number of thresholds strictly below the score (right=False).

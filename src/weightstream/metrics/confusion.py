@@ -12,12 +12,10 @@ from typing import Any
 import torch
 
 from weightstream.metrics._inputs import (
-    as_tensor,
     check_class_ids,
     check_num_classes,
-    check_same_shape,
     class_mask,
-    effective_weights,
+    paired_inputs,
 )
 from weightstream.metrics.base import Metric
 
@@ -66,17 +64,15 @@ class ConfusionMatrixMetric(Metric):
         """Add a batch (shapes in the class docstring)."""
         metric = type(self).__name__
         c = self.num_classes
-        labels = as_tensor(labels, "labels", metric, self.device)
-        predictions = as_tensor(predictions, "predictions", metric, self.device)
-        check_same_shape(
+        labels, predictions, w = paired_inputs(
             metric,
-            "labels",
             labels,
-            "predictions",
             predictions,
+            weights,
+            self.device,
             "Pass predicted class ids (e.g. logits.argmax(-1)), not logits.",
         )
-        w = effective_weights(metric, weights, labels.shape, self.device).reshape(-1)
+        w = w.reshape(-1)
         true_ids = check_class_ids(metric, "labels", labels.reshape(-1), w, c)
         pred_ids = check_class_ids(metric, "predictions", predictions.reshape(-1), w, c)
         counts = torch.bincount(true_ids * c + pred_ids, weights=w, minlength=c * c)

@@ -62,6 +62,8 @@ class Scheduler(ABC):
     _arg_names: dict[str, str] = {}
     #: Attributes holding nested schedulers, checkpointed by their own state dicts.
     _nested_state: tuple[str, ...] = ()
+    #: The argument attribute that is the value at step 0 (``initial_value``), if one is.
+    _initial_attr: str | None = None
 
     def __init__(
         self,
@@ -104,6 +106,8 @@ class Scheduler(ABC):
     @property
     def initial_value(self) -> float:
         """The schedule's scale at step 0; ChainedLR divides the later schedules by it."""
+        if self._initial_attr is not None:
+            return getattr(self, self._initial_attr)
         raise TypeError(
             f"{type(self).__name__} has no initial value, so it cannot be chained after "
             f"another scheduler. Define an `initial_value` property on it."

@@ -16,50 +16,9 @@ from typing import Any
 
 import torch
 
+from . import _lr
 from ._base import LRScheduler
-from ._lr import (
-    ChainedLR,
-    ConstantLR,
-    CosineAnnealingLR,
-    CosineAnnealingWarmRestarts,
-    CosineDecayLR,
-    CyclicLR,
-    ExponentialLR,
-    InverseExponentialTimeDecayLR,
-    InverseSquareRootDecayLR,
-    LambdaLR,
-    LinearLR,
-    MultiplicativeLR,
-    MultiStepLR,
-    OneCycleLR,
-    PiecewiseConstantLR,
-    PolynomialLR,
-    ScalePerParamLR,
-    SequentialLR,
-    StepLR,
-)
-
-_BUILTIN = (
-    ConstantLR,
-    PolynomialLR,
-    LinearLR,
-    ExponentialLR,
-    InverseExponentialTimeDecayLR,
-    InverseSquareRootDecayLR,
-    CosineDecayLR,
-    SequentialLR,
-    PiecewiseConstantLR,
-    MultiStepLR,
-    StepLR,
-    CosineAnnealingLR,
-    CosineAnnealingWarmRestarts,
-    LambdaLR,
-    MultiplicativeLR,
-    ChainedLR,
-    CyclicLR,
-    OneCycleLR,
-    ScalePerParamLR,
-)
+from ._lr import ChainedLR, ScalePerParamLR, SequentialLR
 
 #: Retired argument names -> their replacements, in order of preference; the first
 #: replacement the scheduler actually takes is named in the error.
@@ -206,8 +165,11 @@ def _main_scheduler_is_chained(entries: list[dict[str, Any]]) -> bool:
 
 def _scheduler_classes() -> dict[str, type[LRScheduler]]:
     """Lower-cased class name -> class: the built-ins, then user LRScheduler subclasses."""
-    found: dict[str, type[LRScheduler]] = {cls.__name__.lower(): cls for cls in _BUILTIN}
-    found["chainedscheduler"] = ChainedLR
+    found: dict[str, type[LRScheduler]] = {
+        name.lower(): cls
+        for name, cls in vars(_lr).items()
+        if isinstance(cls, type) and issubclass(cls, LRScheduler) and cls is not LRScheduler
+    }
     stack = list(LRScheduler.__subclasses__())
     while stack:
         cls = stack.pop()

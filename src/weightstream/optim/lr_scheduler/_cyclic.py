@@ -24,6 +24,8 @@ class CosineAnnealingScheduler(Scheduler):
     ``T_max`` the value rises again towards ``initial`` (no restart, no clamp).
     """
 
+    _initial_attr = "initial_val"
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -40,10 +42,6 @@ class CosineAnnealingScheduler(Scheduler):
         self.eta_min = _checks.real(owner, "eta_min", eta_min)
         super().__init__(optimizer, total_iters=None, param_group_tags=param_group_tags)
 
-    @property
-    def initial_value(self) -> float:
-        return self.initial_val
-
     def _get_closed_form(self) -> torch.Tensor:
         cosine = 1.0 + torch.cos(math.pi * self._step_as_float() / self.T_max)
         return self.eta_min + (self.initial_val - self.eta_min) * cosine / 2.0
@@ -56,6 +54,8 @@ class CosineAnnealingWarmRestartsScheduler(Scheduler):
     form. The reference accepts only ``T_mult=1``; torch accepts any integer ``T_mult >= 1``
     and so does this class.
     """
+
+    _initial_attr = "initial_val"
 
     def __init__(
         self,
@@ -72,10 +72,6 @@ class CosineAnnealingWarmRestartsScheduler(Scheduler):
         self.T_mult = _checks.integer(owner, "T_mult", T_mult, minimum=1)
         self.eta_min = _checks.real(owner, "eta_min", eta_min)
         super().__init__(optimizer, total_iters=None, param_group_tags=param_group_tags)
-
-    @property
-    def initial_value(self) -> float:
-        return self.initial_val
 
     def _restart_start(self, n: torch.Tensor) -> torch.Tensor:
         """The step at which period ``n`` (0-based) starts: T_0 * (T_mult**n - 1) / (T_mult - 1)."""
@@ -108,6 +104,8 @@ class CyclicScheduler(Scheduler):
     decides ``scale_mode`` (``cycle`` for the triangular modes, ``iterations`` for
     ``exp_range``); a conflicting ``scale_mode`` is ignored with a warning.
     """
+
+    _initial_attr = "base_val"
 
     _MODES = ("triangular", "triangular2", "exp_range")
     _SCALE_MODES = ("cycle", "iterations")
@@ -148,10 +146,6 @@ class CyclicScheduler(Scheduler):
         self.scale_mode = implied
         super().__init__(optimizer, total_iters=None, param_group_tags=param_group_tags)
 
-    @property
-    def initial_value(self) -> float:
-        return self.base_val
-
     def _get_closed_form(self) -> torch.Tensor:
         t = self._step_as_float()
         total_size = float(self.step_size_up + self.step_size_down)
@@ -178,6 +172,8 @@ class OneCycleScheduler(Scheduler):
     Torch raises once stepped past ``total_steps``; here the value holds from
     ``total_steps`` on (the reference extrapolates the last phase instead).
     """
+
+    _initial_attr = "initial_val"
 
     _STRATEGIES = ("cos", "linear")
 
@@ -216,10 +212,6 @@ class OneCycleScheduler(Scheduler):
                 )
             start = end
         super().__init__(optimizer, total_iters=None, param_group_tags=param_group_tags)
-
-    @property
-    def initial_value(self) -> float:
-        return self.initial_val
 
     def _phases(self) -> list[tuple[float, float, float]]:
         """(end step, start value, end value) of each phase, as torch lays them out."""

@@ -20,6 +20,8 @@ from ._base import ParamGroupTags, Scheduler, f64
 class ConstantScheduler(Scheduler):
     """Holds ``val`` at every step; ``total_iters`` only sizes it inside a SequentialLR."""
 
+    _initial_attr = "val"
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -29,10 +31,6 @@ class ConstantScheduler(Scheduler):
     ) -> None:
         self.val = _checks.real(type(self).__name__, self._arg("val"), val)
         super().__init__(optimizer, total_iters=total_iters, param_group_tags=param_group_tags)
-
-    @property
-    def initial_value(self) -> float:
-        return self.val
 
     def _get_closed_form(self) -> torch.Tensor:
         return f64(self.val)
@@ -46,6 +44,8 @@ class PolynomialScheduler(Scheduler):
     window instead of holding ``end``. (The reference clamps to ``end`` before applying
     ``a``, which makes its ``cycle=True`` a no-op; here the flag does what it says.)
     """
+
+    _initial_attr = "initial_val"
 
     def __init__(
         self,
@@ -66,10 +66,6 @@ class PolynomialScheduler(Scheduler):
         self.cycle = cycle
         _checks.integer(owner, "total_iters", total_iters, minimum=1)
         super().__init__(optimizer, total_iters=total_iters, param_group_tags=param_group_tags)
-
-    @property
-    def initial_value(self) -> float:
-        return self.initial_val
 
     def _get_closed_form(self) -> torch.Tensor:
         t = self._step_as_float()
@@ -110,6 +106,8 @@ class LinearScheduler(PolynomialScheduler):
 class ExponentialScheduler(Scheduler):
     """``initial * decay_rate ** (t / total_iters)``; ``staircase`` floors the exponent."""
 
+    _initial_attr = "initial_val"
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -126,10 +124,6 @@ class ExponentialScheduler(Scheduler):
         _checks.integer(owner, "total_iters", total_iters, minimum=1)
         super().__init__(optimizer, total_iters=total_iters, param_group_tags=param_group_tags)
 
-    @property
-    def initial_value(self) -> float:
-        return self.initial_val
-
     def _get_closed_form(self) -> torch.Tensor:
         exponent = self._step_as_float() / self.total_iters
         if self.staircase:
@@ -142,6 +136,8 @@ class InverseExponentialTimeDecayScheduler(Scheduler):
 
     ``staircase`` floors ``t ** step_exponent / total_iters``.
     """
+
+    _initial_attr = "initial_val"
 
     def __init__(
         self,
@@ -161,10 +157,6 @@ class InverseExponentialTimeDecayScheduler(Scheduler):
         _checks.integer(owner, "total_iters", total_iters, minimum=1)
         super().__init__(optimizer, total_iters=total_iters, param_group_tags=param_group_tags)
 
-    @property
-    def initial_value(self) -> float:
-        return self.initial_val
-
     def _get_closed_form(self) -> torch.Tensor:
         alpha = self._step_as_float() ** self.step_exponent / self.total_iters
         if self.staircase:
@@ -174,6 +166,8 @@ class InverseExponentialTimeDecayScheduler(Scheduler):
 
 class InverseSquareRootDecayScheduler(Scheduler):
     """``initial * scale / sqrt(max(warmup_steps, t))``: flat for ``warmup_steps`` steps."""
+
+    _initial_attr = "initial_val"
 
     def __init__(
         self,
@@ -194,10 +188,6 @@ class InverseSquareRootDecayScheduler(Scheduler):
             )
         super().__init__(optimizer, total_iters=None, param_group_tags=param_group_tags)
 
-    @property
-    def initial_value(self) -> float:
-        return self.initial_val
-
     def _get_closed_form(self) -> torch.Tensor:
         denominator = torch.sqrt(torch.clamp(self._step_as_float(), min=self.warmup_steps))
         return self.initial_val * self.scale / denominator
@@ -205,6 +195,8 @@ class InverseSquareRootDecayScheduler(Scheduler):
 
 class CosineDecayScheduler(Scheduler):
     """Half a cosine from ``initial`` to ``end`` over ``total_iters``, then ``end`` (Keras)."""
+
+    _initial_attr = "initial_val"
 
     def __init__(
         self,
@@ -219,10 +211,6 @@ class CosineDecayScheduler(Scheduler):
         self.end_val = _checks.real(owner, self._arg("end_val"), end_val)
         _checks.integer(owner, "total_iters", total_iters, minimum=1)
         super().__init__(optimizer, total_iters=total_iters, param_group_tags=param_group_tags)
-
-    @property
-    def initial_value(self) -> float:
-        return self.initial_val
 
     def _get_closed_form(self) -> torch.Tensor:
         t = torch.clamp(self._step_as_float(), max=self.total_iters)
@@ -266,6 +254,8 @@ class PiecewiseConstantScheduler(Scheduler):
 class MultiStepScheduler(Scheduler):
     """``initial * gamma ** (number of milestones <= t)`` (a repeated milestone counts twice)."""
 
+    _initial_attr = "initial_val"
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -281,10 +271,6 @@ class MultiStepScheduler(Scheduler):
         self.milestones = _checks.integer_list(owner, "milestones", milestones, increasing=False)
         super().__init__(optimizer, total_iters=None, param_group_tags=param_group_tags)
 
-    @property
-    def initial_value(self) -> float:
-        return self.initial_val
-
     def _get_closed_form(self) -> torch.Tensor:
         t = self.last_epoch
         value = f64(self.initial_val)
@@ -295,6 +281,8 @@ class MultiStepScheduler(Scheduler):
 
 class StepScheduler(Scheduler):
     """``initial * gamma ** floor(t / step_size)``."""
+
+    _initial_attr = "initial_val"
 
     def __init__(
         self,
@@ -310,10 +298,6 @@ class StepScheduler(Scheduler):
         self.gamma = _checks.real(owner, "gamma", gamma)
         super().__init__(optimizer, total_iters=None, param_group_tags=param_group_tags)
 
-    @property
-    def initial_value(self) -> float:
-        return self.initial_val
-
     def _get_closed_form(self) -> torch.Tensor:
         exponent = torch.floor(self._step_as_float() / self.step_size)
         return self.initial_val * f64(self.gamma) ** exponent
@@ -328,6 +312,8 @@ class LambdaScheduler(Scheduler):
     here it is applied once whatever the number of functions.
     """
 
+    _initial_attr = "initial_val"
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -336,10 +322,6 @@ class LambdaScheduler(Scheduler):
     ) -> None:
         self.initial_val = _checks.real(type(self).__name__, self._arg("initial_val"), initial_val)
         super().__init__(optimizer, total_iters=None, param_group_tags=param_group_tags)
-
-    @property
-    def initial_value(self) -> float:
-        return self.initial_val
 
     def set_value_lambda(
         self,
@@ -361,6 +343,8 @@ class LambdaScheduler(Scheduler):
 class MultiplicativeScheduler(Scheduler):
     """``initial * coefficient ** t``: the value is multiplied by ``coefficient`` every step."""
 
+    _initial_attr = "initial_val"
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -372,10 +356,6 @@ class MultiplicativeScheduler(Scheduler):
         self.initial_val = _checks.real(owner, self._arg("initial_val"), initial_val)
         self.coefficient = _checks.real(owner, "coefficient", coefficient)
         super().__init__(optimizer, total_iters=None, param_group_tags=param_group_tags)
-
-    @property
-    def initial_value(self) -> float:
-        return self.initial_val
 
     def _get_closed_form(self) -> torch.Tensor:
         return f64(self.coefficient) ** self._step_as_float() * self.initial_val
