@@ -10,10 +10,9 @@ compared with the arithmetic written out.
 
 from __future__ import annotations
 
-import json
-
 import copy
 import gc
+import json
 
 import models as zoo
 import pytest

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from weightstream.amp import skip
-from weightstream.amp.grad_scaler import GradScaler
+from weightstream.amp.grad_scaler import GradScaler, params_of
 
-__all__ = ["apply_gradients", "clip_grad_norm_", "optimizer_step"]
+__all__ = ["apply_gradients", "backward_context", "clip_grad_norm_", "optimizer_step"]
 
 
 def _check_clip_value(name: str, value: Any) -> None:
@@ -92,11 +92,30 @@ def optimizer_step(
             "clip by norm or by value, not both."
         )
 
-    if grad_scaler is not None:
-        grad_scaler.scale(loss).backward()
-    else:
-        loss.backward()
+    with backward_context(optimizer, grad_scaler, max_gradient_norm, max_gradient_value):
+        if grad_scaler is not None:
+            grad_scaler.scale(loss).backward()
+        else:
+            loss.backward()
     apply_gradients(optimizer, grad_scaler, max_gradient_norm, max_gradient_value)
+
+
+def backward_context(
+    optimizer: torch.optim.Optimizer,
+    grad_scaler: GradScaler | None,
+    max_gradient_norm: float | None = None,
+    max_gradient_value: float | None = None,
+) -> contextlib.AbstractContextManager:
+    """The context of a step's last backward that :func:`apply_gradients` follows: the
+    engine may start the step's update in it where nothing global comes between
+    (no clipping, no loss scaling; Note [updates in backward] in runtime/updater.py)."""
+    engine = getattr(optimizer, "engine", None)
+    scaling = grad_scaler is not None and (grad_scaler.is_enabled() or grad_scaler.dynamic)
+    if engine is None or scaling or max_gradient_norm is not None:
+        return contextlib.nullcontext()
+    if max_gradient_value is not None:
+        return contextlib.nullcontext()
+    return engine.update_in_backward(optimizer)
 
 
 def apply_gradients(
@@ -124,7 +143,7 @@ def apply_gradients(
         # Clipping must see the true gradients, not the scaled ones.
         grad_scaler.unscale_(optimizer)
 
-    params = _params_of(optimizer)
+    params = params_of(optimizer)
     if max_gradient_norm is not None:
         clip_grad_norm_(params, max_gradient_norm, engine)
     elif max_gradient_value is not None:
@@ -163,14 +182,3 @@ def clip_grad_norm_(params, max_norm: float, engine=None, eps: float = 1e-6) -> 
     for g in grads:
         g.detach().mul_(coef.to(g.dtype))
     return norm
-
-
-def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    seen: set[int] = set()
-    params = []
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if id(param) not in seen:
-                seen.add(id(param))
-                params.append(param)
-    return params

@@ -59,6 +59,12 @@ class ParameterHost(Protocol):
         """Wait until an update still being applied is complete."""
         ...
 
+    def update_in_backward(self, optimizer) -> contextlib.AbstractContextManager:
+        """A context for the step's last backward in which each unit's share of
+        ``optimizer``'s next step may start once its gradients are final (the caller
+        guarantees ``step()`` follows with nothing global in between)."""
+        ...
+
     def finish_gradients(self) -> None:
         """Wait until every gradient reduction of the step has landed."""
         ...

@@ -81,6 +81,15 @@ class StreamingConfig:
         "forward, which waits per unit (Note [overlapped updates] in runtime/updater.py). "
         "p.grad is None right after step() in this mode.",
     )
+    update_in_backward: bool = setting(
+        False,
+        doc="Start each unit's share of the optimizer step during the backward, as soon as "
+        "its gradients are final, on the update worker, when the step code knows that "
+        "nothing global comes between (amp.optimizer_step or the run command, without "
+        "gradient clipping or loss scaling, on one rank); otherwise the step runs as "
+        "without it (Note [updates in backward] in runtime/updater.py). Exact. p.grad is "
+        "None right after the backward's units handed their gradients over.",
+    )
     activation_checkpointing: bool = setting(
         False,
         doc="Keep only each streaming unit's inputs from the forward and recompute the "

@@ -158,7 +158,7 @@ class StreamingEngine:
             self._join_swarm(module)
         # Every unit's share of an optimizer step, in forward order (Note [overlapped updates]).
         self.updater: UnitUpdater | None = None
-        if config.overlap_updates or self.store is not None:
+        if config.overlap_updates or self.store is not None or config.update_in_backward:
             self.updater = UnitUpdater(
                 [u.params for u in self.plan.units],
                 background=config.overlap_updates,
@@ -179,6 +179,8 @@ class StreamingEngine:
             if holds_tensors(m)
         ]
         self._skipped_on_load: list[str] = []
+        self._final_hooks: list = []  # Note [updates in backward]
+        self._warned_update_in_backward = False
         hosts.add(self)
 
     def _join_swarm(self, module: nn.Module) -> None:
@@ -239,6 +241,53 @@ class StreamingEngine:
             self.updater.defer(optimizer)
         else:
             optimizer._update(optimizer.param_groups)
+
+    @contextlib.contextmanager
+    def update_in_backward(self, optimizer):
+        """Within the block (one backward), each unit's share of ``optimizer``'s next
+        step starts once its gradients are final; the caller guarantees that
+        ``step()`` follows with nothing global in between (Note [updates in backward]
+        in runtime/updater.py). Nothing changes where the engine cannot do it."""
+        if not self._can_update_in_backward(optimizer):
+            yield
+            return
+        if not self._final_hooks:
+            # Registered after the disk store's own hook: it runs first.
+            self._final_hooks = [
+                p.register_post_accumulate_grad_hook(_function(self.updater.gradient_final))
+                for u in self.plan.units
+                for p in u.params
+                if p.requires_grad
+            ]
+        self.updater.arm(optimizer)
+        try:
+            yield
+        except BaseException as exc:
+            if self.updater.disarm():
+                raise RuntimeError(
+                    "the backward failed after some units had begun their optimizer update "
+                    "(update_in_backward): those units' weights and optimizer state are "
+                    "stepped, the others not. Fix: load the last checkpoint before training "
+                    "on (Note [updates in backward] in runtime/updater.py)."
+                ) from exc
+            raise
+
+    def _can_update_in_backward(self, optimizer) -> bool:
+        if not self.config.update_in_backward or self.updater is None or self.streamer is None:
+            return False
+        if getattr(optimizer, "engine", None) is not self:
+            return False  # torch.optim's own step() does not come through the engine
+        if self.reducer is not None or self.shards is not None:
+            if not self._warned_update_in_backward:
+                self._warned_update_in_backward = True
+                warnings.warn(
+                    "weightstream: update_in_backward is ignored under data parallel, where "
+                    "a gradient is final only once SwarmX reduced it; the step runs after "
+                    "the backward (Note [updates in backward] in runtime/updater.py).",
+                    stacklevel=4,
+                )
+            return False
+        return True
 
     def finish_gradients(self) -> None:
         """Wait for every gradient reduction still in flight (host sync point)."""
@@ -443,9 +492,9 @@ class StreamingEngine:
         if self.reducer is not None:
             self.reducer.close()
             self.reducer = None
-        for h in self._state_hooks:
+        for h in [*self._state_hooks, *self._final_hooks]:
             h.remove()
-        self._state_hooks = []
+        self._state_hooks, self._final_hooks = [], []
         if self.streamer is not None:
             self.streamer.remove()
             self.streamer = None

@@ -31,6 +31,35 @@ alone, on buffers read two parameters ahead and written back behind it
 values, so the bits are those of the RAM store, and the update never holds
 more than the pool's bounded buffers. ``step()`` without overlap returns once
 the writes are done; with overlap, ``synchronize`` waits for them.
+
+Note [updates in backward]
+--------------------------
+With ``StreamingConfig(update_in_backward=True)`` a unit's share of the step
+starts during the backward, as soon as its gradients are final, on the update
+worker, while autograd goes on with the units before it (the host optimizer
+hidden behind the backward, not only behind the next forward).
+
+Exactness is a question of order: ``step()`` normally comes after everything
+global that reads or changes the gradients as a whole (the loss scaler's
+unscale and non-finite check, clipping by norm or value), and none of it is
+known before the last unit's gradient. So only the step code that knows the
+whole sequence before the backward arms it: ``amp.optimizer_step`` and the run
+command's trainer (``amp.step_helper.backward_context``), and only when nothing
+global comes between (no clipping, no loss scaling) and the optimizer is a
+weightstream optimizer bound to this engine; under data parallel (a gradient is
+final only once SwarmX reduced it) it is not armed. Armed, the updater takes the
+step's hyperparameters at the start of the backward (nothing may change them
+before ``step()``, which the step code guarantees) and the engine's
+post-accumulate-grad hook on each master hands over its gradient when autograd
+accumulated it, which happens once per backward per leaf, after every use of it
+(a tied or twice-called weight included). A share is submitted when each of its
+parameters that takes part has handed its gradient over; ``step()`` then
+submits what is left (parameters without a gradient in this backward but with
+one from an earlier micro-batch, shares not complete). Each parameter is
+updated once, by the same kernels on the same values as in the step after the
+backward: the bits are the same. What changes is that the update has begun
+before ``step()``: a backward that raises after a share started leaves those
+units stepped, and the engine says so (a partial step is never silent).
 """
 
 from __future__ import annotations
@@ -67,8 +96,11 @@ class UnitUpdater:
         # next forward computes units before k; one worker keeps the units in order.
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
-        self._unit_futures: list[concurrent.futures.Future | None] = []
+        self._unit_futures: list[list[concurrent.futures.Future]] = []  # per unit
         self._all: list[concurrent.futures.Future] = []
+        self._early: _Early | None = (
+            None  # a step armed for the backward (Note [updates in backward])
+        )
 
     def set_units(self, unit_params: Sequence[Sequence[torch.nn.Parameter]]) -> None:
         """The units of the traced plan, in its forward order (fixed at the first call)."""
@@ -79,26 +111,30 @@ class UnitUpdater:
 
     def defer(self, optimizer) -> None:
         """Schedule ``optimizer``'s step by unit (see the Note)."""
-        self.synchronize()  # a previous step must be complete before this one starts
-        snapshot = [dict(g) for g in optimizer.param_groups]
+        early, self._early = self._early, None
+        if early is not None and early.optimizer is not optimizer:
+            early = None  # armed for another optimizer: its shares are that one's
+        if early is None:
+            self.synchronize()  # a previous step must be complete before this one starts
+            snapshot = [dict(g) for g in optimizer.param_groups]
+        else:
+            snapshot = early.snapshot  # the hyperparameters the early shares used
+        taken: dict[int, torch.Tensor] = {}  # gradients of shares already submitted
         grads: dict[int, torch.Tensor] = {}
+        if early is not None:
+            for pid, g in early.grads.items():
+                (taken if early.started[early.owner[pid]] else grads)[pid] = g
         for g in snapshot:
             for p in g["params"]:
-                if p.grad is not None:
+                if p.grad is not None and id(p) not in taken:
                     grads[id(p)] = p.grad
                     p.grad = None
-        claimed: set[int] = set()
-        shares: list[list[torch.nn.Parameter]] = []
-        for params in self._unit_params:
-            mine = [p for p in params if id(p) in grads and id(p) not in claimed]
-            claimed.update(id(p) for p in mine)
-            shares.append(mine)
-        rest = [p for g in snapshot for p in g["params"] if id(p) in grads and id(p) not in claimed]
-        every = [*shares, rest]
+        every = self._shares(snapshot, grads)
+        grads.update(taken)
         pager = None
         if self._store is not None:
             pager = _Pager(self._store, optimizer, [p for share in every for p in share], grads)
-        if not self._background:
+        if not self._background and early is None:
             try:
                 for share in every:
                     if share:
@@ -107,33 +143,96 @@ class UnitUpdater:
                 if pager is not None:
                     self._store.settle()  # step() returns with the masters current
             return
+        with self._lock:
+            if early is None:
+                self._unit_futures = [[] for _ in every]
+                self._all = []
+            for index, share in enumerate(every):
+                if share:
+                    self._submit(index, _apply, optimizer, snapshot, share, grads, pager)
+        if not self._background:
+            self.synchronize()  # step() returns with the step applied
+
+    def _shares(self, snapshot, grads) -> list[list[torch.nn.Parameter]]:
+        """The parameters with a gradient in ``grads``, by the first unit holding each (in
+        forward order), then those of no unit."""
+        claimed: set[int] = set()
+        shares: list[list[torch.nn.Parameter]] = []
+        for params in self._unit_params:
+            mine = [p for p in params if id(p) in grads and id(p) not in claimed]
+            claimed.update(id(p) for p in mine)
+            shares.append(mine)
+        rest = [p for g in snapshot for p in g["params"] if id(p) in grads and id(p) not in claimed]
+        return [*shares, rest]
+
+    def _submit(self, index: int, fn, *args) -> None:
+        """Run ``fn(*args)`` on the worker as part of unit ``index``'s share (lock held)."""
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="weightstream-update"
             )
+        future = self._executor.submit(fn, *args)
+        self._unit_futures[index].append(future)
+        self._all.append(future)
+
+    # ---- updates in the backward (Note [updates in backward]) -------------------------
+
+    def arm(self, optimizer) -> None:
+        """Let the coming backward start the shares of ``optimizer``'s next step."""
+        self.synchronize()
+        snapshot = [dict(g) for g in optimizer.param_groups]
+        trainable = {id(p) for g in snapshot for p in g["params"] if p.requires_grad}
+        owner: dict[int, int] = {}
+        shares: list[list[torch.nn.Parameter]] = []
+        for index, params in enumerate(self._unit_params):
+            mine = [p for p in params if id(p) in trainable and id(p) not in owner]
+            owner.update((id(p), index) for p in mine)
+            shares.append(mine)
         with self._lock:
-            self._unit_futures = []
+            self._unit_futures = [[] for _ in range(len(shares) + 1)]
             self._all = []
-            for share in every:
-                future = (
-                    self._executor.submit(_apply, optimizer, snapshot, share, grads, pager)
-                    if share
-                    else None
-                )
-                self._unit_futures.append(future)
-                if future is not None:
-                    self._all.append(future)
+            self._early = _Early(optimizer, snapshot, owner, shares)
+
+    def gradient_final(self, p: torch.Tensor) -> None:
+        """``p``'s gradient of this backward is accumulated: take it, and submit its
+        unit's share once every parameter of the share that has a gradient handed its
+        over (called by the engine's post-accumulate-grad hook)."""
+        early = self._early
+        if early is None or id(p) not in early.owner or p.grad is None:
+            return
+        index = early.owner[id(p)]
+        with self._lock:
+            if early.started[index] or self._early is not early:
+                return  # a second accumulation in one backward cannot happen; be safe
+            early.grads[id(p)] = p.grad
+            p.grad = None
+            early.waiting[index].discard(id(p))
+            if early.waiting[index]:
+                return
+            early.started[index] = True
+            share = [q for q in early.shares[index] if id(q) in early.grads]
+            pager = None
+            if self._store is not None:
+                pager = _Pager(self._store, early.optimizer, share, early.grads)
+            self._submit(index, _apply, early.optimizer, early.snapshot, share, early.grads, pager)
+
+    def disarm(self) -> bool:
+        """Drop an armed step whose backward failed; True if some of its shares had
+        started (they are waited for: the masters are then as they will stay)."""
+        with self._lock:
+            early, self._early = self._early, None
+        started = early is not None and any(early.started)
+        self.synchronize()
+        return started
 
     # ---- waiting ----------------------------------------------------------------------
 
     def wait_unit(self, index: int) -> None:
         """Block until unit ``index``'s share of the pending step (and all before it) is done."""
         with self._lock:
-            futures = self._unit_futures[: index + 1]
-        for f in reversed(futures):
-            if f is not None:
-                f.result()  # host sync point; re-raises an error of the update
-                return
+            futures = [f for unit in self._unit_futures[: index + 1] for f in unit]
+        for f in futures:
+            f.result()  # host sync point; re-raises an error of the update
 
     def synchronize(self) -> None:
         """Block until the pending step is completely applied."""
@@ -154,6 +253,19 @@ class UnitUpdater:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+
+class _Early:
+    """A step armed for the backward (Note [updates in backward])."""
+
+    def __init__(self, optimizer, snapshot, owner, shares):
+        self.optimizer = optimizer
+        self.snapshot = snapshot  # the hyperparameters of the step
+        self.owner = owner  # id(p) -> the unit whose share updates p
+        self.shares = shares  # per unit, in forward order
+        self.waiting = [{id(p) for p in share} for share in shares]  # gradients not handed over
+        self.started = [False] * len(shares)
+        self.grads: dict[int, torch.Tensor] = {}  # handed over, by id(p)
 
 
 def _apply(optimizer, snapshot, share, grads, pager: _Pager | None = None) -> None:

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from weightstream import checkpoint as ckpt
 from weightstream.amp import GradScaler
-from weightstream.amp.step_helper import apply_gradients
+from weightstream.amp.step_helper import apply_gradients, backward_context
 from weightstream.checkpoint.crash import counting_ops
 from weightstream.checkpoint.weights import load_weights
 from weightstream.data.state import aggregate_state_dict
@@ -257,7 +257,9 @@ class Trainer:
             with contextlib.nullcontext() if last else self.compiled.no_sync():
                 loss, _, _ = _task_loss(self.s.task, self.compiled, batch)
                 scaled = loss / len(batches)
-                self.grad_scaler.scale(scaled).backward()
+                # The last backward may start the update (Note [updates in backward]).
+                with self._backward_context() if last else contextlib.nullcontext():
+                    self.grad_scaler.scale(scaled).backward()
             total = total + swarm.average(scaled.detach()).cpu()
         # The step code of every loop (amp.optimizer_step's too).
         apply_gradients(
@@ -270,6 +272,14 @@ class Trainer:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         return total
+
+    def _backward_context(self):
+        return backward_context(
+            self.optimizer,
+            self.grad_scaler,
+            self.s.max_gradient_norm,
+            self.s.max_gradient_value,
+        )
 
     def train(self, dataloader, num_steps: int) -> None:
         """Run ``num_steps`` optimizer steps from ``self.global_step``."""
