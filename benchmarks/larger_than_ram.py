@@ -49,6 +49,7 @@ from _common import (
 )
 
 import weightstream as cstorch
+from weightstream.amp.step_helper import backward_context
 from weightstream.models import GPT, GPTConfig
 from weightstream.runtime.diskio import BufferPool, DiskIO, StoreFile, open_for_io
 from weightstream.runtime.engine import UPDATE_BYTES_PER_WEIGHT_BYTE
@@ -100,7 +101,12 @@ def config_for(target_params: int, d_model: int, seq_len: int) -> GPTConfig:
 
 
 def build(
-    cfg: GPTConfig, store_dir: Path, budget: int | None, init_weights: bool, overlap: bool = False
+    cfg: GPTConfig,
+    store_dir: Path,
+    budget: int | None,
+    init_weights: bool,
+    overlap: bool = False,
+    in_backward: bool = False,
 ):
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -113,6 +119,7 @@ def build(
         host_memory_budget=budget,
         init_weights=init_weights,
         overlap_updates=overlap,
+        update_in_backward=in_backward,
     )
     opt = cstorch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     return model, runner, opt
@@ -128,7 +135,8 @@ def step(runner, opt, x, y) -> tuple[float, list[float]]:
     t = time.perf_counter()
     loss = lm_loss(runner(x), y)
     t_fwd = time.perf_counter()
-    loss.backward()
+    with backward_context(opt, None):  # Note [updates in backward], where enabled
+        loss.backward()
     t_bwd = time.perf_counter()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -140,7 +148,12 @@ def resume(args, cfg: GPTConfig) -> None:
     """The second process: the seed's resume recipe, then one step."""
     t0 = time.perf_counter()
     model, runner, opt = build(
-        cfg, Path(args.store_dir) / "resume", args.budget, False, args.overlap_updates
+        cfg,
+        Path(args.store_dir) / "resume",
+        args.budget,
+        False,
+        args.overlap_updates,
+        args.update_in_backward,
     )
     state = cstorch.load(args.resume)
     t_load = time.perf_counter()
@@ -177,6 +190,11 @@ def main() -> None:
         help="apply each update behind the next forward (overlap_updates); the first step, "
         "which has no update before it, is then left out of the figures",
     )
+    ap.add_argument(
+        "--update-in-backward",
+        action="store_true",
+        help="start each unit's update in the backward (update_in_backward)",
+    )
     ap.add_argument("--resume", help=argparse.SUPPRESS)  # the resuming process's checkpoint
     args = ap.parse_args()
 
@@ -201,7 +219,9 @@ def main() -> None:
     all_on_disk = state / read_bw + state / write_bw
 
     t0 = time.perf_counter()
-    model, runner, opt = build(cfg, store_dir, args.budget, True, args.overlap_updates)
+    model, runner, opt = build(
+        cfg, store_dir, args.budget, True, args.overlap_updates, args.update_in_backward
+    )
     x, y = batch(cfg, args.batch)
     runner.engine.prepare(x)
     store = runner.engine.store
