@@ -92,11 +92,12 @@ _SEED_SCRIPT = _RSS + textwrap.dedent(
 
 def test_seed_recipe_resumes_a_disk_store_model_one_tensor_at_a_time(tmp_path):
     """24 Linear(1024, 1024): 96 MiB of weights, 384 MiB of training state with the
-    gradients and AdamW's moments, 16x the budget (the disk store's compile-time
-    bound: (prefetch_depth 1 + 1) units in flight plus one unit's update at 4x its
-    weights). Before Note [bounded loads] this load grew RSS by 300 MB."""
+    gradients and AdamW's moments, 10x the budget (the disk store's compile-time
+    bound on the CPU: (prefetch_depth 1 + 1) units in flight plus one unit's update
+    at 4x its weights, 2 device copies and a unit's gradients). Before Note
+    [bounded loads] this load grew RSS by 300 MB."""
     unit = 1024 * 1024 * 4 + 1024 * 4  # fp32 weight and bias
-    budget = (1 + 1 + 4) * unit
+    budget = (1 + 1 + 4 + 1 + 1 + 1) * unit
     largest = 1024 * 1024 * 4
     whole = _python(_SEED_SCRIPT, "whole", tmp_path, budget, 4)
     _python(_SEED_SCRIPT, "first", tmp_path, budget, 2)
@@ -177,8 +178,8 @@ def test_run_command_resume_eval_and_warm_start_of_a_disk_store_model_are_bounde
     more than 4x the host memory budget: each load grows RSS by at most the budget,
     the largest tensor and the constant, and the resume continues bit for bit."""
     largest_unit = (256 * 1024 + 1024) * 4  # mlp.fc: weight and bias, fp32
-    budget = 8 * 2**20
-    assert (1 + 1 + 4) * largest_unit <= budget  # the disk store's compile-time bound
+    budget = 10 * 2**20
+    assert (1 + 1 + 4 + 1 + 1 + 1) * largest_unit <= budget  # the compile-time bound on the CPU
     params = _params(tmp_path, budget)
     whole, split = tmp_path / "whole", tmp_path / "split"
     _run("-p", params, "-o", whole)

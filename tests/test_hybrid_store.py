@@ -35,7 +35,12 @@ def _largest_unit_bytes(runner) -> int:
 
 
 def _working_set(runner, prefetch_depth: int = 1) -> int:
-    return (prefetch_depth + 1 + UPDATE_BYTES_PER_WEIGHT_BYTE) * _largest_unit_bytes(runner)
+    # (depth + 1) units paged in + one unit's update (master, gradient, 2 moments),
+    # and on the CPU, whose device memory is host memory, (depth + 1) device
+    # copies + one unit's gradients on their way to the store.
+    in_flight = prefetch_depth + 1 + UPDATE_BYTES_PER_WEIGHT_BYTE
+    on_cpu = prefetch_depth + 1 + 1
+    return (in_flight + on_cpu) * _largest_unit_bytes(runner)
 
 
 @pytest.mark.parametrize("where", ["ram_tier", "hybrid", "files"])

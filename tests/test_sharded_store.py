@@ -225,8 +225,9 @@ def _memory_rank(rank: int, world: int, port: int, out: str, store: str = "ram")
         disk = dict(
             store="disk",
             store_dir=str(Path(out, "store")),  # one directory for both ranks
-            # The disk tier's working set (6 units) and no RAM tier: all in files.
-            host_memory_budget=(1 + 1 + 4) * UNIT_BYTES,
+            # The disk tier's working set on the CPU (9 units: 2 in flight, an update
+            # at 4x, 2 device copies, a unit's gradients) and no RAM tier: all in files.
+            host_memory_budget=(1 + 1 + 4 + 1 + 1 + 1) * UNIT_BYTES,
         )
     result = {}
     try:

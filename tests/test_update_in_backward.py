@@ -252,7 +252,7 @@ def test_with_the_disk_store(tmp_path):
     ours, theirs = OPTIMIZERS["adamw"]
     ref, ref_losses = _eager(make, kind, theirs, 4)
     model, runner, _, losses = _streamed(
-        make, kind, ours, 4, store="disk", store_dir=tmp_path, host_memory_budget=150_000
+        make, kind, ours, 4, store="disk", store_dir=tmp_path, host_memory_budget=200_000
     )
     placement = runner.engine.store.placement()
     assert placement.disk["master"] and placement.disk["state"] and placement.disk["grad"]

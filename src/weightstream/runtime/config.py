@@ -129,8 +129,8 @@ class StreamingConfig:
         fix=_BYTES,
         doc="Bytes of host memory the disk store may use: it needs (prefetch_depth + 1) "
         "units in flight plus one unit's update (master, gradient and two optimizer "
-        "moments) of the largest unit, and compile fails, before any step, if the budget "
-        "is smaller; the rest is its RAM tier, which keeps masters, then optimizer state, "
+        "moments) of the largest unit (on the CPU also the units' device copies and a "
+        "unit's gradients), and compile fails, before any step, if the budget is smaller; the rest is its RAM tier, which keeps masters, then optimizer state, "
         "then gradients in ordinary memory (Note [hybrid placement] in "
         "runtime/placement.py). None: the memory available when the store is built less "
         "2 GiB and 10% of the machine's memory.",

@@ -27,9 +27,9 @@ from weightstream.runtime.trace import trace_forward
 from weightstream.runtime.updater import UnitUpdater
 
 
-def check_budget(plan: Plan, config: StreamingConfig) -> None:
+def check_budget(plan: Plan, config: StreamingConfig, device: torch.device) -> None:
     """Fail before any step when the plan cannot fit the device memory budget."""
-    _check_host_budget(plan, config)
+    _check_host_budget(plan, config, device)
     budget = config.device_memory_budget
     if budget is None:
         return
@@ -59,24 +59,34 @@ def check_budget(plan: Plan, config: StreamingConfig) -> None:
 UPDATE_BYTES_PER_WEIGHT_BYTE = 4
 
 
-def disk_working_set(plan: Plan, config: StreamingConfig) -> int:
+def disk_working_set(plan: Plan, config: StreamingConfig, device: torch.device) -> int:
     """The most host memory the disk store's files are resident in at once: (prefetch_depth
-    + 1) units in flight plus one unit's update (Note [disk tier])."""
+    + 1) units in flight plus one unit's update (Note [disk tier]). On the CPU the units'
+    device copies (as many again) and one unit's gradients on their way to the store are
+    host memory too, and count."""
+    on_cpu = config.prefetch_depth + 1 + 1 if device.type == "cpu" else 0
+    return disk_io_set(plan, config) + on_cpu * plan.largest_unit_bytes
+
+
+def disk_io_set(plan: Plan, config: StreamingConfig) -> int:
+    """The disk store's own part of it, its explicit I/O buffers (Note [explicit disk
+    I/O]): (prefetch_depth + 1) units in flight plus one unit's update."""
     return (config.prefetch_depth + 1 + UPDATE_BYTES_PER_WEIGHT_BYTE) * plan.largest_unit_bytes
 
 
-def _check_host_budget(plan: Plan, config: StreamingConfig) -> None:
+def _check_host_budget(plan: Plan, config: StreamingConfig, device: torch.device) -> None:
     """The disk store's resident pages must fit ``host_memory_budget`` (Note [disk tier])."""
     budget = config.host_memory_budget
     if budget is None or config.store != "disk":
         return
     largest = plan.largest_unit_bytes
-    need = disk_working_set(plan, config)
+    need = disk_working_set(plan, config, device)
     if need > budget:
+        copies = " and as many device copies + a unit's gradients" if device.type == "cpu" else ""
         raise ValueError(
             f"the disk store needs up to {need:,} bytes of host memory "
-            f"((prefetch_depth {config.prefetch_depth} + 1) units in flight + one unit's "
-            f"update at {UPDATE_BYTES_PER_WEIGHT_BYTE}x its weights, largest unit "
+            f"((prefetch_depth {config.prefetch_depth} + 1) units in flight{copies} + one "
+            f"unit's update at {UPDATE_BYTES_PER_WEIGHT_BYTE}x its weights, largest unit "
             f"{largest:,} bytes), more than host_memory_budget {budget:,} bytes "
             f"({format_bytes(budget)}). Use smaller units (unit_size_target), lower "
             "prefetch_depth, or raise host_memory_budget."
@@ -122,7 +132,7 @@ class StreamingEngine:
         if config.data_parallel:
             swarm.init_from_env(self.device)  # data parallel under torchrun, by itself
         self.plan: Plan = build_plan(module, config)  # structural; refined at the first call
-        check_budget(self.plan, config)
+        check_budget(self.plan, config, self.device)
         self.streamer: Streamer | None = None
         self.store: DiskStore | None = None
         self.shards: ShardedStore | None = None
@@ -138,10 +148,11 @@ class StreamingEngine:
             budget = config.host_memory_budget
             if budget is None:
                 budget = default_budget()
-            working_set = disk_working_set(self.plan, config)
+            working_set = disk_working_set(self.plan, config, self.device)
             ram_tier = budget - working_set  # Note [hybrid placement]
-            # The buffers of explicit I/O are that working set (Note [explicit disk I/O]).
-            self.store = DiskStore(config.store_dir, ram_capacity=ram_tier, io_capacity=working_set)
+            # The buffers of explicit I/O are its disk part (Note [explicit disk I/O]).
+            io = disk_io_set(self.plan, config)
+            self.store = DiskStore(config.store_dir, ram_capacity=ram_tier, io_capacity=io)
             # May replace meta parameters by stored ones (Note [disk tier]) ...
             self._awaiting.update(self.store.take_module(module, config.init_weights))
             self.plan = build_plan(module, config)  # ... so the plan names the new ones
@@ -370,7 +381,7 @@ class StreamingEngine:
             plan.trace_error = f"{type(exc).__name__}: {exc}"
         else:
             plan = build_plan(self.module, self.config, trace)
-        check_budget(plan, self.config)
+        check_budget(plan, self.config, self.device)
         self.plan = plan
         if self.updater is not None:
             self.updater.set_units([u.params for u in plan.units])
