@@ -83,3 +83,28 @@ def write(path: Path, sections: dict) -> Path:
     """Write ``sections`` (see :func:`params`) as YAML to ``path``; returns ``path``."""
     path.write_text(yaml.safe_dump(sections))
     return path
+
+
+def train_tiny_gpt2(out: Path, optimizer: dict, runconfig: dict) -> list[float]:
+    """Train a 2-block GPT-2 (d_model 32, seq 32, batch 4) on the text corpus with the
+    run command into ``out`` (its params file beside it); the losses it logged to
+    TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from weightstream.cli.main import main
+
+    section = text_input(4, 32)
+    path = write(
+        out.with_suffix(".yaml"),
+        params(
+            train_input={**section, "shuffle_seed": 3},
+            eval_input=section,
+            model=gpt2(2, 32, 32),
+            optimizer=optimizer,
+            runconfig={"seed": 7, **runconfig},
+        ),
+    )
+    assert main(["run", "CPU", "-p", str(path), "-m", "train", "-o", str(out)]) == 0
+    acc = EventAccumulator(str(out / "train"))
+    acc.Reload()
+    return [e.value for e in acc.Scalars("loss")]

@@ -218,27 +218,10 @@ def test_run_command_trains_the_same_with_it(tmp_path, monkeypatch):
     arm = UnitUpdater.arm
     monkeypatch.setattr(UnitUpdater, "arm", lambda self, o: (armed.append(o), arm(self, o))[1])
     import params_files as pf
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    from weightstream.cli.main import main
 
     def losses(name: str, **runconfig) -> list[float]:
-        section = pf.text_input(4, 32)
-        path = pf.write(
-            tmp_path / f"{name}.yaml",
-            pf.params(
-                train_input={**section, "shuffle_seed": 3},
-                eval_input=section,
-                model=pf.gpt2(2, 32, 32),
-                optimizer=pf.adamw(1e-3, grad_accum_steps=2),
-                runconfig={"max_steps": 4, "seed": 7, **runconfig},
-            ),
-        )
-        out = tmp_path / name
-        assert main(["run", "CPU", "-p", str(path), "-m", "train", "-o", str(out)]) == 0
-        acc = EventAccumulator(str(out / "train"))
-        acc.Reload()
-        return [e.value for e in acc.Scalars("loss")]
+        optimizer = pf.adamw(1e-3, grad_accum_steps=2)
+        return pf.train_tiny_gpt2(tmp_path / name, optimizer, {"max_steps": 4, **runconfig})
 
     early = losses("early", update_in_backward=True)
     assert len(armed) == 4  # once a step, for its last micro-batch
