@@ -330,7 +330,11 @@ class Streamer:
         assert not self._windows, "a forward is already running"
         self._generation += 1
         self._seq = _Sequence(next(self._ids))
-        self._prefetch_forward(-1)
+        if not self.ops.is_cpu:
+            # The first unit's copy overlaps whatever runs before it. On the CPU the
+            # first unit is entered at once and would only wait for the hand-off to
+            # the prefetch thread (measured: 8% of a one-unit step of 2.6 ms).
+            self._prefetch_forward(-1)
 
     def end_forward(self) -> None:
         seq = self._seq
