@@ -111,9 +111,8 @@ def backward_context(
     (no clipping, no loss scaling; Note [updates in backward] in runtime/updater.py)."""
     engine = getattr(optimizer, "engine", None)
     scaling = grad_scaler is not None and (grad_scaler.is_enabled() or grad_scaler.dynamic)
-    if engine is None or scaling or max_gradient_norm is not None:
-        return contextlib.nullcontext()
-    if max_gradient_value is not None:
+    clipping = max_gradient_norm is not None or max_gradient_value is not None
+    if engine is None or scaling or clipping:
         return contextlib.nullcontext()
     return engine.update_in_backward(optimizer)
 

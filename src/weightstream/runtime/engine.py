@@ -264,10 +264,10 @@ class StreamingEngine:
             return
         if not self._final_hooks:
             # Registered after the disk store's own hook: it runs first.
+            # One hook per parameter (a tied weight is in two units, its share in one).
             self._final_hooks = [
                 p.register_post_accumulate_grad_hook(_function(self.updater.gradient_final))
-                for u in self.plan.units
-                for p in u.params
+                for p in self._params.values()
                 if p.requires_grad
             ]
         self.updater.arm(optimizer)
@@ -406,15 +406,13 @@ class StreamingEngine:
         wanted = self.config.host_mirror
         if wanted is None:
             wanted = self.device.type != "cpu"
-        blocked = (
-            "a disk store"
-            if self.store is not None
-            else "a sharded store"
-            if self.shards is not None
-            else "cbfloat16"
-            if self.config.compute_dtype == "cbfloat16"
-            else None
-        )
+        blocked = None  # what makes the fetches read the masters themselves
+        if self.store is not None:
+            blocked = "a disk store"
+        elif self.shards is not None:
+            blocked = "a sharded store"
+        elif self.config.compute_dtype == "cbfloat16":
+            blocked = "cbfloat16"
         if blocked and self.config.host_mirror:
             warnings.warn(
                 f"weightstream: host_mirror is ignored with {blocked}, whose fetches read "

@@ -188,9 +188,10 @@ class Streamer:
         self._before_fetch = before_fetch
         self._postprocess = postprocess  # applied to each flat buffer after the copy
         # Fetches copy each unit's compute-dtype mirror, written once per forward
-        # pass (Note [host mirror] in mirror.py); only where the masters are read
-        # directly and nothing is applied to the copy.
-        self._mirror = mirror and store is None and shards is None and postprocess is None
+        # pass (Note [host mirror] in mirror.py); the engine asks for it only where
+        # the masters are read directly and nothing is applied to the copy.
+        assert not mirror or (store is None and shards is None and postprocess is None)
+        self._mirror = mirror
         self._mirrors: dict[int, dict[torch.dtype, HostMirror]] = {}  # unit index -> groups
         self._generation = 0  # the forward pass in progress (mirrors written in it are fresh)
         self.ops = ops
