@@ -383,6 +383,8 @@ class StreamingEngine:
             plan = build_plan(self.module, self.config, trace)
         check_budget(plan, self.config, self.device)
         self.plan = plan
+        # As many idle copy buffers as copies may be in flight (Note [CPU copy buffers]).
+        self.ops.keep(self.config.prefetch_depth + 1, plan.largest_unit_bytes)
         if self.updater is not None:
             self.updater.set_units([u.params for u in plan.units])
         recompute = self._recomputed_units(plan, trace)

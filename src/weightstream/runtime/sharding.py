@@ -235,7 +235,7 @@ class ShardedStore:
             if owner == self.rank:
                 piece = ops.copy_flat(run, dtype, n)
             else:
-                piece = torch.empty(n, dtype=dtype, device=ops.device)
+                piece = ops.empty(n, dtype)
             dist.broadcast(piece, src=owner, group=self.weight_group)  # host sync point
             pieces.append(piece)
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
