@@ -13,7 +13,11 @@ store's I/O threads, O_DIRECT where allowed, best of 3):
 
 * hybrid: the bytes the placement reads and writes per step (what is not in
   RAM), ``reads / read bandwidth + writes / write bandwidth``;
-* all on disk: every byte of the state read once and written once a step.
+* all on disk: every byte of the state read once and written once a step;
+
+and against the step's compute alone (eager PyTorch on two blocks of the same
+shape in RAM, scaled to the model), the other physical limit: on a machine
+with few cores the larger of the two bounds the step.
 
 Then the run saves a checkpoint and a new process resumes from it (the seed's
 ``cstorch.load`` + ``load_state_dict`` into a model built on the meta device):
@@ -27,6 +31,7 @@ bytes a parameter).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import math
 import os
@@ -90,6 +95,24 @@ def disk_bandwidths(directory: Path, nbytes: int = 2 * 2**30, repeats: int = 3):
         io.close()
         path.unlink(missing_ok=True)
     return best_r, best_w
+
+
+def compute_seconds(cfg: GPTConfig, size: int, blocks: int = 2, steps: int = 5) -> float:
+    """The step's compute alone: eager PyTorch (forward, backward, fused AdamW) on
+    ``blocks`` blocks of the same shape, all in RAM, median step scaled to the model's
+    blocks. The other physical limit beside the disk's."""
+    torch.manual_seed(0)
+    small = GPT(dataclasses.replace(cfg, n_layer=blocks))
+    opt = torch.optim.AdamW(small.parameters(), lr=1e-5, fused=True)
+    x, y = batch(cfg, size)
+    times = []
+    for _ in range(steps + 1):  # the first allocates the gradients and the state
+        t = time.perf_counter()
+        lm_loss(small(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t)
+    return summary(times[1:])["median"] * cfg.n_layer / blocks
 
 
 def config_for(target_params: int, d_model: int, seq_len: int) -> GPTConfig:
@@ -196,12 +219,16 @@ def main() -> None:
         help="start each unit's update in the backward (update_in_backward)",
     )
     ap.add_argument("--resume", help=argparse.SUPPRESS)  # the resuming process's checkpoint
+    ap.add_argument("--compute-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     ram = total_memory()
     cfg = config_for(int(args.ram_factor * ram / STATE_BYTES_PER_PARAM), args.d_model, args.seq_len)
     if args.resume:
         resume(args, cfg)
+        return
+    if args.compute_only:
+        print_result("compute", compute_seconds=compute_seconds(cfg, args.batch))
         return
     store_dir = Path(args.store_dir)
     store_dir.mkdir(parents=True, exist_ok=True)
@@ -217,6 +244,14 @@ def main() -> None:
     )
     read_bw, write_bw = disk_bandwidths(store_dir)
     all_on_disk = state / read_bw + state / write_bw
+    # In a process of its own: the memory it frees must not shrink the RAM tier.
+    out = subprocess.run(
+        [sys.executable, __file__, *sys.argv[1:], "--compute-only"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    compute = parse_result(out.stdout)["compute_seconds"]
 
     before_store = current_rss_bytes()  # the interpreter, torch, nothing of the model
     t0 = time.perf_counter()
@@ -252,6 +287,7 @@ def main() -> None:
         times = times[1:]  # the first forward waited for no update
     placed = store.placement()
     hybrid = placed.disk_reads_per_step / read_bw + placed.disk_writes_per_step / write_bw
+    limit = max(hybrid, compute)
     engine = runner.engine
     budget = placed.ram_capacity + disk_working_set(engine.plan, engine.config, engine.device)
     s = summary(times)
@@ -260,6 +296,8 @@ def main() -> None:
         f"write {write_bw / 1e9:.2f} GB/s; {placed.describe()}\n"
         f"  hybrid roofline {hybrid:.1f} s: {fmt({k: v / hybrid for k, v in s.items()}, 2)}x; "
         f"all-on-disk roofline {all_on_disk:.1f} s: {s['median'] / all_on_disk:.2f}x\n"
+        f"  compute alone (eager, in RAM) {compute:.1f} s; the larger limit {limit:.1f} s: "
+        f"{fmt({k: v / limit for k, v in s.items()}, 2)}x\n"
         f"  peak RSS {peak / 2**30:.2f} GiB against a budget of {budget / 2**30:.2f} GiB "
         f"({peak / ram:.1%} of RAM, {(peak - baseline) / 2**30:.2f} GiB above the RSS before "
         f"the first step, {(peak - before_store) / 2**30:.2f} GiB above the RSS before the "
@@ -307,6 +345,7 @@ def main() -> None:
         ram_bytes=ram,
         state_over_ram=state / ram,
         overlap_updates=args.overlap_updates,
+        update_in_backward=args.update_in_backward,
         budget=budget,
         placement={"ram": placed.ram, "disk": placed.disk},
         disk_read_bytes_per_step=placed.disk_reads_per_step,
@@ -318,6 +357,8 @@ def main() -> None:
         over_hybrid={k: v / hybrid for k, v in s.items()},
         limit_seconds=all_on_disk,
         over_limit=s["median"] / all_on_disk,
+        compute_seconds=compute,
+        over_max_limit={k: v / limit for k, v in s.items()},
         peak_rss=peak,
         losses=losses,
         resume=resumed,

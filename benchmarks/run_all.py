@@ -111,6 +111,7 @@ def rows_disk_store(r: dict) -> list[tuple[str, str, str, str]]:
 
 def rows_larger_than_ram(r: dict) -> list[tuple[str, str, str, str]]:
     overlap = ", overlapped updates" if r.get("overlap_updates") else ""
+    overlap += ", updates in the backward" if r.get("update_in_backward") else ""
     name = (
         f"larger than RAM ({r['state_over_ram']:.2f}x RAM, {r['params'] / 1e9:.2f}B params"
         f"{overlap})"
@@ -123,6 +124,13 @@ def rows_larger_than_ram(r: dict) -> list[tuple[str, str, str, str]]:
             f"roofline {r['hybrid_limit_seconds']:.1f} s: the placement's disk reads and "
             f"writes at the disk's bandwidth; peak RSS {r['peak_rss'] / 2**30:.1f} GiB, "
             f"budget {r['budget'] / 2**30:.1f} GiB",
+        ),
+        (
+            f"{name}: step / the larger of disk and compute",
+            f"{r['over_max_limit']['median']:.2f}",
+            _mmm(r["over_max_limit"]),
+            f"compute alone {r['compute_seconds']:.1f} s (eager PyTorch on two blocks in "
+            "RAM, scaled)",
         ),
         (
             f"{name}: step / all-on-disk roofline",
@@ -184,6 +192,7 @@ def main() -> None:
         for factor, extra in (
             ("1.35", []),
             ("1.35", ["--no-resume", "--overlap-updates", "--steps", "4"]),
+            ("1.35", ["--no-resume", "--overlap-updates", "--update-in-backward", "--steps", "4"]),
             ("2.0", ["--no-resume"]),
         ):
             plan.append(

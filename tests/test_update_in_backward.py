@@ -237,8 +237,87 @@ def test_with_the_disk_store(tmp_path):
     model, runner, _, losses = _streamed(
         make, kind, ours, 4, store="disk", store_dir=tmp_path, host_memory_budget=200_000
     )
-    placement = runner.engine.store.placement()
-    assert placement.disk["master"] and placement.disk["state"] and placement.disk["grad"]
+    store = runner.engine.store
+    placement = store.placement()
+    assert placement.disk["master"] and placement.disk["state"]
+    # The gradients went from the backward to the update in memory: no file, no
+    # room in the RAM tier, none predicted (Note [updates in backward]).
+    assert not placement.disk.get("grad") and not placement.ram.get("grad")
+    assert "grad" not in store.places.predicted.disk and "grad" not in store.places.predicted.ram
     assert torch.equal(losses, ref_losses)
     _same_state(model, ref)
+    runner.engine.close()
+
+
+def test_disk_store_accumulated_gradients_come_from_the_files(tmp_path):
+    """A micro-batch before the last is not armed: its gradients go to the files, and
+    the armed last backward adds to them there; the bits stay eager PyTorch's."""
+    make, kind = MODELS["gpt"]
+    ours, theirs = OPTIMIZERS["adamw"]
+    torch.manual_seed(0)
+    ref = make()
+    ref_opt = theirs(ref.parameters())
+    torch.manual_seed(0)
+    model = make()
+    runner = cstorch.compile(
+        model,
+        backend="ws",
+        granularity="module",
+        update_in_backward=True,
+        store="disk",
+        store_dir=tmp_path,
+        host_memory_budget=200_000,
+    )
+    opt = ours(model.parameters())
+    for step in range(3):
+        (x0, y0), (x1, y1) = _batch(kind, 2 * step), _batch(kind, 2 * step + 1)
+        (_loss(ref(x0), y0) / 2).backward()
+        (_loss(ref(x1), y1) / 2).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        (_loss(runner(x0), y0) / 2).backward()
+        cstorch.amp.optimizer_step(_loss(runner(x1), y1) / 2, opt, None)
+    assert runner.engine.store.placement().disk["grad"]
+    _same_state(model, ref)
+    runner.engine.close()
+
+
+def test_disk_store_gradients_in_memory_are_bounded_to_two_units(tmp_path):
+    """Gradients that skip the files are memory until their update is done: while a
+    slow update runs, the backward waits, so at most two units' gradients (the one
+    being updated, the one handed over) are alive at any hook."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(8)))
+    runner = cstorch.compile(
+        model,
+        backend="ws",
+        granularity="module",
+        update_in_backward=True,
+        store="disk",
+        store_dir=tmp_path,
+        host_memory_budget=400_000,
+    )
+
+    class SlowSGD(cstorch.optim.SGD):
+        def _update(self, groups):
+            threading.Event().wait(0.02)  # a host update slower than the backward
+            super()._update(groups)
+
+    opt = SlowSGD(model.parameters(), lr=0.1)
+    alive: list = []  # weak references to every gradient autograd made
+    most = []
+
+    def seen(p):
+        import weakref
+
+        alive.append((weakref.ref(p.grad), p.grad.numel() * 4))
+        most.append(sum(n for ref, n in alive if ref() is not None))
+
+    for p in model.parameters():  # runs after the store's hook, before the update's
+        p.register_post_accumulate_grad_hook(seen)
+    unit = 64 * 64 * 4 + 64 * 4
+    for _ in range(2):
+        cstorch.amp.optimizer_step(runner(torch.randn(4, 64)).sum(), opt, None)
+    assert not runner.engine.store.placement().disk.get("grad")
+    assert max(most) <= 2 * unit
     runner.engine.close()

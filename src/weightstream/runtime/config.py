@@ -88,7 +88,9 @@ class StreamingConfig:
         "nothing global comes between (amp.optimizer_step or the run command, without "
         "gradient clipping or loss scaling, on one rank); otherwise the step runs as "
         "without it (Note [updates in backward] in runtime/updater.py). Exact. p.grad is "
-        "None right after the backward's units handed their gradients over.",
+        "None right after the backward's units handed their gradients over. With a disk "
+        "store the gradients then go to the update in memory, never to the files: about "
+        "half the disk traffic of a step.",
     )
     activation_checkpointing: bool = setting(
         False,

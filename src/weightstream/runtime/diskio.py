@@ -18,7 +18,8 @@ pages are written out and dropped after each transfer):
 * gradients: the store copies autograd's gradient into a pool buffer and a
   writer thread writes it behind the backward; the backward waits for those
   writes once, when it ends, so that ``p.grad`` read through the mapping
-  (clipping, the scaler's check) sees the data;
+  (clipping, the scaler's check) sees the data (under update_in_backward they
+  skip the files: Note [updates in backward] in runtime/updater.py);
 * the update: a parameter's master, gradient and optimizer state, where they
   are in files, are read into buffers ahead of its turn (the next parameter's
   while this one is updated), the optimizer runs on the buffers, and the

@@ -63,9 +63,12 @@ def disk_working_set(plan: Plan, config: StreamingConfig, device: torch.device) 
     """The most host memory the disk store's files are resident in at once: (prefetch_depth
     + 1) units in flight plus one unit's update (Note [disk tier]). On the CPU the units'
     device copies (as many again) and one unit's gradients on their way to the store are
-    host memory too, and count."""
-    on_cpu = config.prefetch_depth + 1 + 1 if device.type == "cpu" else 0
-    return disk_io_set(plan, config) + on_cpu * plan.largest_unit_bytes
+    host memory too, and count. Under update_in_backward two units' gradients are held
+    in memory for their updates, on any device (Note [updates in backward])."""
+    cpu = device.type == "cpu"
+    copies = config.prefetch_depth + 1 if cpu else 0
+    grads = 2 if config.update_in_backward else int(cpu)
+    return disk_io_set(plan, config) + (copies + grads) * plan.largest_unit_bytes
 
 
 def disk_io_set(plan: Plan, config: StreamingConfig) -> int:
@@ -82,7 +85,9 @@ def _check_host_budget(plan: Plan, config: StreamingConfig, device: torch.device
     largest = plan.largest_unit_bytes
     need = disk_working_set(plan, config, device)
     if need > budget:
-        copies = " and as many device copies + a unit's gradients" if device.type == "cpu" else ""
+        copies = " and as many device copies" if device.type == "cpu" else ""
+        held = 2 if config.update_in_backward else int(device.type == "cpu")
+        copies += f" + {held} units' gradients" if held else ""
         raise ValueError(
             f"the disk store needs up to {need:,} bytes of host memory "
             f"((prefetch_depth {config.prefetch_depth} + 1) units in flight{copies} + one "
@@ -152,7 +157,14 @@ class StreamingEngine:
             ram_tier = budget - working_set  # Note [hybrid placement]
             # The buffers of explicit I/O are its disk part (Note [explicit disk I/O]).
             io = disk_io_set(self.plan, config)
-            self.store = DiskStore(config.store_dir, ram_capacity=ram_tier, io_capacity=io)
+            # Gradients go to the update in memory where it runs in the backward.
+            data_parallel = config.data_parallel and swarm.world_size() > 1
+            self.store = DiskStore(
+                config.store_dir,
+                ram_capacity=ram_tier,
+                io_capacity=io,
+                grads_to_update=config.update_in_backward and not data_parallel,
+            )
             # May replace meta parameters by stored ones (Note [disk tier]) ...
             self._awaiting.update(self.store.take_module(module, config.init_weights))
             self.plan = build_plan(module, config)  # ... so the plan names the new ones
@@ -175,6 +187,8 @@ class StreamingEngine:
                 background=config.overlap_updates,
                 store=self.store,
             )
+            if self.store is not None and config.update_in_backward:
+                self.store.hands_over = self.updater.takes
         # Reading or loading the whole model must see the step fully applied, and
         # on a sharded store every rank's shard (Note [sharded store]).
         self._state_hooks = [

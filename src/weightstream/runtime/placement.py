@@ -16,6 +16,9 @@ step, and the rest in its files:
 * a gradient on disk is written by the backward and read by the update: 2;
 * an optimizer state tensor (a moment) is read and written by the update: 2.
 
+(Under update_in_backward gradients go from the backward to the update in
+memory and get no place at all: Note [updates in backward].)
+
 Masters come first, then optimizer state and gradients. The store allocates
 in that order anyway (masters when the engine takes the model, the state when
 the optimizer is built, gradients at the first backward), so it places each
@@ -143,17 +146,25 @@ class PlacementPlan:
     placement independent of the order in which the tensors are created later
     (the optimizer's state at its construction, gradients in backward order).
     ``predicted`` is the placement for an optimizer with that many state
-    tensors (AdamW: 2); ``actual`` counts what the store created. Thread-safe.
+    tensors (AdamW: 2); ``actual`` counts what the store created. Without
+    ``grads`` the gradients are predicted to pass from the backward to the update
+    in memory (update_in_backward), never stored; one that is stored all the same
+    (a step not armed) goes to the files. Thread-safe.
     """
 
     def __init__(
-        self, master_bytes: dict[Hashable, int], capacity: int, states_per_master: int = 2
+        self,
+        master_bytes: dict[Hashable, int],
+        capacity: int,
+        states_per_master: int = 2,
+        grads: bool = True,
     ) -> None:
         self.capacity = max(0, int(capacity))
         self.actual = Placement(self.capacity)
         self._lock = threading.Lock()
         self._sizes = dict(master_bytes)  # key (the store: a parameter's name) -> bytes
         self._states = states_per_master
+        self._grads_placed = grads  # False: gradients go to the update in memory
         self._master: dict[Hashable, bool] = {}
         self._taken: set[tuple[str, Hashable]] = set()  # masters and gradients created
         self._plan()
@@ -177,7 +188,7 @@ class PlacementPlan:
         for key, n in self._sizes.items():
             self._state_left[key] = sum(n for _ in range(self._states) if take("state", n))
         for key, n in self._sizes.items():
-            self._grad[key] = take("grad", n)
+            self._grad[key] = take("grad", n) if self._grads_placed else False
 
     def keep_only(self, keys: set) -> None:
         """Only the masters ``keys`` stay (a sharded store: other ranks own the rest).

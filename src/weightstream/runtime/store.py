@@ -52,7 +52,7 @@ import shutil
 import sys
 import tempfile
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -105,6 +105,7 @@ class DiskStore:
         directory: str | os.PathLike | None = None,
         ram_capacity: int = 0,
         io_capacity: int = 256 * 2**20,
+        grads_to_update: bool = False,
     ):
         if directory is None:
             directory = tempfile.mkdtemp(prefix="weightstream-store-")
@@ -142,6 +143,13 @@ class DiskStore:
         # ends; off under data parallel, whose reduction rewrites p.grad after the hook.
         self.explicit_grads = True
         self._grad_writes: list[Transfer] = []
+        # Set by the engine under update_in_backward: whether a parameter's gradient of
+        # this backward is taken by its update as soon as it is final (Note [updates in
+        # backward] in runtime/updater.py). Such a gradient stays in memory: writing it
+        # to its file only for the update to read it back would be half the disk traffic
+        # of a step.
+        self.hands_over: Callable[[torch.Tensor], bool] | None = None
+        self.grads_to_update = grads_to_update  # expected so: the placement keeps no room
         _raise_open_file_limit()
         _return_large_frees_to_the_os()
 
@@ -392,6 +400,7 @@ class DiskStore:
             self.places = PlacementPlan(
                 {name: p.numel() * p.element_size() for name, p in named.items()},
                 self.ram_capacity,
+                grads=not self.grads_to_update,
             )
         for p in module.parameters():
             if not p.is_meta and not self.holds(p.data):
@@ -443,6 +452,8 @@ class DiskStore:
         if grad is None or grad.layout != torch.strided or grad.device.type != "cpu":
             return
         if not self.holds(grad):
+            if self.hands_over is not None and self.hands_over(p):
+                return  # autograd's gradient goes straight to the update, never to a file
             mine = self._grads.get(id(p))
             if mine is None or mine.shape != grad.shape or mine.dtype != grad.dtype:
                 mine = self.zeros(grad.shape, grad.dtype, "grad", owner=p)

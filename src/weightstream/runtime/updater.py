@@ -60,6 +60,18 @@ updated once, by the same kernels on the same values as in the step after the
 backward: the bits are the same. What changes is that the update has begun
 before ``step()``: a backward that raises after a share started leaves those
 units stepped, and the engine says so (a partial step is never silent).
+
+With a disk store an armed gradient never goes to its file: the store's hook
+leaves autograd's tensor where it is (``UnitUpdater.takes``) and the share
+reads it from memory, so a step moves only the optimizer state (and masters)
+that live in files, not the gradients twice (written by the backward, read
+back by the update: half of the traffic of a model at 1.4x RAM). Such
+gradients are memory until their share is done, so the hook that hands a
+unit's gradients over first waits for the previous such share: at most two
+units' gradients are held (``engine.disk_working_set`` counts them), and a
+host update slower than the backward holds the backward back instead of
+piling gradients up. Gradients of an earlier micro-batch (not armed) are in
+the files already; the armed backward adds to them there, as before.
 """
 
 from __future__ import annotations
@@ -165,7 +177,7 @@ class UnitUpdater:
         rest = [p for g in snapshot for p in g["params"] if id(p) in grads and id(p) not in claimed]
         return [*shares, rest]
 
-    def _submit(self, index: int, fn, *args) -> None:
+    def _submit(self, index: int, fn, *args) -> concurrent.futures.Future:
         """Run ``fn(*args)`` on the worker as part of unit ``index``'s share (lock held)."""
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -174,6 +186,7 @@ class UnitUpdater:
         future = self._executor.submit(fn, *args)
         self._unit_futures[index].append(future)
         self._all.append(future)
+        return future
 
     # ---- updates in the backward (Note [updates in backward]) -------------------------
 
@@ -193,6 +206,13 @@ class UnitUpdater:
             self._all = []
             self._early = _Early(optimizer, snapshot, owner, shares)
 
+    def takes(self, p: torch.Tensor) -> bool:
+        """Whether ``p``'s gradient of this backward goes to its update when final (an
+        armed step whose share of ``p`` has not started): the disk store then leaves it
+        where autograd put it (Note [updates in backward])."""
+        early = self._early
+        return early is not None and id(p) in early.owner and not early.started[early.owner[id(p)]]
+
     def gradient_final(self, p: torch.Tensor) -> None:
         """``p``'s gradient of this backward is accumulated: take it, and submit its
         unit's share once every parameter of the share that has a gradient handed its
@@ -211,10 +231,21 @@ class UnitUpdater:
                 return
             early.started[index] = True
             share = [q for q in early.shares[index] if id(q) in early.grads]
-            pager = None
-            if self._store is not None:
-                pager = _Pager(self._store, early.optimizer, share, early.grads)
-            self._submit(index, _apply, early.optimizer, early.snapshot, share, early.grads, pager)
+        pager = None
+        in_memory = False
+        if self._store is not None:
+            pager = _Pager(self._store, early.optimizer, share, early.grads)
+            in_memory = any(not self._store.holds(early.grads[id(q)]) for q in share)
+        if in_memory and early.held is not None:
+            # Host sync point: a disk store's gradients that skipped the files are
+            # memory, so one share's at a time waits for its update (the bound).
+            early.held.result()
+        with self._lock:
+            future = self._submit(
+                index, _apply, early.optimizer, early.snapshot, share, early.grads, pager
+            )
+        if in_memory:
+            early.held = future
 
     def disarm(self) -> bool:
         """Drop an armed step whose backward failed; True if some of its shares had
@@ -266,6 +297,7 @@ class _Early:
         self.waiting = [{id(p) for p in share} for share in shares]  # gradients not handed over
         self.started = [False] * len(shares)
         self.grads: dict[int, torch.Tensor] = {}  # handed over, by id(p)
+        self.held: concurrent.futures.Future | None = None  # the last share on in-memory grads
 
 
 def _apply(optimizer, snapshot, share, grads, pager: _Pager | None = None) -> None:
@@ -296,6 +328,8 @@ def _apply(optimizer, snapshot, share, grads, pager: _Pager | None = None) -> No
             # Mapped files without a descriptor: pages back; consumed gradients dropped.
             pager.store.release([*in_place, *_state_tensors(optimizer, in_place)])
             pager.store.discard(grads[id(p)] for p in share)
+        for p in share:
+            grads[id(p)] = None  # consumed: a gradient in memory is freed now (the bound)
 
 
 def _update(optimizer, snapshot, params, grads, replaced=None) -> None:
