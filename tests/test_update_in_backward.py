@@ -249,6 +249,18 @@ def test_with_the_disk_store(tmp_path):
     runner.engine.close()
 
 
+def _on_disk(model, store_dir, budget: int):
+    return cstorch.compile(
+        model,
+        backend="ws",
+        granularity="module",
+        update_in_backward=True,
+        store="disk",
+        store_dir=store_dir,
+        host_memory_budget=budget,
+    )
+
+
 def test_disk_store_accumulated_gradients_come_from_the_files(tmp_path):
     """A micro-batch before the last is not armed: its gradients go to the files, and
     the armed last backward adds to them there; the bits stay eager PyTorch's."""
@@ -259,15 +271,7 @@ def test_disk_store_accumulated_gradients_come_from_the_files(tmp_path):
     ref_opt = theirs(ref.parameters())
     torch.manual_seed(0)
     model = make()
-    runner = cstorch.compile(
-        model,
-        backend="ws",
-        granularity="module",
-        update_in_backward=True,
-        store="disk",
-        store_dir=tmp_path,
-        host_memory_budget=200_000,
-    )
+    runner = _on_disk(model, tmp_path, 200_000)
     opt = ours(model.parameters())
     for step in range(3):
         (x0, y0), (x1, y1) = _batch(kind, 2 * step), _batch(kind, 2 * step + 1)
@@ -288,15 +292,7 @@ def test_disk_store_gradients_in_memory_are_bounded_to_two_units(tmp_path):
     being updated, the one handed over) are alive at any hook."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(8)))
-    runner = cstorch.compile(
-        model,
-        backend="ws",
-        granularity="module",
-        update_in_backward=True,
-        store="disk",
-        store_dir=tmp_path,
-        host_memory_budget=400_000,
-    )
+    runner = _on_disk(model, tmp_path, 400_000)
 
     class SlowSGD(cstorch.optim.SGD):
         def _update(self, groups):
