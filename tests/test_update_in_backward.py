@@ -235,7 +235,7 @@ def test_with_the_disk_store(tmp_path):
     ours, theirs = OPTIMIZERS["adamw"]
     ref, ref_losses = _eager(make, kind, theirs, 4)
     model, runner, _, losses = _streamed(
-        make, kind, ours, 4, store="disk", store_dir=tmp_path, host_memory_budget=200_000
+        make, kind, ours, 4, store="disk", store_dir=tmp_path, host_memory_budget=300_000
     )
     store = runner.engine.store
     placement = store.placement()
@@ -271,7 +271,7 @@ def test_disk_store_accumulated_gradients_come_from_the_files(tmp_path):
     ref_opt = theirs(ref.parameters())
     torch.manual_seed(0)
     model = make()
-    runner = _on_disk(model, tmp_path, 200_000)
+    runner = _on_disk(model, tmp_path, 300_000)
     opt = ours(model.parameters())
     for step in range(3):
         (x0, y0), (x1, y1) = _batch(kind, 2 * step), _batch(kind, 2 * step + 1)

@@ -73,8 +73,12 @@ def disk_working_set(plan: Plan, config: StreamingConfig, device: torch.device) 
 
 def disk_io_set(plan: Plan, config: StreamingConfig) -> int:
     """The disk store's own part of it, its explicit I/O buffers (Note [explicit disk
-    I/O]): (prefetch_depth + 1) units in flight plus one unit's update."""
-    return (config.prefetch_depth + 1 + UPDATE_BYTES_PER_WEIGHT_BYTE) * plan.largest_unit_bytes
+    I/O]): (prefetch_depth + 1) units in flight plus one unit's update, two under
+    update_in_backward (the next share reads ahead: Note [updates in backward])."""
+    updates = 2 if config.update_in_backward else 1
+    return (
+        config.prefetch_depth + 1 + updates * UPDATE_BYTES_PER_WEIGHT_BYTE
+    ) * plan.largest_unit_bytes
 
 
 def _check_host_budget(plan: Plan, config: StreamingConfig, device: torch.device) -> None:
@@ -88,10 +92,11 @@ def _check_host_budget(plan: Plan, config: StreamingConfig, device: torch.device
         copies = " and as many device copies" if device.type == "cpu" else ""
         held = 2 if config.update_in_backward else int(device.type == "cpu")
         copies += f" + {held} units' gradients" if held else ""
+        updates = "two units' updates" if config.update_in_backward else "one unit's update"
         raise ValueError(
             f"the disk store needs up to {need:,} bytes of host memory "
-            f"((prefetch_depth {config.prefetch_depth} + 1) units in flight{copies} + one "
-            f"unit's update at {UPDATE_BYTES_PER_WEIGHT_BYTE}x its weights, largest unit "
+            f"((prefetch_depth {config.prefetch_depth} + 1) units in flight{copies} + "
+            f"{updates} at {UPDATE_BYTES_PER_WEIGHT_BYTE}x its weights, largest unit "
             f"{largest:,} bytes), more than host_memory_budget {budget:,} bytes "
             f"({format_bytes(budget)}). Use smaller units (unit_size_target), lower "
             "prefetch_depth, or raise host_memory_budget."

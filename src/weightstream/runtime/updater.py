@@ -70,8 +70,13 @@ gradients are memory until their share is done, so the hook that hands a
 unit's gradients over first waits for the previous such share: at most two
 units' gradients are held (``engine.disk_working_set`` counts them), and a
 host update slower than the backward holds the backward back instead of
-piling gradients up. Gradients of an earlier micro-batch (not armed) are in
-the files already; the armed backward adds to them there, as before.
+piling gradients up. While it waits, the share it hands over starts reading
+its first parameter's master and state from the files (``_Pager.start_early``),
+so the disk does not sit idle between two shares; the disk store's I/O pool
+has room for that set beside the running share's (``engine.disk_io_set``), so
+the running share never waits for buffers that only the waiting one could give
+back. Gradients of an earlier micro-batch (not armed) are in the files
+already; the armed backward adds to them there, as before.
 """
 
 from __future__ import annotations
@@ -237,6 +242,7 @@ class UnitUpdater:
             pager = _Pager(self._store, early.optimizer, share, early.grads)
             in_memory = any(not self._store.holds(early.grads[id(q)]) for q in share)
         if in_memory and early.held is not None:
+            pager.start_early()  # its first reads overlap the share still running
             # Host sync point: a disk store's gradients that skipped the files are
             # memory, so one share's at a time waits for its update (the bound).
             early.held.result()
@@ -377,6 +383,14 @@ class _Pager:
         self._started[id(p)] = paged
         self._next += 1
         return True
+
+    def start_early(self) -> None:
+        """Start reading the first parameter's tensors now, before this pager's share
+        runs, where the pool has room (Note [updates in backward]: one share at a
+        time does this, one parameter's set, which the pool has room for beside the
+        running share's)."""
+        if self._next < len(self._order):
+            self._start(wait=False)
 
     def update(self, p, run) -> None:
         """Run ``p``'s update (``run(gradients by id)``) with its file-placed tensors
