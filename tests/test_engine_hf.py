@@ -4,6 +4,8 @@ weights equal to eager PyTorch."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -68,3 +70,18 @@ def test_hf_causal_lm_trains_like_eager(make, granularity):
     assert runner.plan.traced
     assert len(runner.plan.units) > 4  # really streamed layer by layer
     assert runner.engine.streamer.resident_bytes() == 0
+
+
+def test_a_llama_without_its_cache_is_traced():
+    """Training runs a transformers Llama with ``use_cache=False``; its mask helper then
+    checks the position ids for packed sequences, a data-dependent branch that it skips
+    only while tracing (FakeTensors): the dry run must count as one, or the plan falls
+    back to the module structure."""
+    model = _llama()
+    model.config.use_cache = False
+    runner = cstorch.compile(model, backend="ws", granularity="module")
+    x = torch.randint(0, 300, (2, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "could not trace the model" would be one
+        runner(input_ids=x, labels=x).loss.backward()
+    assert runner.plan.traced and runner.plan.trace_error is None

@@ -8,6 +8,12 @@ shape. Module hooks on the shadow record the call tree; a TorchFunctionMode sees
 every torch call and records which parameters it received while which modules
 were running. The RNG state is restored afterwards, so tracing changes no random
 number a later real step draws.
+
+The forward runs under a FakeTensorMode (the meta tensors become FakeTensors as
+they enter an operator): libraries that skip data-dependent checks while being
+traced recognise FakeTensors, not plain meta tensors. transformers' mask helper,
+for one, asks ``(mask == 0).all()`` of the position ids of a model run without
+its cache (training) unless it is traced, which a meta tensor cannot answer.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import copy
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
@@ -93,7 +100,11 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict) -> Trace:
     meta_args, meta_kwargs = pytree.tree_map(_to_meta, (args, kwargs))
     devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
     try:
-        with torch.random.fork_rng(devices=devices), _UseRecorder(shadow_params, stack, trace.uses):
+        with (
+            torch.random.fork_rng(devices=devices),
+            FakeTensorMode(allow_non_fake_inputs=True),
+            _UseRecorder(shadow_params, stack, trace.uses),
+        ):
             shadow(*meta_args, **meta_kwargs)
     finally:
         for h in handles:
