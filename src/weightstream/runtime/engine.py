@@ -59,15 +59,27 @@ def check_budget(plan: Plan, config: StreamingConfig, device: torch.device) -> N
 UPDATE_BYTES_PER_WEIGHT_BYTE = 4
 
 
+def _held_in_host_memory(config: StreamingConfig, device: torch.device) -> tuple[int, int]:
+    """Units of host memory the disk store's working set counts beside its I/O buffers:
+    device copies (the CPU's are host memory) and gradients held (one on its way to the
+    store on the CPU; two for their updates under update_in_backward, any device)."""
+    cpu = device.type == "cpu"
+    return config.prefetch_depth + 1 if cpu else 0, 2 if config.update_in_backward else int(cpu)
+
+
+def _updates_buffered(config: StreamingConfig) -> int:
+    """Units' updates the I/O buffers hold: two when the next share reads ahead (Note
+    [updates in backward])."""
+    return 2 if config.update_in_backward else 1
+
+
 def disk_working_set(plan: Plan, config: StreamingConfig, device: torch.device) -> int:
     """The most host memory the disk store's files are resident in at once: (prefetch_depth
     + 1) units in flight plus one unit's update (Note [disk tier]). On the CPU the units'
     device copies (as many again) and one unit's gradients on their way to the store are
     host memory too, and count. Under update_in_backward two units' gradients are held
     in memory for their updates, on any device (Note [updates in backward])."""
-    cpu = device.type == "cpu"
-    copies = config.prefetch_depth + 1 if cpu else 0
-    grads = 2 if config.update_in_backward else int(cpu)
+    copies, grads = _held_in_host_memory(config, device)
     return disk_io_set(plan, config) + (copies + grads) * plan.largest_unit_bytes
 
 
@@ -75,7 +87,7 @@ def disk_io_set(plan: Plan, config: StreamingConfig) -> int:
     """The disk store's own part of it, its explicit I/O buffers (Note [explicit disk
     I/O]): (prefetch_depth + 1) units in flight plus one unit's update, two under
     update_in_backward (the next share reads ahead: Note [updates in backward])."""
-    updates = 2 if config.update_in_backward else 1
+    updates = _updates_buffered(config)
     return (
         config.prefetch_depth + 1 + updates * UPDATE_BYTES_PER_WEIGHT_BYTE
     ) * plan.largest_unit_bytes
@@ -89,14 +101,15 @@ def _check_host_budget(plan: Plan, config: StreamingConfig, device: torch.device
     largest = plan.largest_unit_bytes
     need = disk_working_set(plan, config, device)
     if need > budget:
-        copies = " and as many device copies" if device.type == "cpu" else ""
-        held = 2 if config.update_in_backward else int(device.type == "cpu")
-        copies += f" + {held} units' gradients" if held else ""
-        updates = "two units' updates" if config.update_in_backward else "one unit's update"
+        copies, held = _held_in_host_memory(config, device)
+        terms = " and as many device copies" if copies else ""
+        terms += f" + gradients of {held} unit(s)" if held else ""
+        updates = _updates_buffered(config)
+        terms += f" + {updates} units' updates" if updates > 1 else " + one unit's update"
         raise ValueError(
             f"the disk store needs up to {need:,} bytes of host memory "
-            f"((prefetch_depth {config.prefetch_depth} + 1) units in flight{copies} + "
-            f"{updates} at {UPDATE_BYTES_PER_WEIGHT_BYTE}x its weights, largest unit "
+            f"((prefetch_depth {config.prefetch_depth} + 1) units in flight{terms} "
+            f"at {UPDATE_BYTES_PER_WEIGHT_BYTE}x its weights, largest unit "
             f"{largest:,} bytes), more than host_memory_budget {budget:,} bytes "
             f"({format_bytes(budget)}). Use smaller units (unit_size_target), lower "
             "prefetch_depth, or raise host_memory_budget."
