@@ -177,7 +177,8 @@ class OtherLoad:
     0.5 on 2 CPUs: another process kept one CPU busy). None where
     ``/proc/stat`` is missing. A measurement taken with other processes busy
     is pessimistic: on a CPU, PyTorch's thread pool waits for a descheduled
-    worker at every parallel operator.
+    worker at every parallel operator. A child process waited on inside the
+    block counts as this process.
     """
 
     fraction: float | None = None
@@ -195,7 +196,7 @@ class OtherLoad:
 
     def __enter__(self) -> OtherLoad:
         self._busy = self._busy_seconds()
-        self._own = sum(os.times()[:2])
+        self._own = sum(os.times()[:4])
         self._wall = time.perf_counter()
         return self
 
@@ -203,7 +204,7 @@ class OtherLoad:
         busy = self._busy_seconds()
         wall = time.perf_counter() - self._wall
         if busy is not None and self._busy is not None and wall > 0:
-            other = (busy - self._busy) - (sum(os.times()[:2]) - self._own)
+            other = (busy - self._busy) - (sum(os.times()[:4]) - self._own)
             self.fraction = min(1.0, max(0.0, other / (wall * (os.cpu_count() or 1))))
         return False
 
