@@ -85,3 +85,49 @@ def test_a_llama_without_its_cache_is_traced():
         warnings.simplefilter("error")  # "could not trace the model" would be one
         runner(input_ids=x, labels=x).loss.backward()
     assert runner.plan.traced and runner.plan.trace_error is None
+
+
+def test_the_compile_costs_of_a_llama_without_its_cache_match_a_real_step():
+    """The compile estimate's dry run (FakeTensors, as the trace's) prices a transformers
+    Llama trained without its cache: the products' FLOPs it attributes to the units sum
+    to what torch's FlopCounterMode counts on a real forward and backward (attention
+    on the CPU, which torch's registry does not count, left out), and no weight is
+    counted as an activation (a saved view of a weight shares the weight's storage)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from weightstream.compiler.cost import unit_costs
+    from weightstream.runtime.config import StreamingConfig
+    from weightstream.runtime.partition import build_plan
+
+    model = _llama()
+    model.config.use_cache = False
+    x = torch.randint(0, 300, (2, 16))
+    costs = unit_costs(
+        model, build_plan(model, StreamingConfig(granularity="module")), (), {"input_ids": x}
+    )
+    assert costs.backward_measured
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=x).logits.sum().backward()
+    entries = [*costs.units, costs.outside]
+    products = sum(e.fwd_flops + e.bwd_flops for e in entries) - sum(
+        sum(e.fwd_attention.values()) + sum(e.bwd_attention.values()) for e in entries
+    )
+    assert products == counter.get_total_flops() > 0
+    # Activations: the storages a real forward saves for backward, weights left out,
+    # with attention on its math path, the one the dry run takes (Note [operator bytes]).
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, torch.UntypedStorage] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage
+        return t
+
+    with (
+        torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH),
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+    ):
+        loss = model(input_ids=x).logits.sum()
+    assert sum(e.activation_bytes for e in entries) == sum(s.nbytes() for s in saved.values())
+    del loss

@@ -1,9 +1,12 @@
 """What one training step costs per streaming unit, measured on the meta device.
 
 The model is shadowed by a meta copy (the technique of ``trace.py``: ``deepcopy``
-with a memo mapping every real tensor to a meta twin, so no data is copied), and
-the shadow runs one forward and one backward of a scalar loss on meta inputs of
-the real batch shape, under the RNG fork, so no real random number is drawn.
+with a memo mapping every real tensor to a meta twin, so no data is copied;
+here the twins are FakeTensors over meta storages and the run is under a
+FakeTensorMode, as the trace's, so that libraries skip their data-dependent
+checks), and the shadow runs one forward and one backward of a scalar loss on
+meta inputs of the real batch shape, under the RNG fork, so no real random
+number is drawn.
 Three instruments watch that run:
 
 * ``FlopCounterMode`` (torch.utils.flop_counter) counts FLOPs. It counts
@@ -53,6 +56,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -316,13 +320,20 @@ class _NodeTagger(TorchFunctionMode):
         return out
 
 
-def _shadow(model: torch.nn.Module):
-    """A meta copy of ``model`` (see trace.py), the ids of its weight storages."""
+def _shadow(model: torch.nn.Module, fake: FakeTensorMode):
+    """A copy of ``model`` whose parameters and buffers are FakeTensors over meta
+    storages (see trace.py), and the ids of those storages.
+
+    The weights are fake from the start, not converted as they enter an
+    operator: a view of a weight that autograd saves then shares the weight's
+    storage, which is how ``pack`` tells weights from activations.
+    """
     memo: dict[int, torch.Tensor] = {}
     for p in model.parameters():
-        memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+        meta = fake.from_tensor(torch.empty_like(p, device="meta"))
+        memo[id(p)] = torch.nn.Parameter(meta, p.requires_grad)
     for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
+        memo[id(b)] = fake.from_tensor(torch.empty_like(b, device="meta"))
     for m in model.modules():
         # Hooks are not copied: they may hold the runtime (a streaming engine's
         # state-dict hooks, with its threads and locks), and none may run here.
@@ -352,7 +363,10 @@ def unit_costs(
     example_kwargs = example_kwargs or {}
     loss_fn = loss_fn or default_loss
     n = len(plan.units)
-    shadow, resident = _shadow(model)
+    # Under a FakeTensorMode, as in trace.py: libraries skip their data-dependent
+    # checks for FakeTensors (transformers' mask helpers), not for meta tensors.
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    shadow, resident = _shadow(model, fake)
     shadow_of = {id(r): s for r, s in zip(model.modules(), shadow.modules())}
     for m in shadow.modules():
         clear_hooks(m)  # the user's hooks (and a streamer's) must not run in a dry run
@@ -417,7 +431,7 @@ def unit_costs(
     devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
     backward_error = None
     try:
-        with torch.random.fork_rng(devices=devices), counter, ops:
+        with torch.random.fork_rng(devices=devices), fake, counter, ops:
             tagger = _NodeTagger(open_unit, on_new_node, ops)
             with torch.enable_grad(), tagger, torch.autograd.graph.saved_tensors_hooks(pack, _id):
                 out = shadow(*meta_args, **meta_kwargs)
