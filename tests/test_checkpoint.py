@@ -1273,3 +1273,22 @@ def test_a_lazily_loaded_checkpoint_and_h5py_coexist_in_one_process(tmp_path):
         assert torch.equal(weightstream.load(path)["w"], torch.arange(4.0))
     finally:
         held.close()
+
+
+def test_the_heap_is_trimmed_after_large_reads_not_after_every_leaf(tmp_path, monkeypatch):
+    """A trim walks the whole heap (milliseconds in a large process): a save of many
+    small leaves held in memory asks for none, and a conversion asks once its
+    values read add up to TRIM_BYTES (Note [save memory])."""
+    trims = []
+    monkeypatch.setattr(writer_module, "trim_heap", lambda: trims.append(1))
+    monkeypatch.setattr(writer_module, "TRIM_BYTES", 2**20)
+    small = {f"t{i}": torch.full((4,), float(i)) for i in range(300)}
+    save(small, tmp_path / "small.mdl")
+    assert trims == []
+    large = {f"w{i}": torch.full((2**18,), float(i)) for i in range(8)}  # 1 MiB each
+    save(large, tmp_path / "large.mdl")
+    assert trims == []  # the caller's tensors: nothing the save allocated
+    save(load(tmp_path / "large.mdl"), tmp_path / "copy.mdl")  # read leaf by leaf
+    assert len(trims) == 7  # before each leaf after the first
+    for name, value in load(tmp_path / "copy.mdl", map_location="cpu").items():
+        assert torch.equal(value, large[name])
