@@ -60,6 +60,36 @@ def test_text_processor_windows_are_the_tokenizers_ids(tmp_path, tokenizer_file)
         assert np.array_equal(label.numpy(), ids[start + 1 : start + 33])
 
 
+def test_a_text_is_encoded_once_per_process_until_it_changes(tmp_path, tokenizer_file, monkeypatch):
+    """The run command builds a section's loader more than once (the compile phase times
+    its input) and eval reads the same text: one encoding serves them all, and an
+    edited text file is encoded again."""
+    from weightstream.data import processors
+
+    calls = []
+
+    def encode(texts, tokenizer):
+        calls.append(len(texts))
+        return processors.encode.__wrapped__(texts, tokenizer)
+
+    encode.__wrapped__ = processors.encode
+    monkeypatch.setattr(processors, "encode", encode)
+    folder = _docs(tmp_path)
+    section = pf.text_input(2, 32, shuffle=False, data_dir=str(folder))
+    section["tokenizer"] = str(tokenizer_file)
+    section["vocab_size"] = VOCAB
+    make = get_data_processor("TextCorpusProcessor")
+    batches = [next(iter(make(section, True)))["input_ids"] for _ in range(2)]
+    assert len(calls) == 1 and batches[0].equal(batches[1])
+    next(iter(make(section, False)))  # eval: the tail of the same text
+    assert len(calls) == 1
+    (folder / "doc0.py").write_text("print('an edited file')\n" * 2000)
+    edited = next(iter(make(section, True)))["input_ids"]
+    assert len(calls) == 2
+    ids = _library_ids(tokenizer_file, folder)
+    assert all(_find(ids, row.numpy()) is not None for row in edited)
+
+
 def _find(haystack: np.ndarray, needle: np.ndarray) -> int | None:
     for i in np.flatnonzero(haystack == needle[0]):
         if np.array_equal(haystack[i : i + len(needle)], needle):

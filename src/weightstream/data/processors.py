@@ -45,7 +45,7 @@ from weightstream.data.corpus import VOCAB_SIZE, ByteCorpusDataset, read_texts, 
 from weightstream.data.gpt_hdf5 import GptHDF5Dataset, scan_gpt_hdf5_dir, write_gpt_hdf5
 from weightstream.data.sampler import DistributedSampler
 from weightstream.data.section import SEQ_KEYS, LoaderSettings, Section, loader_settings
-from weightstream.data.tokenize import encode, load_tokenizer
+from weightstream.data.tokenize import encode, load_tokenizer, tokenizer_file
 from weightstream.data.tokenize import vocab_size as tokenizer_vocab_size
 
 __all__ = [
@@ -180,6 +180,34 @@ def _text_files(s: Section) -> list[Path] | None:
     )
 
 
+# The token ids of the last text encoded in this process, by what they came from:
+# the run command builds a section's loader more than once (the compile phase
+# times its input, then training reads it; eval reads the same text's tail), and
+# a tokenizer takes seconds over the default 8 MiB. One corpus is kept.
+_ENCODED: dict[tuple, np.ndarray] = {}
+
+
+def _stamp(path: Path) -> tuple:
+    st = path.stat()
+    return os.fspath(path.resolve()), st.st_mtime_ns, st.st_size
+
+
+def _encoded_corpus(s: Section, tokenizer) -> np.ndarray:
+    files = _text_files(s)
+    max_bytes = s.int_("max_bytes", 8 * 2**20, minimum=1)
+    key = (
+        _stamp(tokenizer_file(s.path_("tokenizer"))),
+        None if files is None else tuple(_stamp(Path(f)) for f in files),
+        max_bytes,
+    )
+    tokens = _ENCODED.get(key)
+    if tokens is None:
+        tokens = encode(read_texts(files, max_bytes), tokenizer)
+        _ENCODED.clear()
+        _ENCODED[key] = tokens
+    return tokens
+
+
 @_register(
     "TextCorpusProcessor",
     SEQ_KEYS | {"vocab_size", "max_bytes", "eval_fraction", "tokenizer"},
@@ -203,8 +231,7 @@ def text_corpus_processor(params: dict, is_training: bool) -> torch.utils.data.D
     if s.has("tokenizer"):
         tokenizer = load_tokenizer(s.path_("tokenizer"))
         vocab = tokenizer_vocab_size(tokenizer)
-        texts = read_texts(_text_files(s), s.int_("max_bytes", 8 * 2**20, minimum=1))
-        tokens = encode(texts, tokenizer)
+        tokens = _encoded_corpus(s, tokenizer)
     if s.has("vocab_size") and s.int_("vocab_size", None, minimum=1) < vocab:
         what = "tokens are bytes, which need" if tokens is None else "the tokenizer has"
         raise ValueError(
