@@ -157,12 +157,29 @@ def test_warm_started_hf_model_trains_like_eager_transformers(tmp_path, tokenize
     assert perf["est_samples_per_sec"] > 0
 
 
-def _run(tmp_path: Path, params: Path, model_dir: Path, capsys=None) -> int:
+def test_a_warm_start_on_two_ranks_trains_like_eager_transformers(tmp_path, tokenizer):
+    """A meta-device model warm-started in host memory gets new parameters: the shards'
+    owners must be those of the new ones, or every rank takes itself for the owner of
+    every unit and both ranks' broadcasts wait to send, forever."""
+    from test_distributed import LOSS_RTOL
+
+    folder = _save_pretrained(_llama, tmp_path / "pretrained", tokenizer)
+    model_dir = tmp_path / "run"
+    assert _run(tmp_path, _params(tmp_path, folder, "ram"), model_dir, ranks=2) == 0
+    losses = [json.loads(line)["loss"] for line in (model_dir / "train" / "losses.jsonl").open()]
+    want_losses, _ = _eager(folder)
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor(want_losses), rtol=LOSS_RTOL, atol=0
+    )
+
+
+def _run(tmp_path: Path, params: Path, model_dir: Path, capsys=None, ranks: int = 1) -> int:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WEIGHTSTREAM_QUICK_MACHINE_PROFILE", "1")
         mp.setenv("WEIGHTSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+        dp = ["--num_csx", str(ranks)] if ranks > 1 else []
         try:
-            return main(["run", "CPU", "-p", str(params), "-o", str(model_dir)])
+            return main(["run", "CPU", "-p", str(params), "-o", str(model_dir), *dp])
         finally:
             config._reset_for_tests()
             executor._reset_for_tests()

@@ -192,6 +192,9 @@ class StreamingEngine:
                 module, lambda p: torch.zeros(p.shape, dtype=p.dtype), skip=lambda _n: True
             )
             self._awaiting.update(left)
+            # New parameters replaced the meta ones: the plan, and the shards' owners
+            # taken from it, must name the new ones.
+            self.plan = build_plan(module, config)
         self._params = {id(p): p for p in module.parameters()}
         on_meta = any(p.is_meta for p in module.parameters())
         if config.data_parallel and swarm.world_size() > 1 and not on_meta:
