@@ -64,6 +64,23 @@ def _gpt2():
     )
 
 
+def _gpt_neox():
+    """Its head is ``lm_head`` in the model and ``embed_out`` in the file: transformers
+    renames it on load, and so must a warm start."""
+    return transformers.GPTNeoXForCausalLM(
+        transformers.GPTNeoXConfig(
+            vocab_size=MODEL_VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        )
+    )
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory) -> Path:
     return train_bpe(tmp_path_factory.mktemp("tokenizer"), TOKENIZER_VOCAB)
@@ -132,7 +149,7 @@ def _eager(folder: Path) -> tuple[list[float], dict]:
 
 
 @pytest.mark.parametrize("store", ["ram", "disk"])
-@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("make", [_llama, _gpt2, _gpt_neox], ids=["llama", "gpt2", "gpt_neox"])
 def test_warm_started_hf_model_trains_like_eager_transformers(tmp_path, tokenizer, make, store):
     folder = _save_pretrained(make, tmp_path / "pretrained", tokenizer)
     model_dir = tmp_path / "run"

@@ -10,9 +10,12 @@ keeps that tensor: host memory, a disk-store file, only on the owning rank of
 a sharded store), and then dropped, so the load holds one checkpoint tensor at
 a time besides the model. A tied parameter is filled once, from whichever of
 its names the checkpoint has (a Hugging Face GPT-2 file holds the embedding
-and not the tied head). Every tensor the model needs must be there with its
-shape: a missing or misshapen one is an error naming it, raised before
-anything is copied.
+and not the tied head). A transformers model reads the file's names as
+``from_pretrained`` does, through the library's renames for its class (a
+GPT-NeoX file's ``embed_out`` is the model's ``lm_head``; legacy ``gamma`` and
+``beta``). Every tensor the model needs must be there with its shape: a
+missing or misshapen one is an error naming it, raised before anything is
+copied.
 """
 
 from __future__ import annotations
@@ -36,6 +39,31 @@ def _weights_of(state) -> Mapping:
     if not isinstance(state, Mapping):
         raise ValueError("the checkpoint holds no mapping of weights")
     return state
+
+
+def _hf_names(model: nn.Module, keys) -> dict[str, str]:
+    """The model's name of each file key -> that key: transformers' own renames for a
+    transformers model (those ``from_pretrained`` applies; its tensor-merging
+    conversions are not renames and are not applied), the keys themselves otherwise."""
+    names = {k: k for k in keys}
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:  # no transformers, or one without renames
+        return names
+    if not isinstance(model, PreTrainedModel):
+        return names
+    renames = [t for t in get_model_conversion_mapping(model) if type(t) is WeightRenaming]
+    if not renames:
+        return names
+    renamed = {}
+    for key in keys:
+        name = key
+        for rename in renames:
+            name, _ = rename.rename_source_key(name)
+        renamed[name] = key
+    return renamed
 
 
 def _targets(model: nn.Module) -> list[list[tuple[str, torch.Tensor]]]:
@@ -66,7 +94,8 @@ def load_weights(
     """
     with load(path) as state:
         weights = _weights_of(state)
-        available = set(weights)
+        file_key = _hf_names(model, list(weights))  # the model's name -> the file's
+        available = set(file_key)
 
         def candidates(name: str) -> list[tuple[str, bool]]:
             """(file name, stored transposed): the name itself, then the mapped one."""
@@ -93,7 +122,8 @@ def load_weights(
                 "architecture (the same model config), or load only what it holds."
             )
         wrong = []
-        for _, file_name, flip, target in plan:
+        for _, name, flip, target in plan:
+            file_name = file_key[name]
             info = weights.describe(file_name) if hasattr(weights, "describe") else None
             shape = tuple(info.shape) if info is not None else None
             if shape is not None and flip:
@@ -106,7 +136,8 @@ def load_weights(
                 "of the same model shape (hidden size, layers, vocabulary)."
             )
         used = set()
-        for model_name, file_name, flip, target in plan:
+        for model_name, name, flip, target in plan:
+            file_name = file_key[name]
             value = weights[file_name]  # reads this one tensor
             if flip:
                 value = value.t()
@@ -121,7 +152,7 @@ def load_weights(
             release_pages([target])  # a disk store's file: written, its pages go back
             used.add(file_name)
             del value
-        unused = sorted(available - used)
+        unused = sorted(set(weights) - used)
         if unused:
             warnings.warn(
                 f"warm start from {path}: {len(unused)} tensor(s) of the file are not used by "
