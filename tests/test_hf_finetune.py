@@ -81,6 +81,23 @@ def _gpt_neox():
     )
 
 
+def _gemma():
+    """Its scaled embedding keeps ``embed_scale`` in a buffer of a module without a
+    config: built on meta, only transformers' own init computes it."""
+    return transformers.GemmaForCausalLM(
+        transformers.GemmaConfig(
+            vocab_size=MODEL_VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=64,
+        )
+    )
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory) -> Path:
     return train_bpe(tmp_path_factory.mktemp("tokenizer"), TOKENIZER_VOCAB)
@@ -149,7 +166,9 @@ def _eager(folder: Path) -> tuple[list[float], dict]:
 
 
 @pytest.mark.parametrize("store", ["ram", "disk"])
-@pytest.mark.parametrize("make", [_llama, _gpt2, _gpt_neox], ids=["llama", "gpt2", "gpt_neox"])
+@pytest.mark.parametrize(
+    "make", [_llama, _gpt2, _gpt_neox, _gemma], ids=["llama", "gpt2", "gpt_neox", "gemma"]
+)
 def test_warm_started_hf_model_trains_like_eager_transformers(tmp_path, tokenizer, make, store):
     folder = _save_pretrained(make, tmp_path / "pretrained", tokenizer)
     model_dir = tmp_path / "run"

@@ -21,6 +21,7 @@ copied.
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 
@@ -46,6 +47,8 @@ def _hf_names(model: nn.Module, keys) -> dict[str, str]:
     transformers model (those ``from_pretrained`` applies; its tensor-merging
     conversions are not renames and are not applied), the keys themselves otherwise."""
     names = {k: k for k in keys}
+    if "transformers" not in sys.modules:
+        return names  # not a transformers model (and no import of the library for it)
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping

@@ -129,12 +129,17 @@ def materialize(
 def materialize_buffers(model: nn.Module, device: torch.device | str = "cpu") -> None:
     """Compute ``model``'s buffers that are on the meta device, on ``device``.
 
-    Buffers (rotary frequency tables, causal masks) are derived from the
-    configuration, not trained: a module holding one on meta is built again on
-    ``device`` from the configuration it was built with (``type(m)(m.config)``,
-    the convention of transformers' modules), and its buffers are taken from
-    that copy. A module that cannot be rebuilt so is an error naming the buffer.
+    Buffers (rotary frequency tables, causal masks, embedding scales) are derived
+    from the configuration, not trained: a module holding one on meta is built
+    again on ``device`` from the configuration it was built with
+    (``type(m)(m.config)``, the convention of transformers' modules), and its
+    buffers are taken from that copy. A module without a ``config`` of a
+    transformers model gets its floating buffers from the library's own
+    ``_init_weights(module)``, which computes them (Gemma's ``embed_scale``) and
+    leaves the meta parameters as they are; a buffer it leaves unset (still NaN)
+    is not guessed. A buffer computed neither way is an error naming it.
     """
+    hf_init = getattr(model, "_init_weights", None)  # a transformers PreTrainedModel
     for name, m in model.named_modules():
         meta = [k for k, b in m._buffers.items() if b is not None and b.is_meta]
         if not meta:
@@ -147,6 +152,14 @@ def materialize_buffers(model: nn.Module, device: torch.device | str = "cpu") ->
                     fresh = type(m)(config)
             except Exception:  # any constructor failure: reported below
                 fresh = None
+        if fresh is None and hf_init is not None:
+            floating = [k for k in meta if m._buffers[k].is_floating_point()]
+            for key in floating:
+                b = m._buffers[key]
+                m._buffers[key] = torch.full(b.shape, float("nan"), dtype=b.dtype, device=device)
+            with torch.no_grad():
+                hf_init(m)
+            meta = [k for k in meta if k not in floating or m._buffers[k].isnan().any()]
         for key in meta:
             value = None if fresh is None else fresh._buffers.get(key)
             if value is None or value.shape != m._buffers[key].shape:
