@@ -34,18 +34,20 @@ BATCH, SEQ, STEPS, LR = 4, 16, 3, 2e-3
 MODEL_VOCAB, TOKENIZER_VOCAB = 320, 300
 
 
+# The size of every small decoder below (GPT-2 names these differently).
+_SMALL = dict(
+    vocab_size=MODEL_VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+)
+
+
 def _llama():
     return transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=MODEL_VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            tie_word_embeddings=False,
-        )
+        transformers.LlamaConfig(**_SMALL, num_key_value_heads=2, tie_word_embeddings=False)
     )
 
 
@@ -68,16 +70,7 @@ def _gpt_neox():
     """Its head is ``lm_head`` in the model and ``embed_out`` in the file: transformers
     renames it on load, and so must a warm start."""
     return transformers.GPTNeoXForCausalLM(
-        transformers.GPTNeoXConfig(
-            vocab_size=MODEL_VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=64,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-        )
+        transformers.GPTNeoXConfig(**_SMALL, hidden_dropout=0.0, attention_dropout=0.0)
     )
 
 
@@ -85,16 +78,7 @@ def _gemma():
     """Its scaled embedding keeps ``embed_scale`` in a buffer of a module without a
     config: built on meta, only transformers' own init computes it."""
     return transformers.GemmaForCausalLM(
-        transformers.GemmaConfig(
-            vocab_size=MODEL_VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            max_position_embeddings=64,
-        )
+        transformers.GemmaConfig(**_SMALL, num_key_value_heads=2, head_dim=8)
     )
 
 
