@@ -230,14 +230,23 @@ def test_warm_start_names_a_missing_tensor(tmp_path, tokenizer):
     assert "cannot warm-start" in done.stdout and "'model.embed_tokens.weight'" in done.stdout
 
 
-def test_export_to_hf_loads_with_from_pretrained_and_gives_the_runs_logits(tmp_path, tokenizer):
-    folder = _save_pretrained(_llama, tmp_path / "pretrained", tokenizer)
+@pytest.mark.parametrize("make", [_llama, _gpt_neox], ids=["llama", "gpt_neox"])
+def test_export_to_hf_loads_with_from_pretrained_and_gives_the_runs_logits(
+    tmp_path, tokenizer, make
+):
+    """The exported folder holds the tensors under the names save_pretrained writes
+    (GPT-NeoX's head as embed_out, which older readers expect), and loads as the run."""
+    from safetensors import safe_open
+
+    folder = _save_pretrained(make, tmp_path / "pretrained", tokenizer)
     model_dir = tmp_path / "run"
     assert _run(tmp_path, _params(tmp_path, folder, "disk"), model_dir) == 0
     out = tmp_path / "exported"
     assert main(["checkpoint", "convert", str(model_dir / f"checkpoint_{STEPS}.mdl"), str(out),
                  "--to", "hf"]) == 0  # fmt: skip
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    names = [set(safe_open(d / "model.safetensors", "pt").keys()) for d in (out, folder)]
+    assert names[0] == names[1]
     exported, info = transformers.AutoModelForCausalLM.from_pretrained(
         out, output_loading_info=True
     )

@@ -13,9 +13,11 @@ from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from weightstream.checkpoint.opener import open_source
 from weightstream.checkpoint.source import Source
-from weightstream.checkpoint.tree import Node, TreeView, find_subtree
+from weightstream.checkpoint.tree import Branch, Leaf, Node, TreeView, find_subtree
 
 FORMATS = ("h5", "safetensors", "torch", "hf")
 
@@ -34,8 +36,11 @@ _SUFFIXES = {
 class SourceView(TreeView):
     """A source (or the subtree at ``key``) as something :func:`save` can stream."""
 
-    def __init__(self, source: Source, key: str | None = None) -> None:
+    def __init__(
+        self, source: Source, key: str | None = None, names: dict[str, str] | None = None
+    ) -> None:
         self.source = source
+        self.names = names or {}  # a top-level key -> the name to write it under
         node = source.tree if not key else find_subtree(source.tree, key)
         if node is None:
             top = getattr(source.tree, "keys", [])
@@ -47,7 +52,11 @@ class SourceView(TreeView):
     def _ws_subtree(
         self,
     ) -> tuple[Node, Callable[[str], Any], Callable[[str], Hashable | None], Callable]:
-        return self.node, self.source.read, self.source.tie, self.source.describe
+        node = self.node
+        if self.names and isinstance(node, Branch):
+            keys = [self.names.get(k, k) if isinstance(k, str) else k for k in node.keys]
+            node = Branch(node.kind, keys, node.children, node.metadata)
+        return node, self.source.read, self.source.tie, self.source.describe
 
 
 def _looks_like_a_directory(dst: str | os.PathLike) -> bool:
@@ -148,7 +157,9 @@ def convert(
 # ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` builds the model and loads
 # every weight. The weights are the trainer checkpoint's ``model`` entry (or the
 # whole file when it holds weights only), under the names they have: a model of
-# ``name: hf`` has transformers' own names. The configuration is ``config``
+# ``name: hf`` has transformers' own names, written as ``save_pretrained``
+# writes them (the library's renames for the class reverted, GPT-NeoX's
+# ``lm_head`` as ``embed_out``: older readers know only those). The configuration is ``config``
 # when given, else the one the run recorded (the checkpoint's params: the
 # ``hf_config`` file with the section's overrides applied); ``use_cache``,
 # turned off for training, is turned on again, as transformers' default.
@@ -166,21 +177,50 @@ def _to_hf(
     try:
         top = list(getattr(source.tree, "keys", []))
         key = "model" if "model" in top else None
-        config_json = _hf_config_json(source, config)
+        cfg = _hf_config(source, config)
+        view = SourceView(source, key, _saved_names(cfg, SourceView(source, key)))
         dst.mkdir(parents=True, exist_ok=True)
-        written = write_safetensors(
-            SourceView(source, key), dst, max_shard_size=max_shard_size, fsync=fsync
-        )
+        written = write_safetensors(view, dst, max_shard_size=max_shard_size, fsync=fsync)
         target = dst / "config.json"
         with atomic_path(target, fsync=fsync) as tmp:
-            tmp.write_text(config_json, encoding="utf-8")
+            tmp.write_text(cfg.to_json_string(), encoding="utf-8")
         return [*written, target]
     finally:
         source.close()
 
 
-def _hf_config_json(source: Source, config) -> str:
-    """The text of the ``config.json`` to export (Note [export to hf])."""
+def _saved_names(cfg, view: SourceView) -> dict[str, str]:
+    """The names ``save_pretrained`` gives the model's tensors, where they differ (Note
+    [export to hf]): transformers' own ``revert_weight_conversion``, on meta
+    placeholders of the tensors. A conversion that makes new tensors (merged
+    experts) keeps the model's names, which transformers reads as well."""
+    import transformers
+    from transformers.core_model_loading import revert_weight_conversion
+
+    node = view.node
+    if not isinstance(node, Branch):
+        return {}
+    placeholders = {}
+    for k, child in zip(node.keys, node.children):
+        info = view.source.describe(child.key) if isinstance(child, Leaf) else None
+        if not isinstance(k, str) or info is None or info.kind != "tensor":
+            return {}
+        placeholders[k] = torch.empty(info.shape, device="meta")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    name_of = {id(t): k for k, t in placeholders.items()}
+    try:
+        reverted = revert_weight_conversion(model, dict(placeholders))
+    except (RuntimeError, ValueError, TypeError, NotImplementedError):
+        return {}  # a conversion these placeholders cannot take: the model's names
+    names = {name_of[id(t)]: k for k, t in reverted.items() if id(t) in name_of}
+    if len(names) != len(placeholders):
+        return {}
+    return {old: new for old, new in names.items() if old != new}
+
+
+def _hf_config(source: Source, config):
+    """The configuration to export (Note [export to hf])."""
     from weightstream.common.hf_config import load_config
 
     if config is not None:
@@ -206,4 +246,4 @@ def _hf_config_json(source: Source, config) -> str:
         }
         cfg = load_config(model["hf_config"], overrides)
     cfg.use_cache = True  # off for training (models/hf.py); transformers' default
-    return cfg.to_json_string()
+    return cfg
