@@ -52,10 +52,11 @@ def _mmm(s: dict, digits: int = 3) -> str:
 
 def rows_ws_step_time(r: dict) -> list[tuple[str, str, str, str]]:
     out = []
+    model = "" if r.get("model", "gpt") == "gpt" else f"{r['model']}, "
     for dtype, d in r["dtypes"].items():
         out.append(
             (
-                f"WS/eager step time, {dtype}",
+                f"WS/eager step time, {model}{dtype}",
                 f"{d['ws_over_eager']:.3f}",
                 _mmm(d["ws_over_eager_per_step"]),
                 f"WS {d['ws']['fraction_of_limit']:.0%}, eager "
@@ -183,6 +184,10 @@ def main() -> None:
     q = args.quick
     plan: list[tuple[str, list[str]]] = [
         ("ws_step_time.py", ["--steps", "4" if q else "10", "--warmup", "1"]),
+        (
+            "ws_step_time.py",
+            ["--model", "hf-llama", "--dtypes", "fp32", "--steps", "4" if q else "10"],
+        ),
         ("host_optimizer.py", ["--repeats", "3" if q else "7"]),
         ("disk_store.py", ["--steps", "4" if q else "10", "--warmup", "1"]),
         ("estimate_vs_measured.py", ["--repeats", "1" if q else "3"]),

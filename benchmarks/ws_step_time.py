@@ -6,7 +6,13 @@ autocast. The modes take turns step by step (eager, LP, WS, eager, ...) so that
 machine noise hits all of them alike. Prints min/median/max seconds per step and
 the ratios WS/eager and LP/eager of the medians.
 
+``--model hf-llama`` trains a transformers Llama of the same size instead (6
+decoder layers, hidden 512, 8 heads, seq 256, batch 8, vocab 4096; the decoder
+layer is the streaming unit): the overhead a fine-tune of a Hugging Face model
+pays against transformers' own model in eager PyTorch.
+
     .venv/bin/python benchmarks/ws_step_time.py [--steps 12] [--warmup 2]
+        [--model gpt|hf-llama]
 """
 
 from __future__ import annotations
@@ -26,19 +32,55 @@ import weightstream as cstorch
 from weightstream.models import GPT
 
 
-def make_runner(mode: str):
+def _hf_llama() -> torch.nn.Module:
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=CFG.vocab_size,
+        hidden_size=CFG.d_model,
+        intermediate_size=4 * CFG.d_model,
+        num_hidden_layers=CFG.n_layer,
+        num_attention_heads=CFG.n_head,
+        max_position_embeddings=CFG.seq_len,
+        use_cache=False,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def make_runner(mode: str, model_kind: str = "gpt"):
     torch.manual_seed(0)
-    model = GPT(CFG)
-    runner = model if mode == "eager" else cstorch.compile(model, backend=mode)
+    model = GPT(CFG) if model_kind == "gpt" else _hf_llama()
+    units = getattr(model, "_no_split_modules", None)
+    kwargs = {"unit_classes": units} if units and mode == "ws" else {}
+    runner = model if mode == "eager" else cstorch.compile(model, backend=mode, **kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return runner, opt
+
+
+def logits_of(runner, x: torch.Tensor) -> torch.Tensor:
+    out = runner(x) if isinstance(runner, GPT) else runner(input_ids=x)
+    return getattr(out, "logits", out)
+
+
+def hf_step_flops(x: torch.Tensor, y: torch.Tensor) -> int:
+    """FLOPs of one forward + backward of the transformers Llama (attention on the CPU
+    counted with the formulas torch's registry lacks)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from weightstream.compiler.operators import EXTRA_FLOP_FORMULAS
+
+    model = _hf_llama()
+    with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as counter:
+        out = model(input_ids=x).logits
+        F.cross_entropy(out.flatten(0, 1).float(), y.flatten()).backward()
+    return counter.get_total_flops()
 
 
 def step(runner, opt, x, y, autocast: bool) -> float:
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     t0 = time.perf_counter()
     with ctx:
-        logits = runner(x)
+        logits = logits_of(runner, x)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
     loss.backward()
     opt.step()
@@ -52,22 +94,25 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--model", choices=("gpt", "hf-llama"), default="gpt")
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len), generator=g)
     y = torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len), generator=g)
+    name = "GPT" if args.model == "gpt" else "transformers Llama"
+    params = sum(p.numel() for p in (GPT(CFG) if args.model == "gpt" else _hf_llama()).parameters())
     print(
-        f"GPT {CFG.n_layer} blocks, d_model {CFG.d_model}, seq {CFG.seq_len}, batch {BATCH}, "
-        f"vocab {CFG.vocab_size}: {GPT(CFG).num_parameters() / 1e6:.1f}M params; "
+        f"{name} {CFG.n_layer} blocks, d_model {CFG.d_model}, seq {CFG.seq_len}, batch {BATCH}, "
+        f"vocab {CFG.vocab_size}: {params / 1e6:.1f}M params; "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
     modes = ["eager", "lp", "ws"]
     profile = machine_profile()
-    flops = train_step_flops(CFG, BATCH)
+    flops = train_step_flops(CFG, BATCH) if args.model == "gpt" else hf_step_flops(x, y)
     result = {}
     for dtype in args.dtypes.split(","):
         autocast = dtype == "bf16"
-        runners = {m: make_runner(m) for m in modes}
+        runners = {m: make_runner(m, args.model) for m in modes}
         times: dict[str, list[float]] = {m: [] for m in modes}
         for i in range(args.warmup + args.steps):
             for m in modes:
@@ -105,7 +150,9 @@ def main() -> None:
             f"peak device weights {ws.engine.streamer.meter.peak_bytes / 2**20:.1f} MiB "
             f"(bound {ws.plan.weight_bound(ws.engine.config.prefetch_depth) / 2**20:.1f} MiB)"
         )
-    print_result("ws_step_time", steps=args.steps, flops_per_step=flops, dtypes=result)
+    print_result(
+        "ws_step_time", model=args.model, steps=args.steps, flops_per_step=flops, dtypes=result
+    )
 
 
 if __name__ == "__main__":
