@@ -43,6 +43,17 @@ from weightstream.compiler.timing import (
 ENV_CACHE_DIR = "WEIGHTSTREAM_CACHE_DIR"
 # The package files whose code the software figures time (Note [fixed costs]).
 _RUNTIME_SOURCES = ("runtime", "train", "optim", "amp", "common", "backend.py", "executor.py")
+# The in-situ factor is measured over the estimate of the proxy's step: a profile
+# calibrated against another estimator is measured again like one of other runtime
+# sources (a cached factor of 3.0 from an estimator that priced products
+# differently kept pricing every later run).
+_ESTIMATOR_SOURCES = (
+    "compiler/cost.py",
+    "compiler/estimate.py",
+    "compiler/operators.py",
+    "compiler/profile.py",
+    "compiler/software.py",
+)
 # The phases remeasure_software measures again; another one disturbed: all of them.
 _SOFTWARE_PHASES = frozenset({"software", "in_situ"})
 
@@ -63,10 +74,11 @@ def device_name(device: torch.device) -> str:
 
 
 def runtime_digest() -> str:
-    """A digest of the library sources whose speed the software figures measure."""
+    """A digest of the library sources whose speed the software figures measure, and of
+    the estimator the in-situ factor is calibrated against."""
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
-    for name in _RUNTIME_SOURCES:
+    for name in (*_RUNTIME_SOURCES, *_ESTIMATOR_SOURCES):
         path = root / name
         files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
         for f in files:
