@@ -159,10 +159,11 @@ def convert(
 # whole file when it holds weights only), under the names they have: a model of
 # ``name: hf`` has transformers' own names, written as ``save_pretrained``
 # writes them (the library's renames for the class reverted, GPT-NeoX's
-# ``lm_head`` as ``embed_out``: older readers know only those). The configuration is ``config``
-# when given, else the one the run recorded (the checkpoint's params: the
-# ``hf_config`` file with the section's overrides applied); ``use_cache``,
-# turned off for training, is turned on again, as transformers' default.
+# ``lm_head`` as ``embed_out``: older readers know only those). The
+# configuration is ``config`` when given, else the one the run recorded (the
+# checkpoint's params: the ``hf_config`` file with the section's overrides
+# applied); ``use_cache``, turned off for training, is turned on again, as
+# transformers' default.
 
 
 def _to_hf(
