@@ -1,12 +1,10 @@
 """What one training step costs per streaming unit, measured on the meta device.
 
-The model is shadowed by a meta copy (the technique of ``trace.py``: ``deepcopy``
-with a memo mapping every real tensor to a meta twin, so no data is copied;
-here the twins are FakeTensors over meta storages and the run is under a
-FakeTensorMode, as the trace's, so that libraries skip their data-dependent
-checks), and the shadow runs one forward and one backward of a scalar loss on
-meta inputs of the real batch shape, under the RNG fork, so no real random
-number is drawn.
+The model is shadowed by the trace's copy (``trace.shadow_copy``: FakeTensors
+over meta storages, no data copied; the run is under their FakeTensorMode, so
+that libraries skip their data-dependent checks), and the shadow runs one
+forward and one backward of a scalar loss on meta inputs of the real batch
+shape, under the RNG fork, so no real random number is drawn.
 Three instruments watch that run:
 
 * ``FlopCounterMode`` (torch.utils.flop_counter) counts FLOPs. It counts
@@ -51,7 +49,6 @@ and ``StepCosts.backward_measured`` is False.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -74,7 +71,7 @@ from weightstream.compiler.operators import (
     tensor_bytes,
 )
 from weightstream.runtime.partition import Plan
-from weightstream.runtime.trace import _to_meta, clear_hooks
+from weightstream.runtime.trace import _to_meta, clear_hooks, shadow_copy
 
 OUTSIDE_NAME = "<outside units>"
 
@@ -320,31 +317,6 @@ class _NodeTagger(TorchFunctionMode):
         return out
 
 
-def _shadow(model: torch.nn.Module, fake: FakeTensorMode):
-    """A copy of ``model`` whose parameters and buffers are FakeTensors over meta
-    storages (see trace.py), and the ids of those storages.
-
-    The weights are fake from the start, not converted as they enter an
-    operator: a view of a weight that autograd saves then shares the weight's
-    storage, which is how ``pack`` tells weights from activations.
-    """
-    memo: dict[int, torch.Tensor] = {}
-    for p in model.parameters():
-        meta = fake.from_tensor(torch.empty_like(p, device="meta"))
-        memo[id(p)] = torch.nn.Parameter(meta, p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = fake.from_tensor(torch.empty_like(b, device="meta"))
-    for m in model.modules():
-        # Hooks are not copied: they may hold the runtime (a streaming engine's
-        # state-dict hooks, with its threads and locks), and none may run here.
-        for name, value in vars(m).items():
-            if name.endswith("_hooks") and isinstance(value, dict):
-                memo[id(value)] = type(value)()
-    shadow = copy.deepcopy(model, memo)
-    resident = {t.untyped_storage()._cdata for t in (*shadow.parameters(), *shadow.buffers())}
-    return shadow, resident
-
-
 def unit_costs(
     model: torch.nn.Module,
     plan: Plan,
@@ -366,7 +338,9 @@ def unit_costs(
     # Under a FakeTensorMode, as in trace.py: libraries skip their data-dependent
     # checks for FakeTensors (transformers' mask helpers), not for meta tensors.
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    shadow, resident = _shadow(model, fake)
+    shadow = shadow_copy(model, fake)
+    # The weights' storages: a saved view of one is not an activation (``pack``).
+    resident = {t.untyped_storage()._cdata for t in (*shadow.parameters(), *shadow.buffers())}
     shadow_of = {id(r): s for r, s in zip(model.modules(), shadow.modules())}
     for m in shadow.modules():
         clear_hooks(m)  # the user's hooks (and a streamer's) must not run in a dry run

@@ -1,17 +1,18 @@
 """Dry run of a model on the meta device: which modules run, in which order, and
 which parameters each one touches.
 
-The model is shadowed by a copy whose parameters and buffers are meta tensors
-(no data is copied: ``deepcopy`` is handed a memo that maps every real tensor to
-its meta twin), and the shadow runs one forward on meta inputs of the real batch
-shape. Module hooks on the shadow record the call tree; a TorchFunctionMode sees
-every torch call and records which parameters it received while which modules
-were running. The RNG state is restored afterwards, so tracing changes no random
-number a later real step draws.
+The model is shadowed by a copy whose parameters and buffers are FakeTensors
+over meta storages (``shadow_copy``: no data is copied), and the shadow runs one
+forward on meta inputs of the real batch shape. Module hooks on the shadow
+record the call tree; a TorchFunctionMode sees every torch call and records
+which parameters it received while which modules were running. The RNG state is
+restored afterwards, so tracing changes no random number a later real step
+draws.
 
-The forward runs under a FakeTensorMode (the meta tensors become FakeTensors as
-they enter an operator): libraries that skip data-dependent checks while being
-traced recognise FakeTensors, not plain meta tensors. transformers' mask helper,
+The forward runs under the FakeTensorMode of the shadow's tensors (the meta
+inputs become FakeTensors as they enter an operator): libraries that skip
+data-dependent checks while being traced recognise FakeTensors, not plain meta
+tensors. transformers' mask helper,
 for one, asks ``(mask == 0).all()`` of the position ids of a model run without
 its cache (training) unless it is traced, which a meta tensor cannot answer.
 """
@@ -57,6 +58,30 @@ class _UseRecorder(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def shadow_copy(model: torch.nn.Module, fake: FakeTensorMode) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters and buffers are FakeTensors of ``fake`` over
+    meta storages (no data is copied: ``deepcopy`` is handed a memo that maps every
+    real tensor to its twin) and whose modules have no hooks.
+
+    The weights are fake from the start, not converted as they enter an operator,
+    so a view of a weight shares the weight's storage (the cost run tells weights
+    from activations by it). Hooks are not copied: they may hold the runtime (a
+    streaming engine's state-dict hooks, with its threads and locks), and none may
+    run in a dry run.
+    """
+    memo: dict[int, object] = {}
+    for p in model.parameters():
+        twin = fake.from_tensor(torch.empty_like(p, device="meta"))
+        memo[id(p)] = torch.nn.Parameter(twin, p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = fake.from_tensor(torch.empty_like(b, device="meta"))
+    for m in model.modules():
+        for name, value in vars(m).items():
+            if name.endswith("_hooks") and isinstance(value, dict):
+                memo[id(value)] = type(value)()
+    return copy.deepcopy(model, memo)
+
+
 def _to_meta(x):
     if isinstance(x, torch.Tensor):
         return torch.empty_like(x, device="meta").requires_grad_(x.requires_grad)
@@ -69,15 +94,9 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict) -> Trace:
     Raises whatever the model raises on meta tensors (for example a
     data-dependent ``.item()``); the caller falls back to a structural plan.
     """
-    memo: dict[int, torch.Tensor] = {}
-    shadow_params: dict[int, int] = {}
-    for p in model.parameters():
-        meta = torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
-        memo[id(p)] = meta
-        shadow_params[id(meta)] = id(p)
-    for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    shadow = copy.deepcopy(model, memo)
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    shadow = shadow_copy(model, fake)
+    shadow_params = {id(s): id(r) for r, s in zip(model.parameters(), shadow.parameters())}
     real_of = {id(s): id(r) for s, r in zip(shadow.modules(), model.modules())}
 
     trace = Trace()
@@ -102,7 +121,7 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict) -> Trace:
     try:
         with (
             torch.random.fork_rng(devices=devices),
-            FakeTensorMode(allow_non_fake_inputs=True),
+            fake,
             _UseRecorder(shadow_params, stack, trace.uses),
         ):
             shadow(*meta_args, **meta_kwargs)
