@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 # zeros_like places state where the bound engine keeps it (Note [engine binding]).
-from weightstream.optim.binding import zeros_like  # noqa: F401
+from weightstream.optim.binding import zeros_like
+from weightstream.optim.optimizer import Optimizer
 
 
 def run_closure(closure: Callable[[], Any] | None) -> Any:
@@ -38,36 +39,41 @@ def hyper(group: dict[str, Any], name: str) -> float:
 GRADS_KEY = "_weightstream_grads"
 
 
-def collect_grads(
-    optimizer_name: str, group: dict[str, Any], maximize: bool = False
-) -> tuple[list[Tensor], list[Tensor]]:
-    """The group's parameters that have a gradient, and those gradients.
+def groups_with_grads(
+    optimizer: Optimizer, groups: list[dict[str, Any]]
+) -> Iterator[tuple[dict[str, Any], list[Tensor], list[Tensor]]]:
+    """Each group with a gradient to apply: ``(group, params, grads)``.
 
     Parameters without a gradient are skipped (as in torch.optim): their state,
-    including the step count, is left alone. With ``maximize`` the returned
-    gradients are negated copies; ``p.grad`` itself is never modified.
+    including the step count, is left alone. Where the optimizer takes ``maximize``
+    and the group sets it, the gradients are negated copies; ``p.grad`` itself is
+    never modified.
 
     A group handed over by an overlapped step carries its gradients itself
     (``GRADS_KEY``: id(param) -> gradient), taken out of ``p.grad`` when the step
     was scheduled; ``p.grad`` belongs to the caller's thread again by then.
     """
-    params: list[Tensor] = []
-    grads: list[Tensor] = []
-    given = group.get(GRADS_KEY)
-    for p in group["params"]:
-        grad = p.grad if given is None else given.get(id(p))
-        if grad is None:
+    for group in groups:
+        params: list[Tensor] = []
+        grads: list[Tensor] = []
+        given = group.get(GRADS_KEY)
+        for p in group["params"]:
+            grad = p.grad if given is None else given.get(id(p))
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise ValueError(
+                    f"{type(optimizer).__name__} does not support sparse gradients (parameter "
+                    f"of shape {tuple(p.shape)}). Fix: use dense gradients, e.g. "
+                    "nn.Embedding(sparse=False)."
+                )
+            params.append(p)
+            grads.append(grad)
+        if not params:
             continue
-        if grad.is_sparse:
-            raise ValueError(
-                f"{optimizer_name} does not support sparse gradients (parameter of shape "
-                f"{tuple(p.shape)}). Fix: use dense gradients, e.g. nn.Embedding(sparse=False)."
-            )
-        params.append(p)
-        grads.append(grad)
-    if maximize and grads:
-        grads = torch._foreach_neg(grads)
-    return params, grads
+        if "maximize" in optimizer.defaults and group["maximize"]:
+            grads = torch._foreach_neg(grads)
+        yield group, params, grads
 
 
 def add_l2(grads: list[Tensor], params: list[Tensor], weight_decay: float) -> list[Tensor]:
@@ -77,8 +83,57 @@ def add_l2(grads: list[Tensor], params: list[Tensor], weight_decay: float) -> li
     return torch._foreach_add(grads, params, alpha=weight_decay)
 
 
+def decay_weights(
+    params: list[Tensor], grads: list[Tensor], lr: float, weight_decay: float, decoupled: bool
+) -> list[Tensor]:
+    """Apply weight decay; return the gradients to use.
+
+    Decoupled: ``param *= 1 - lr * weight_decay`` (AdamW); otherwise the L2 penalty
+    ``grad + weight_decay * param`` (:func:`add_l2`).
+    """
+    if weight_decay != 0 and decoupled:
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
+        return grads
+    return add_l2(grads, params, weight_decay)
+
+
+def update_moments(
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    grads: list[Tensor],
+    beta1: float,
+    beta2: float,
+) -> None:
+    """Adam's moments: ``m = beta1 m + (1 - beta1) g``;  ``v = beta2 v + (1 - beta2) g^2``."""
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+
+
 def state_list(state: Any, params: list[Tensor], key: str) -> list[Tensor]:
     return [state[p][key] for p in params]
+
+
+class _ZeroStateOptimizer(Optimizer):
+    """An optimizer whose state is zero tensors shaped like each parameter.
+
+    ``state_names`` names them all (all follow the parameter's sparsity mask);
+    ``_state_names(group)`` those a group needs, by default all of them.
+    """
+
+    state_names: tuple[str, ...]
+
+    def _state_names(self, group: dict[str, Any]) -> Sequence[str]:
+        return self.state_names
+
+    def preinitialize(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                for key in self._state_names(group):
+                    self.state[p][key] = zeros_like(p)
+
+    def state_names_to_sparsify(self) -> list[str]:
+        return list(self.state_names)
 
 
 # ----------------------------------------------------------------- validation
@@ -122,3 +177,10 @@ def check_betas(optimizer: str, betas: Any) -> None:
     beta1, beta2 = check_pair(optimizer, "betas", betas)
     check_unit_interval(optimizer, "betas[0]", beta1)
     check_unit_interval(optimizer, "betas[1]", beta2)
+
+
+def check_adam_args(optimizer: str, lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
+    check_non_negative(optimizer, "lr", lr)
+    check_betas(optimizer, betas)
+    check_non_negative(optimizer, "eps", eps)
+    check_non_negative(optimizer, "weight_decay", weight_decay)

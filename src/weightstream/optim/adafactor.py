@@ -12,7 +12,7 @@ from weightstream.optim._common import (
     check_non_negative,
     check_number,
     check_pair,
-    collect_grads,
+    groups_with_grads,
     hyper,
 )
 from weightstream.optim.optimizer import Optimizer, ParamsT
@@ -126,10 +126,7 @@ class Adafactor(Optimizer):
 
     @torch.no_grad()
     def _update(self, groups: list[dict[str, Any]]) -> None:
-        for group in groups:
-            params, grads = collect_grads("Adafactor", group)
-            if not params:
-                continue
+        for group, params, grads in groups_with_grads(self, groups):
             lr = hyper(group, "lr")
             eps1, eps2 = group["eps"]
             decay_rate = hyper(group, "decay_rate")

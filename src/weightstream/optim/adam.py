@@ -11,32 +11,30 @@ from typing import Any
 import torch
 
 from weightstream.optim._common import (
+    _ZeroStateOptimizer,
     add_l2,
-    check_betas,
+    check_adam_args,
     check_non_negative,
-    collect_grads,
+    decay_weights,
+    groups_with_grads,
     hyper,
     state_list,
-    zeros_like,
+    update_moments,
 )
-from weightstream.optim.optimizer import Optimizer, ParamsT
+from weightstream.optim.optimizer import ParamsT
 
 __all__ = ["Adam", "AdamW", "Adamax", "NAdam", "RAdam"]
 
 
-def _check_adam_args(name: str, lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
-    check_non_negative(name, "lr", lr)
-    check_betas(name, betas)
-    check_non_negative(name, "eps", eps)
-    check_non_negative(name, "weight_decay", weight_decay)
-
-
-class _AdamBase(Optimizer):
+class _AdamBase(_ZeroStateOptimizer):
     """Adam and AdamW: one update, differing in how weight decay is applied.
 
-    ``decoupled_weight_decay`` False: L2, ``grad += weight_decay * param`` (Adam).
+    ``_decoupled_weight_decay`` False: L2, ``grad += weight_decay * param`` (Adam).
     True: ``param *= 1 - lr * weight_decay`` before the update (AdamW).
     """
+
+    _decoupled_weight_decay: bool
+    state_names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
     def __init__(
         self,
@@ -47,11 +45,10 @@ class _AdamBase(Optimizer):
         weight_decay: float,
         amsgrad: bool,
         maximize: bool,
+        fused: bool,
         correct_bias: bool,
-        decoupled_weight_decay: bool,
-        fused: bool = False,
     ) -> None:
-        _check_adam_args(type(self).__name__, lr, betas, eps, weight_decay)
+        check_adam_args(type(self).__name__, lr, betas, eps, weight_decay)
         if fused and not correct_bias:
             raise ValueError(
                 f"{type(self).__name__}: fused=True needs correct_bias=True (the fused kernel "
@@ -66,21 +63,12 @@ class _AdamBase(Optimizer):
             amsgrad=amsgrad,
             maximize=maximize,
             correct_bias=correct_bias,
-            decoupled_weight_decay=decoupled_weight_decay,
+            decoupled_weight_decay=self._decoupled_weight_decay,
         )
         super().__init__(params, defaults, enable_global_step=True)
 
-    def preinitialize(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                state["exp_avg"] = zeros_like(p)
-                state["exp_avg_sq"] = zeros_like(p)
-                if group["amsgrad"]:
-                    state["max_exp_avg_sq"] = zeros_like(p)
-
-    def state_names_to_sparsify(self) -> list[str]:
-        return ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
+    def _state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return self.state_names if group["amsgrad"] else self.state_names[:2]
 
     def _fused_update(self, group, params, grads, exp_avgs, exp_avg_sqs) -> None:
         """One fused kernel over the whole group: the host update at memory speed.
@@ -88,7 +76,7 @@ class _AdamBase(Optimizer):
         The same kernel as torch.optim.Adam/AdamW(fused=True), so bitwise equal
         to those (not to the foreach path, which rounds differently).
         """
-        steps = self._steps_tensors(params, advance=True)
+        steps = self._advance_step_tensors(params)
         kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
         beta1, beta2 = group["betas"]
         kernel(
@@ -104,18 +92,14 @@ class _AdamBase(Optimizer):
             beta2=beta2,
             weight_decay=hyper(group, "weight_decay"),
             eps=hyper(group, "eps"),
-            maximize=False,  # collect_grads already negated the gradients
+            maximize=False,  # groups_with_grads already negated the gradients
             grad_scale=None,
             found_inf=None,
         )
 
     @torch.no_grad()
     def _update(self, groups: list[dict[str, Any]]) -> None:
-        name = type(self).__name__
-        for group in groups:
-            params, grads = collect_grads(name, group, group["maximize"])
-            if not params:
-                continue
+        for group, params, grads in groups_with_grads(self, groups):
             lr, eps = hyper(group, "lr"), hyper(group, "eps")
             beta1, beta2 = group["betas"]
             weight_decay = hyper(group, "weight_decay")
@@ -125,17 +109,8 @@ class _AdamBase(Optimizer):
                 self._fused_update(group, params, grads, exp_avgs, exp_avg_sqs)
                 continue
             steps = self._advance_steps(params)
-
-            if weight_decay != 0:
-                if group["decoupled_weight_decay"]:
-                    torch._foreach_mul_(params, 1 - lr * weight_decay)
-                else:
-                    grads = add_l2(grads, params, weight_decay)
-
-            # m = beta1 m + (1 - beta1) g ;  v = beta2 v + (1 - beta2) g^2
-            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-            torch._foreach_mul_(exp_avg_sqs, beta2)
-            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+            grads = decay_weights(params, grads, lr, weight_decay, group["decoupled_weight_decay"])
+            update_moments(exp_avgs, exp_avg_sqs, grads, beta1, beta2)
 
             second_moments = exp_avg_sqs
             if group["amsgrad"]:
@@ -158,6 +133,8 @@ class Adam(_AdamBase):
     gradient; bias correction is always on. ``maximize`` is an extension (torch has it).
     """
 
+    _decoupled_weight_decay = False
+
     def __init__(
         self,
         params: ParamsT,
@@ -171,16 +148,7 @@ class Adam(_AdamBase):
         fused: bool = False,
     ) -> None:
         super().__init__(
-            params,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            amsgrad=amsgrad,
-            maximize=maximize,
-            correct_bias=True,
-            decoupled_weight_decay=False,
-            fused=fused,
+            params, lr, betas, eps, weight_decay, amsgrad, maximize, fused, correct_bias=True
         )
 
 
@@ -190,6 +158,8 @@ class AdamW(_AdamBase):
     ``correct_bias=False`` drops the bias correction (the original BERT recipe):
     ``param -= lr * m / (sqrt(v) + eps)``.
     """
+
+    _decoupled_weight_decay = True
 
     def __init__(
         self,
@@ -205,21 +175,14 @@ class AdamW(_AdamBase):
         fused: bool = False,
     ) -> None:
         super().__init__(
-            params,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            amsgrad=amsgrad,
-            maximize=maximize,
-            correct_bias=correct_bias,
-            decoupled_weight_decay=True,
-            fused=fused,
+            params, lr, betas, eps, weight_decay, amsgrad, maximize, fused, correct_bias
         )
 
 
-class Adamax(Optimizer):
+class Adamax(_ZeroStateOptimizer):
     """Adamax: Adam with the infinity norm (Kingma and Ba, 2014, section 7)."""
+
+    state_names = ("exp_avg", "exp_inf")
 
     def __init__(
         self,
@@ -230,25 +193,13 @@ class Adamax(Optimizer):
         weight_decay: float = 0,
         maximize: bool = False,
     ) -> None:
-        _check_adam_args(type(self).__name__, lr, betas, eps, weight_decay)
+        check_adam_args(type(self).__name__, lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults, enable_global_step=True)
 
-    def preinitialize(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                self.state[p]["exp_avg"] = zeros_like(p)
-                self.state[p]["exp_inf"] = zeros_like(p)
-
-    def state_names_to_sparsify(self) -> list[str]:
-        return ["exp_avg", "exp_inf"]
-
     @torch.no_grad()
     def _update(self, groups: list[dict[str, Any]]) -> None:
-        for group in groups:
-            params, grads = collect_grads("Adamax", group, group["maximize"])
-            if not params:
-                continue
+        for group, params, grads in groups_with_grads(self, groups):
             lr, eps = hyper(group, "lr"), hyper(group, "eps")
             beta1, beta2 = group["betas"]
             exp_avgs = state_list(self.state, params, "exp_avg")
@@ -267,12 +218,14 @@ class Adamax(Optimizer):
             torch._foreach_addcdiv_(params, exp_avgs, exp_infs, step_sizes)
 
 
-class NAdam(Optimizer):
+class NAdam(_ZeroStateOptimizer):
     """NAdam: Adam with Nesterov momentum (Dozat, 2016), with the momentum decay
     schedule ``mu_t = beta1 (1 - 0.5 * 0.96^(t * momentum_decay))``.
 
     ``maximize`` and ``decoupled_weight_decay`` are extensions (torch has them).
     """
+
+    state_names = ("exp_avg", "exp_avg_sq")
 
     def __init__(
         self,
@@ -287,7 +240,7 @@ class NAdam(Optimizer):
         maximize: bool = False,
     ) -> None:
         name = type(self).__name__
-        _check_adam_args(name, lr, betas, eps, weight_decay)
+        check_adam_args(name, lr, betas, eps, weight_decay)
         check_non_negative(name, "momentum_decay", momentum_decay)
         defaults = dict(
             lr=lr,
@@ -301,23 +254,14 @@ class NAdam(Optimizer):
         super().__init__(params, defaults, enable_global_step=True)
 
     def preinitialize(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                # Product of the momentum schedule mu_1 ... mu_t, a float32 scalar as in torch.
-                state["mu_product"] = torch.ones((), dtype=torch.float32, device=p.device)
-                state["exp_avg"] = zeros_like(p)
-                state["exp_avg_sq"] = zeros_like(p)
-
-    def state_names_to_sparsify(self) -> list[str]:
-        return ["exp_avg", "exp_avg_sq"]
+        for p in self._all_params():
+            # Product of the momentum schedule mu_1 ... mu_t, a float32 scalar as in torch.
+            self.state[p]["mu_product"] = torch.ones((), dtype=torch.float32, device=p.device)
+        super().preinitialize()
 
     @torch.no_grad()
     def _update(self, groups: list[dict[str, Any]]) -> None:
-        for group in groups:
-            params, grads = collect_grads("NAdam", group, group["maximize"])
-            if not params:
-                continue
+        for group, params, grads in groups_with_grads(self, groups):
             lr, eps = hyper(group, "lr"), hyper(group, "eps")
             beta1, beta2 = group["betas"]
             weight_decay = hyper(group, "weight_decay")
@@ -326,21 +270,13 @@ class NAdam(Optimizer):
             exp_avg_sqs = state_list(self.state, params, "exp_avg_sq")
             mu_products = state_list(self.state, params, "mu_product")
             steps = self._advance_steps(params)
-
-            if weight_decay != 0:
-                if group["decoupled_weight_decay"]:
-                    torch._foreach_mul_(params, 1 - lr * weight_decay)
-                else:
-                    grads = add_l2(grads, params, weight_decay)
+            grads = decay_weights(params, grads, lr, weight_decay, group["decoupled_weight_decay"])
 
             mus = [beta1 * (1.0 - 0.5 * (0.96 ** (s * momentum_decay))) for s in steps]
             mus_next = [beta1 * (1.0 - 0.5 * (0.96 ** ((s + 1) * momentum_decay))) for s in steps]
             torch._foreach_mul_(mu_products, mus)
             products = [t.item() for t in mu_products]
-
-            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-            torch._foreach_mul_(exp_avg_sqs, beta2)
-            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+            update_moments(exp_avgs, exp_avg_sqs, grads, beta1, beta2)
 
             denoms = torch._foreach_div(exp_avg_sqs, [1 - beta2**s for s in steps])
             torch._foreach_sqrt_(denoms)
@@ -356,13 +292,15 @@ class NAdam(Optimizer):
             torch._foreach_addcdiv_(params, exp_avgs, denoms, avg_coefs)
 
 
-class RAdam(Optimizer):
+class RAdam(_ZeroStateOptimizer):
     """RAdam (Liu et al., 2019): Adam with the variance of the adaptive learning
     rate rectified; plain momentum SGD while the rectification is undefined
     (approximated SMA length rho_t <= 5).
 
     ``maximize`` and ``decoupled_weight_decay`` are extensions (torch has them).
     """
+
+    state_names = ("exp_avg", "exp_avg_sq")
 
     def __init__(
         self,
@@ -375,7 +313,7 @@ class RAdam(Optimizer):
         decoupled_weight_decay: bool = False,
         maximize: bool = False,
     ) -> None:
-        _check_adam_args(type(self).__name__, lr, betas, eps, weight_decay)
+        check_adam_args(type(self).__name__, lr, betas, eps, weight_decay)
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -386,37 +324,17 @@ class RAdam(Optimizer):
         )
         super().__init__(params, defaults, enable_global_step=True)
 
-    def preinitialize(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                self.state[p]["exp_avg"] = zeros_like(p)
-                self.state[p]["exp_avg_sq"] = zeros_like(p)
-
-    def state_names_to_sparsify(self) -> list[str]:
-        return ["exp_avg", "exp_avg_sq"]
-
     @torch.no_grad()
     def _update(self, groups: list[dict[str, Any]]) -> None:
-        for group in groups:
-            params, grads = collect_grads("RAdam", group, group["maximize"])
-            if not params:
-                continue
+        for group, params, grads in groups_with_grads(self, groups):
             lr, eps = hyper(group, "lr"), hyper(group, "eps")
             beta1, beta2 = group["betas"]
             weight_decay = hyper(group, "weight_decay")
             exp_avgs = state_list(self.state, params, "exp_avg")
             exp_avg_sqs = state_list(self.state, params, "exp_avg_sq")
             steps = self._advance_steps(params)
-
-            if weight_decay != 0:
-                if group["decoupled_weight_decay"]:
-                    torch._foreach_mul_(params, 1 - lr * weight_decay)
-                else:
-                    grads = add_l2(grads, params, weight_decay)
-
-            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-            torch._foreach_mul_(exp_avg_sqs, beta2)
-            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+            grads = decay_weights(params, grads, lr, weight_decay, group["decoupled_weight_decay"])
+            update_moments(exp_avgs, exp_avg_sqs, grads, beta1, beta2)
 
             # updates = lr * m / (1 - beta1^t), rectified below where defined.
             updates = torch._foreach_div(exp_avgs, [1 - beta1**s for s in steps])

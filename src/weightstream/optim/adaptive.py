@@ -11,11 +11,12 @@ from typing import Any
 import torch
 
 from weightstream.optim._common import (
+    _ZeroStateOptimizer,
     add_l2,
     check_non_negative,
     check_pair,
     check_unit_interval,
-    collect_grads,
+    groups_with_grads,
     hyper,
     state_list,
     zeros_like,
@@ -25,8 +26,10 @@ from weightstream.optim.optimizer import Optimizer, ParamsT
 __all__ = ["Adadelta", "Adagrad", "RMSprop", "Rprop"]
 
 
-class Adadelta(Optimizer):
+class Adadelta(_ZeroStateOptimizer):
     """Adadelta (Zeiler, 2012)."""
+
+    state_names = ("square_avg", "acc_delta")
 
     def __init__(
         self,
@@ -45,21 +48,9 @@ class Adadelta(Optimizer):
         defaults = dict(lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
 
-    def preinitialize(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                self.state[p]["square_avg"] = zeros_like(p)
-                self.state[p]["acc_delta"] = zeros_like(p)
-
-    def state_names_to_sparsify(self) -> list[str]:
-        return ["square_avg", "acc_delta"]
-
     @torch.no_grad()
     def _update(self, groups: list[dict[str, Any]]) -> None:
-        for group in groups:
-            params, grads = collect_grads("Adadelta", group, group["maximize"])
-            if not params:
-                continue
+        for group, params, grads in groups_with_grads(self, groups):
             lr, rho, eps = hyper(group, "lr"), hyper(group, "rho"), hyper(group, "eps")
             square_avgs = state_list(self.state, params, "square_avg")
             acc_deltas = state_list(self.state, params, "acc_delta")
@@ -120,10 +111,7 @@ class Adagrad(Optimizer):
 
     @torch.no_grad()
     def _update(self, groups: list[dict[str, Any]]) -> None:
-        for group in groups:
-            params, grads = collect_grads("Adagrad", group, group["maximize"])
-            if not params:
-                continue
+        for group, params, grads in groups_with_grads(self, groups):
             lr, lr_decay, eps = hyper(group, "lr"), hyper(group, "lr_decay"), hyper(group, "eps")
             sums = state_list(self.state, params, "sum")
             steps = self._advance_steps(params)
@@ -136,11 +124,13 @@ class Adagrad(Optimizer):
             torch._foreach_addcdiv_(params, grads, stds, step_sizes)
 
 
-class RMSprop(Optimizer):
+class RMSprop(_ZeroStateOptimizer):
     """RMSprop (Hinton, 2012), optionally centered (Graves, 2013) and with momentum.
 
     ``maximize`` is an extension (torch has it).
     """
+
+    state_names = ("square_avg", "momentum_buffer", "grad_avg")
 
     def __init__(
         self,
@@ -171,25 +161,17 @@ class RMSprop(Optimizer):
         )
         super().__init__(params, defaults)
 
-    def preinitialize(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                state["square_avg"] = zeros_like(p)
-                if group["momentum"] > 0:
-                    state["momentum_buffer"] = zeros_like(p)
-                if group["centered"]:
-                    state["grad_avg"] = zeros_like(p)
-
-    def state_names_to_sparsify(self) -> list[str]:
-        return ["square_avg", "momentum_buffer", "grad_avg"]
+    def _state_names(self, group: dict[str, Any]) -> list[str]:
+        names = ["square_avg"]
+        if group["momentum"] > 0:
+            names.append("momentum_buffer")
+        if group["centered"]:
+            names.append("grad_avg")
+        return names
 
     @torch.no_grad()
     def _update(self, groups: list[dict[str, Any]]) -> None:
-        for group in groups:
-            params, grads = collect_grads("RMSprop", group, group["maximize"])
-            if not params:
-                continue
+        for group, params, grads in groups_with_grads(self, groups):
             lr, alpha, eps = hyper(group, "lr"), hyper(group, "alpha"), hyper(group, "eps")
             momentum = hyper(group, "momentum")
             square_avgs = state_list(self.state, params, "square_avg")
@@ -266,10 +248,7 @@ class Rprop(Optimizer):
 
     @torch.no_grad()
     def _update(self, groups: list[dict[str, Any]]) -> None:
-        for group in groups:
-            params, grads = collect_grads("Rprop", group, group["maximize"])
-            if not params:
-                continue
+        for group, params, grads in groups_with_grads(self, groups):
             etaminus, etaplus = group["etas"]
             step_size_min, step_size_max = group["step_sizes"]
             prevs = state_list(self.state, params, "prev")

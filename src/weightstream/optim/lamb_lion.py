@@ -7,14 +7,16 @@ from typing import Any
 import torch
 
 from weightstream.optim._common import (
+    _ZeroStateOptimizer,
+    check_adam_args,
     check_betas,
     check_non_negative,
-    collect_grads,
+    groups_with_grads,
     hyper,
     state_list,
-    zeros_like,
+    update_moments,
 )
-from weightstream.optim.optimizer import Optimizer, ParamsT
+from weightstream.optim.optimizer import ParamsT
 
 __all__ = ["Lamb", "Lion"]
 
@@ -24,7 +26,7 @@ __all__ = ["Lamb", "Lion"]
 _LAMB_WEIGHT_NORM_CLIP = 10.0
 
 
-class Lamb(Optimizer):
+class Lamb(_ZeroStateOptimizer):
     """LAMB (You et al., 2019, "Large Batch Optimization for Deep Learning").
 
     Per parameter tensor (one "layer")::
@@ -37,6 +39,8 @@ class Lamb(Optimizer):
     As in the reference, the moments are not bias corrected (the paper's v3).
     """
 
+    state_names = ("exp_avg", "exp_avg_sq")
+
     def __init__(
         self,
         params: ParamsT,
@@ -46,38 +50,19 @@ class Lamb(Optimizer):
         weight_decay: float = 0,
         adam: bool = False,
     ) -> None:
-        name = type(self).__name__
-        check_non_negative(name, "lr", lr)
-        check_betas(name, betas)
-        check_non_negative(name, "eps", eps)
-        check_non_negative(name, "weight_decay", weight_decay)
+        check_adam_args(type(self).__name__, lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam=adam)
         super().__init__(params, defaults)
 
-    def preinitialize(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                self.state[p]["exp_avg"] = zeros_like(p)
-                self.state[p]["exp_avg_sq"] = zeros_like(p)
-
-    def state_names_to_sparsify(self) -> list[str]:
-        return ["exp_avg", "exp_avg_sq"]
-
     @torch.no_grad()
     def _update(self, groups: list[dict[str, Any]]) -> None:
-        for group in groups:
-            params, grads = collect_grads("Lamb", group)
-            if not params:
-                continue
+        for group, params, grads in groups_with_grads(self, groups):
             lr, eps = hyper(group, "lr"), hyper(group, "eps")
             beta1, beta2 = group["betas"]
             weight_decay = hyper(group, "weight_decay")
             exp_avgs = state_list(self.state, params, "exp_avg")
             exp_avg_sqs = state_list(self.state, params, "exp_avg_sq")
-
-            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-            torch._foreach_mul_(exp_avg_sqs, beta2)
-            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+            update_moments(exp_avgs, exp_avg_sqs, grads, beta1, beta2)
 
             denoms = torch._foreach_sqrt(exp_avg_sqs)
             torch._foreach_add_(denoms, eps)
@@ -99,13 +84,15 @@ class Lamb(Optimizer):
                 p.add_(adam_step, alpha=-lr * trust)
 
 
-class Lion(Optimizer):
+class Lion(_ZeroStateOptimizer):
     """Lion (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms")::
 
     param *= 1 - lr * weight_decay
     param -= lr * sign(beta1 m + (1 - beta1) g)
     m = beta2 m + (1 - beta2) g
     """
+
+    state_names = ("exp_avg",)
 
     def __init__(
         self,
@@ -121,20 +108,9 @@ class Lion(Optimizer):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay)
         super().__init__(params, defaults)
 
-    def preinitialize(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                self.state[p]["exp_avg"] = zeros_like(p)
-
-    def state_names_to_sparsify(self) -> list[str]:
-        return ["exp_avg"]
-
     @torch.no_grad()
     def _update(self, groups: list[dict[str, Any]]) -> None:
-        for group in groups:
-            params, grads = collect_grads("Lion", group)
-            if not params:
-                continue
+        for group, params, grads in groups_with_grads(self, groups):
             lr, weight_decay = hyper(group, "lr"), hyper(group, "weight_decay")
             beta1, beta2 = group["betas"]
             exp_avgs = state_list(self.state, params, "exp_avg")

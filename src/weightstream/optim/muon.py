@@ -9,14 +9,14 @@ import torch
 from torch import Tensor
 
 from weightstream.optim._common import (
+    _ZeroStateOptimizer,
     check_non_negative,
     check_number,
-    collect_grads,
+    groups_with_grads,
     hyper,
     state_list,
-    zeros_like,
 )
-from weightstream.optim.optimizer import Optimizer, ParamsT
+from weightstream.optim.optimizer import ParamsT
 
 __all__ = ["Muon"]
 
@@ -62,7 +62,7 @@ def _lr_ratio(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
     return 0.2 * math.sqrt(max(rows, cols))
 
 
-class Muon(Optimizer):
+class Muon(_ZeroStateOptimizer):
     """Muon: momentum, then each parameter's update is replaced by its nearest
     semi-orthogonal matrix (Newton-Schulz, ``ns_steps`` iterations in bfloat16)::
 
@@ -79,6 +79,8 @@ class Muon(Optimizer):
     choice, for which lr=0.02 is tuned); "match_rms_adamw" by
     ``0.2 * sqrt(max(rows, cols))``.
     """
+
+    state_names = ("momentum_buffer",)
 
     def __init__(
         self,
@@ -123,26 +125,19 @@ class Muon(Optimizer):
         super().__init__(params, defaults)
 
     def preinitialize(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.ndim < 2:
-                    raise ValueError(
-                        f"Muon orthogonalizes matrix updates, but got a parameter of shape "
-                        f"{tuple(p.shape)}. Fix: optimize biases, norm weights and other "
-                        "parameters with fewer than 2 dimensions with a second optimizer "
-                        "(e.g. AdamW), and give Muon only the matrices (p.ndim >= 2)."
-                    )
-                self.state[p]["momentum_buffer"] = zeros_like(p)
-
-    def state_names_to_sparsify(self) -> list[str]:
-        return ["momentum_buffer"]
+        for p in self._all_params():
+            if p.ndim < 2:
+                raise ValueError(
+                    f"Muon orthogonalizes matrix updates, but got a parameter of shape "
+                    f"{tuple(p.shape)}. Fix: optimize biases, norm weights and other "
+                    "parameters with fewer than 2 dimensions with a second optimizer "
+                    "(e.g. AdamW), and give Muon only the matrices (p.ndim >= 2)."
+                )
+        super().preinitialize()
 
     @torch.no_grad()
     def _update(self, groups: list[dict[str, Any]]) -> None:
-        for group in groups:
-            params, grads = collect_grads("Muon", group)
-            if not params:
-                continue
+        for group, params, grads in groups_with_grads(self, groups):
             lr, weight_decay = hyper(group, "lr"), hyper(group, "weight_decay")
             momentum = hyper(group, "momentum")
             bufs = state_list(self.state, params, "momentum_buffer")

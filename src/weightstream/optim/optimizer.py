@@ -184,7 +184,7 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
 
     def increment_global_step(self, p: Tensor) -> Tensor:
         """Add one to ``state[p]["step"]`` and return that float32 tensor."""
-        return self._steps_tensors([p], advance=True)[0]
+        return self._advance_step_tensors([p])[0]
 
     def _advance_steps(self, params: list[Tensor]) -> list[float]:
         """Increment the step of each parameter; return the new values as Python floats.
@@ -193,10 +193,9 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
         store it is a plain read. torch.optim reads them the same way (``.item()``)
         so that step-dependent scalars are computed in double precision.
         """
-        steps = self._steps_tensors(params, advance=True)
-        return [s.item() for s in steps]
+        return [s.item() for s in self._advance_step_tensors(params)]
 
-    def _steps_tensors(self, params: list[Tensor], advance: bool) -> list[Tensor]:
+    def _advance_step_tensors(self, params: list[Tensor]) -> list[Tensor]:
         try:
             steps = [self.state[p]["step"] for p in params]
         except KeyError:
@@ -204,7 +203,7 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
                 f"{type(self).__name__} reads the global step, but a parameter has no "
                 "state['step']. Fix: pass enable_global_step=True to Optimizer.__init__."
             ) from None
-        if advance and steps:
+        if steps:
             torch._foreach_add_(steps, 1.0)
         return steps
 

@@ -7,10 +7,11 @@ from typing import Any
 import torch
 
 from weightstream.optim._common import (
+    _ZeroStateOptimizer,
     add_l2,
     check_non_negative,
     check_number,
-    collect_grads,
+    groups_with_grads,
     hyper,
     state_list,
     zeros_like,
@@ -20,13 +21,15 @@ from weightstream.optim.optimizer import Optimizer, ParamsT
 __all__ = ["ASGD", "SGD"]
 
 
-class SGD(Optimizer):
+class SGD(_ZeroStateOptimizer):
     """Stochastic gradient descent, optionally with (Nesterov) momentum.
 
     Same update as ``torch.optim.SGD``, including its first momentum step
     ``buf = grad`` (not ``(1 - dampening) * grad``); the global step tells which
     step is the first, since the momentum buffer exists (as zeros) beforehand.
     """
+
+    state_names = ("momentum_buffer",)
 
     def __init__(
         self,
@@ -59,21 +62,12 @@ class SGD(Optimizer):
         )
         super().__init__(params, defaults, enable_global_step=True)
 
-    def preinitialize(self) -> None:
-        for group in self.param_groups:
-            if group["momentum"] != 0:
-                for p in group["params"]:
-                    self.state[p]["momentum_buffer"] = zeros_like(p)
-
-    def state_names_to_sparsify(self) -> list[str]:
-        return ["momentum_buffer"]
+    def _state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return self.state_names if group["momentum"] != 0 else ()
 
     @torch.no_grad()
     def _update(self, groups: list[dict[str, Any]]) -> None:
-        for group in groups:
-            params, grads = collect_grads("SGD", group, group["maximize"])
-            if not params:
-                continue
+        for group, params, grads in groups_with_grads(self, groups):
             lr = hyper(group, "lr")
             momentum = hyper(group, "momentum")
             steps = self._advance_steps(params)
@@ -145,10 +139,7 @@ class ASGD(Optimizer):
 
     @torch.no_grad()
     def _update(self, groups: list[dict[str, Any]]) -> None:
-        for group in groups:
-            params, grads = collect_grads("ASGD", group, group["maximize"])
-            if not params:
-                continue
+        for group, params, grads in groups_with_grads(self, groups):
             lr = hyper(group, "lr")
             lambd, alpha, t0 = hyper(group, "lambd"), hyper(group, "alpha"), hyper(group, "t0")
             etas = state_list(self.state, params, "eta")
