@@ -27,6 +27,7 @@ from weightstream.common.schema import (
 __all__ = ["OptimizerParams"]
 
 _OPTIMIZER_KWARG_FIELDS = ("weight_decay", "betas", "eps", "momentum")
+_DYNAMIC_ONLY = ("initial_loss_scale", "steps_per_increase", "min_loss_scale", "max_loss_scale")
 
 
 @dataclass
@@ -113,16 +114,7 @@ class OptimizerParams:
                 f"{s}: min_loss_scale ({self.min_loss_scale}) is larger than max_loss_scale "
                 f"({self.max_loss_scale}). Fix: swap them."
             )
-        dynamic_only = [
-            n
-            for n in (
-                "initial_loss_scale",
-                "steps_per_increase",
-                "min_loss_scale",
-                "max_loss_scale",
-            )
-            if getattr(self, n) is not None
-        ]
+        dynamic_only = [n for n in _DYNAMIC_ONLY if getattr(self, n) is not None]
         if dynamic_only and self.loss_scaling_factor != "dynamic":
             warnings.warn(
                 f"{s}: {', '.join(dynamic_only)} only apply to dynamic loss scaling and are "

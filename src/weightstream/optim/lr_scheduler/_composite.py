@@ -88,6 +88,11 @@ class _CompositeScheduler(Scheduler):
     def initial_value(self) -> float:
         return self._schedulers[0].initial_value
 
+    def _set_last_epoch(self, last_epoch: torch.Tensor) -> None:
+        super()._set_last_epoch(last_epoch)
+        for child in self._schedulers:
+            child._set_last_epoch(last_epoch)
+
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state["_schedulers"] = [child.state_dict() for child in self._schedulers]
@@ -163,7 +168,7 @@ class SequentialScheduler(_CompositeScheduler):
         super().__init__(optimizer, total_iters, last_epoch, tags)
 
     def _set_last_epoch(self, last_epoch: torch.Tensor) -> None:
-        super()._set_last_epoch(last_epoch)
+        Scheduler._set_last_epoch(self, last_epoch)  # not the composite's: children are shifted
         self._schedulers[0]._set_last_epoch(last_epoch)
         for milestone, child in zip(self._milestones, self._schedulers[1:]):
             child._set_last_epoch(torch.clamp(last_epoch - milestone, min=0))
@@ -206,11 +211,6 @@ class ChainedScheduler(_CompositeScheduler):
         self._schedulers = list(schedulers)
         super().__init__(optimizer, None, -1, tags)
 
-    def _set_last_epoch(self, last_epoch: torch.Tensor) -> None:
-        super()._set_last_epoch(last_epoch)
-        for child in self._schedulers:
-            child._set_last_epoch(last_epoch)
-
     def _get_closed_form(self) -> torch.Tensor:
         value = self._schedulers[0]._get_closed_form()
         for child in self._schedulers[1:]:
@@ -241,10 +241,6 @@ class ScalePerParamScheduler(_CompositeScheduler):
     def scheduler(self) -> Scheduler:
         """The wrapped scheduler."""
         return self._schedulers[0]
-
-    def _set_last_epoch(self, last_epoch: torch.Tensor) -> None:
-        super()._set_last_epoch(last_epoch)
-        self._schedulers[0]._set_last_epoch(last_epoch)
 
     def _get_closed_form(self) -> torch.Tensor:
         return self._schedulers[0]._get_closed_form()
