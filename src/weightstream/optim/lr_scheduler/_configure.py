@@ -168,7 +168,10 @@ def _scheduler_classes() -> dict[str, type[LRScheduler]]:
     found: dict[str, type[LRScheduler]] = {
         name.lower(): cls
         for name, cls in vars(_lr).items()
-        if isinstance(cls, type) and issubclass(cls, LRScheduler) and cls is not LRScheduler
+        if isinstance(cls, type)
+        and issubclass(cls, LRScheduler)
+        and cls is not LRScheduler
+        and not name.startswith("_")
     }
     stack = list(LRScheduler.__subclasses__())
     while stack:

@@ -2,8 +2,8 @@
 
 Every class pairs :class:`LRScheduler` (key ``"lr"``, the ``_get_closed_form_lr`` hook)
 with one generic shape and renames the shape's arguments to the reference's
-(``initial_val`` -> ``initial_learning_rate``, ...). The one-line
-``_get_closed_form_lr = <Shape>._get_closed_form`` binds the hook to the shape.
+(``initial_val`` -> ``initial_learning_rate``, ...). :class:`_ShapeLR` binds the hook
+to the shape.
 """
 
 from __future__ import annotations
@@ -37,7 +37,16 @@ from ._decay import (
 )
 
 
-class ConstantLR(LRScheduler, ConstantScheduler):
+class _ShapeLR(LRScheduler):
+    """An LRScheduler whose learning rate is the closed form of the shape after it in the
+    bases (``class ConstantLR(_ShapeLR, ConstantScheduler)``)."""
+
+    def _get_closed_form_lr(self) -> torch.Tensor:
+        # Past LRScheduler (whose _get_closed_form calls this hook) to the shape's.
+        return super(LRScheduler, self)._get_closed_form()
+
+
+class ConstantLR(_ShapeLR, ConstantScheduler):
     """Holds ``learning_rate``; ``total_iters`` only sizes it inside a SequentialLR."""
 
     def __init__(
@@ -49,10 +58,8 @@ class ConstantLR(LRScheduler, ConstantScheduler):
     ) -> None:
         super().__init__(optimizer, learning_rate, total_iters, param_group_tags)
 
-    _get_closed_form_lr = ConstantScheduler._get_closed_form
 
-
-class PolynomialLR(LRScheduler, PolynomialScheduler):
+class PolynomialLR(_ShapeLR, PolynomialScheduler):
     """Polynomial decay from ``initial_learning_rate`` to ``end_learning_rate`` in ``total_iters``.
 
     ``(1 - t / total_iters) ** power * (initial - end) + end``, then ``end``; see
@@ -80,10 +87,8 @@ class PolynomialLR(LRScheduler, PolynomialScheduler):
             param_group_tags,
         )
 
-    _get_closed_form_lr = PolynomialScheduler._get_closed_form
 
-
-class LinearLR(LRScheduler, LinearScheduler):
+class LinearLR(_ShapeLR, LinearScheduler):
     """Linear ramp from ``initial_learning_rate`` to ``end_learning_rate`` in ``total_iters``.
 
     torch's ``LinearLR(start_factor, end_factor)`` is ``initial = lr * start_factor``,
@@ -108,10 +113,8 @@ class LinearLR(LRScheduler, LinearScheduler):
             param_group_tags,
         )
 
-    _get_closed_form_lr = LinearScheduler._get_closed_form
 
-
-class ExponentialLR(LRScheduler, ExponentialScheduler):
+class ExponentialLR(_ShapeLR, ExponentialScheduler):
     """``initial_learning_rate * decay_rate ** (t / total_iters)`` (floored with ``staircase``).
 
     torch's ``ExponentialLR(gamma)`` is ``total_iters=1, decay_rate=gamma``.
@@ -130,10 +133,8 @@ class ExponentialLR(LRScheduler, ExponentialScheduler):
             optimizer, initial_learning_rate, total_iters, decay_rate, staircase, param_group_tags
         )
 
-    _get_closed_form_lr = ExponentialScheduler._get_closed_form
 
-
-class InverseExponentialTimeDecayLR(LRScheduler, InverseExponentialTimeDecayScheduler):
+class InverseExponentialTimeDecayLR(_ShapeLR, InverseExponentialTimeDecayScheduler):
     """``initial_learning_rate / (1 + decay_rate * t ** step_exponent / total_iters)``."""
 
     def __init__(
@@ -156,10 +157,8 @@ class InverseExponentialTimeDecayLR(LRScheduler, InverseExponentialTimeDecaySche
             param_group_tags,
         )
 
-    _get_closed_form_lr = InverseExponentialTimeDecayScheduler._get_closed_form
 
-
-class InverseSquareRootDecayLR(LRScheduler, InverseSquareRootDecayScheduler):
+class InverseSquareRootDecayLR(_ShapeLR, InverseSquareRootDecayScheduler):
     """``initial_learning_rate * scale / sqrt(max(warmup_steps, t))``."""
 
     def __init__(
@@ -172,10 +171,8 @@ class InverseSquareRootDecayLR(LRScheduler, InverseSquareRootDecayScheduler):
     ) -> None:
         super().__init__(optimizer, initial_learning_rate, scale, warmup_steps, param_group_tags)
 
-    _get_closed_form_lr = InverseSquareRootDecayScheduler._get_closed_form
 
-
-class CosineDecayLR(LRScheduler, CosineDecayScheduler):
+class CosineDecayLR(_ShapeLR, CosineDecayScheduler):
     """Half a cosine from ``initial_learning_rate`` to ``end_learning_rate``, then held."""
 
     def __init__(
@@ -190,16 +187,12 @@ class CosineDecayLR(LRScheduler, CosineDecayScheduler):
             optimizer, initial_learning_rate, end_learning_rate, total_iters, param_group_tags
         )
 
-    _get_closed_form_lr = CosineDecayScheduler._get_closed_form
 
-
-class SequentialLR(LRScheduler, SequentialScheduler):
+class SequentialLR(_ShapeLR, SequentialScheduler):
     """Runs ``schedulers[k]`` from ``milestones[k-1]``, restarted at its own step 0 there."""
 
-    _get_closed_form_lr = SequentialScheduler._get_closed_form
 
-
-class PiecewiseConstantLR(LRScheduler, PiecewiseConstantScheduler):
+class PiecewiseConstantLR(_ShapeLR, PiecewiseConstantScheduler):
     """``learning_rates[k]`` between ``milestones[k-1]`` and ``milestones[k]``."""
 
     def __init__(
@@ -211,10 +204,8 @@ class PiecewiseConstantLR(LRScheduler, PiecewiseConstantScheduler):
     ) -> None:
         super().__init__(optimizer, learning_rates, milestones, param_group_tags)
 
-    _get_closed_form_lr = PiecewiseConstantScheduler._get_closed_form
 
-
-class MultiStepLR(LRScheduler, MultiStepScheduler):
+class MultiStepLR(_ShapeLR, MultiStepScheduler):
     """``initial_learning_rate * gamma ** (number of milestones <= t)``."""
 
     def __init__(
@@ -227,10 +218,8 @@ class MultiStepLR(LRScheduler, MultiStepScheduler):
     ) -> None:
         super().__init__(optimizer, initial_learning_rate, gamma, milestones, param_group_tags)
 
-    _get_closed_form_lr = MultiStepScheduler._get_closed_form
 
-
-class StepLR(LRScheduler, StepScheduler):
+class StepLR(_ShapeLR, StepScheduler):
     """``initial_learning_rate * gamma ** floor(t / step_size)``."""
 
     def __init__(
@@ -243,10 +232,8 @@ class StepLR(LRScheduler, StepScheduler):
     ) -> None:
         super().__init__(optimizer, initial_learning_rate, step_size, gamma, param_group_tags)
 
-    _get_closed_form_lr = StepScheduler._get_closed_form
 
-
-class CosineAnnealingLR(LRScheduler, CosineAnnealingScheduler):
+class CosineAnnealingLR(_ShapeLR, CosineAnnealingScheduler):
     """``eta_min + (initial_learning_rate - eta_min) * (1 + cos(pi * t / T_max)) / 2``."""
 
     def __init__(
@@ -259,10 +246,8 @@ class CosineAnnealingLR(LRScheduler, CosineAnnealingScheduler):
     ) -> None:
         super().__init__(optimizer, initial_learning_rate, T_max, eta_min, param_group_tags)
 
-    _get_closed_form_lr = CosineAnnealingScheduler._get_closed_form
 
-
-class CosineAnnealingWarmRestarts(LRScheduler, CosineAnnealingWarmRestartsScheduler):
+class CosineAnnealingWarmRestarts(_ShapeLR, CosineAnnealingWarmRestartsScheduler):
     """Cosine annealing from ``initial_learning_rate``, restarted after ``T_0 * T_mult ** k`` steps."""
 
     def __init__(
@@ -276,10 +261,8 @@ class CosineAnnealingWarmRestarts(LRScheduler, CosineAnnealingWarmRestartsSchedu
     ) -> None:
         super().__init__(optimizer, initial_learning_rate, T_0, T_mult, eta_min, param_group_tags)
 
-    _get_closed_form_lr = CosineAnnealingWarmRestartsScheduler._get_closed_form
 
-
-class LambdaLR(LRScheduler, LambdaScheduler):
+class LambdaLR(_ShapeLR, LambdaScheduler):
     """``initial_learning_rate`` times the function(s) returned by :meth:`set_lr_lambda`.
 
     Subclass and override :meth:`set_lr_lambda`; each function receives the step as a
@@ -305,10 +288,8 @@ class LambdaLR(LRScheduler, LambdaScheduler):
     ) -> Callable[[torch.Tensor], torch.Tensor] | list[Callable[[torch.Tensor], torch.Tensor]]:
         return self.set_lr_lambda()
 
-    _get_closed_form_lr = LambdaScheduler._get_closed_form
 
-
-class MultiplicativeLR(LRScheduler, MultiplicativeScheduler):
+class MultiplicativeLR(_ShapeLR, MultiplicativeScheduler):
     """``initial_learning_rate * coefficient ** t``."""
 
     def __init__(
@@ -320,20 +301,16 @@ class MultiplicativeLR(LRScheduler, MultiplicativeScheduler):
     ) -> None:
         super().__init__(optimizer, initial_learning_rate, coefficient, param_group_tags)
 
-    _get_closed_form_lr = MultiplicativeScheduler._get_closed_form
 
-
-class ChainedLR(LRScheduler, _Chained):
+class ChainedLR(_ShapeLR, _Chained):
     """``s0(t) * prod(s_k(t) / s_k.initial_value)`` over learning-rate schedulers."""
-
-    _get_closed_form_lr = _Chained._get_closed_form
 
 
 #: torch's name for :class:`ChainedLR`.
 ChainedScheduler = ChainedLR
 
 
-class CyclicLR(LRScheduler, CyclicScheduler):
+class CyclicLR(_ShapeLR, CyclicScheduler):
     """Cyclical learning rate between ``base_lr`` and ``max_lr`` (torch's CyclicLR, no momentum)."""
 
     def __init__(
@@ -360,10 +337,8 @@ class CyclicLR(LRScheduler, CyclicScheduler):
             param_group_tags,
         )
 
-    _get_closed_form_lr = CyclicScheduler._get_closed_form
 
-
-class OneCycleLR(LRScheduler, OneCycleScheduler):
+class OneCycleLR(_ShapeLR, OneCycleScheduler):
     """1cycle policy; ``initial_learning_rate`` is torch's ``max_lr / div_factor`` (no momentum)."""
 
     def __init__(
@@ -390,11 +365,8 @@ class OneCycleLR(LRScheduler, OneCycleScheduler):
             param_group_tags,
         )
 
-    _get_closed_form_lr = OneCycleScheduler._get_closed_form
 
-
-class ScalePerParamLR(LRScheduler, ScalePerParamScheduler):
+class ScalePerParamLR(_ShapeLR, ScalePerParamScheduler):
     """Writes ``scheduler``'s lr times each group's ``adjust_learning_rate`` (default 1)."""
 
     adjustment_key = "adjust_learning_rate"
-    _get_closed_form_lr = ScalePerParamScheduler._get_closed_form
