@@ -163,22 +163,20 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
                 self._engine.bind_optimizer(self)
 
     def _create_state(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if not (p.is_floating_point()):
-                    raise TypeError(
-                        f"{type(self).__name__} updates real floating-point parameters, but got "
-                        f"a parameter of dtype {p.dtype} and shape {tuple(p.shape)}. "
-                        "Fix: leave integer/complex tensors out of the optimizer's params."
-                    )
+        for p in self._all_params():
+            if not p.is_floating_point():
+                raise TypeError(
+                    f"{type(self).__name__} updates real floating-point parameters, but got "
+                    f"a parameter of dtype {p.dtype} and shape {tuple(p.shape)}. "
+                    "Fix: leave integer/complex tensors out of the optimizer's params."
+                )
         with torch.no_grad(), placing_state(self._engine):
             self.preinitialize()
             if self.enable_global_step:
-                for group in self.param_groups:
-                    for p in group["params"]:
-                        state = self.state[p]
-                        if "step" not in state:
-                            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                for p in self._all_params():
+                    state = self.state[p]
+                    if "step" not in state:
+                        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
 
     # --------------------------------------------------------------- global step
 

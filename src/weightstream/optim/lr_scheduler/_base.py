@@ -194,9 +194,7 @@ class Scheduler(ABC):
                     f"groups with param_group_tags."
                 )
         if not any(self._applies_to(group, tags) for group in groups):
-            available: set[str | None] = set()
-            for group in groups:
-                available |= _checks.group_tags(group)
+            available = set().union(*map(_checks.group_tags, groups))
             raise ValueError(
                 f"{owner}: param_group_tags {sorted(map(str, tags or ()))} select no param "
                 f"group of the optimizer. Tags present: {sorted(map(str, available))} "
