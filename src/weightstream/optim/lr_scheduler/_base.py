@@ -36,6 +36,11 @@ def f64(value: float) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float64)
 
 
+def _cloned(values: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``values`` whose tensors are copies too."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+
+
 class Scheduler(ABC):
     """Schedules one param-group value as a closed-form function of the step.
 
@@ -208,11 +213,7 @@ class Scheduler(ABC):
 
         Tensors are copies, so the dict does not change when the schedule moves on.
         """
-        state = {
-            key: value.clone() if isinstance(value, torch.Tensor) else value
-            for key, value in self.__dict__.items()
-            if key != "optimizer"
-        }
+        state = _cloned({key: value for key, value in self.__dict__.items() if key != "optimizer"})
         # A plain list, so that the checkpoint writer and torch.load(weights_only=True)
         # take it (a frozenset is neither flattened nor allow-listed).
         state["param_group_tags"] = _checks.tags_as_list(self.param_group_tags)
@@ -244,10 +245,7 @@ class Scheduler(ABC):
                 f"scheduler (unexpected keys {sorted(unexpected)}, missing keys "
                 f"{sorted(missing)}). Build the same scheduler as the one that was saved."
             )
-        restored = {
-            key: value.clone() if isinstance(value, torch.Tensor) else value
-            for key, value in state_dict.items()
-        }
+        restored = _cloned(state_dict)
         step = restored["last_epoch"]
         if isinstance(step, torch.Tensor) and step.numel() == 1:
             step = step.item()

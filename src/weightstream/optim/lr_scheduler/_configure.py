@@ -220,13 +220,11 @@ def _build_one(optimizer: torch.optim.Optimizer, entry: dict[str, Any], where: s
             f"list of scheduler dicts instead (a SequentialLR by default, a ChainedLR with "
             f"'main_scheduler: chained')."
         )
-    for key in entry:
-        if key in params:
-            continue
+    unknown = [key for key in entry if key not in params]
+    for key in unknown:
         replacement = next((r for r in _RETIRED.get(key, ()) if r in params), None)
         if replacement is not None:
             raise ValueError(f"{owner}: '{key}' is a retired name; rename it to '{replacement}'.")
-    unknown = [key for key in entry if key not in params]
     if unknown:
         hints = []
         for key in unknown:
