@@ -8,6 +8,7 @@ ulps (the tests state the tolerance for each).
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 
@@ -201,16 +202,14 @@ class OneCycleScheduler(Scheduler):
         self.anneal_strategy = _checks.choice(
             owner, "anneal_strategy", anneal_strategy, self._STRATEGIES
         )
-        start = 0.0
-        for end, _, _ in self._phases():
-            if end <= start:
-                raise ValueError(
-                    f"{owner}: pct_start={pct_start} with total_steps={total_steps} leaves a "
-                    f"phase of the cycle with no steps (phase ends {[p[0] for p in self._phases()]})."
-                    f" Use 0 < pct_start < 1 with pct_start * total_steps > 1 "
-                    f"(and < total_steps / 2 with three_phase)."
-                )
-            start = end
+        ends = [end for end, _, _ in self._phases()]
+        if any(end <= start for start, end in itertools.pairwise([0.0, *ends])):
+            raise ValueError(
+                f"{owner}: pct_start={pct_start} with total_steps={total_steps} leaves a "
+                f"phase of the cycle with no steps (phase ends {ends})."
+                f" Use 0 < pct_start < 1 with pct_start * total_steps > 1 "
+                f"(and < total_steps / 2 with three_phase)."
+            )
         super().__init__(optimizer, total_iters=None, param_group_tags=param_group_tags)
 
     def _phases(self) -> list[tuple[float, float, float]]:
