@@ -147,10 +147,11 @@ def check_number(optimizer: str, name: str, value: Any) -> None:
         )
 
 
-def check_non_negative(optimizer: str, name: str, value: Any) -> None:
-    check_number(optimizer, name, value)
-    if not value >= 0.0:
-        raise ValueError(f"{optimizer}: {name} must be >= 0, got {value}.")
+def check_non_negative(optimizer: str, **values: Any) -> None:
+    for name, value in values.items():
+        check_number(optimizer, name, value)
+        if not value >= 0.0:
+            raise ValueError(f"{optimizer}: {name} must be >= 0, got {value}.")
 
 
 def check_unit_interval(
@@ -180,7 +181,6 @@ def check_betas(optimizer: str, betas: Any) -> None:
 
 
 def check_adam_args(optimizer: str, lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
-    check_non_negative(optimizer, "lr", lr)
+    check_non_negative(optimizer, lr=lr)
     check_betas(optimizer, betas)
-    check_non_negative(optimizer, "eps", eps)
-    check_non_negative(optimizer, "weight_decay", weight_decay)
+    check_non_negative(optimizer, eps=eps, weight_decay=weight_decay)

@@ -66,10 +66,9 @@ class Adafactor(Optimizer):
                 "Fix: pass lr, and schedule it with an lr scheduler, e.g. "
                 "InverseSquareRootDecayLR."
             )
-        check_non_negative(name, "lr", lr)
+        check_non_negative(name, lr=lr)
         eps1, eps2 = check_pair(name, "eps", eps)
-        check_non_negative(name, "eps[0]", eps1)
-        check_non_negative(name, "eps[1]", eps2)
+        check_non_negative(name, **{"eps[0]": eps1, "eps[1]": eps2})
         check_number(name, "clip_threshold", clip_threshold)
         if clip_threshold != 1.0:
             raise ValueError(
@@ -92,7 +91,7 @@ class Adafactor(Optimizer):
                 "Fix: set warmup_init=False and warm lr up with an lr scheduler."
             )
         check_number(name, "decay_rate", decay_rate)
-        check_non_negative(name, "weight_decay", weight_decay)
+        check_non_negative(name, weight_decay=weight_decay)
         defaults = dict(
             lr=lr,
             eps=eps,

@@ -241,7 +241,7 @@ class NAdam(_ZeroStateOptimizer):
     ) -> None:
         name = type(self).__name__
         check_adam_args(name, lr, betas, eps, weight_decay)
-        check_non_negative(name, "momentum_decay", momentum_decay)
+        check_non_negative(name, momentum_decay=momentum_decay)
         defaults = dict(
             lr=lr,
             betas=betas,

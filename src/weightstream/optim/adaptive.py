@@ -41,10 +41,9 @@ class Adadelta(_ZeroStateOptimizer):
         maximize: bool = False,
     ) -> None:
         name = type(self).__name__
-        check_non_negative(name, "lr", lr)
+        check_non_negative(name, lr=lr)
         check_unit_interval(name, "rho", rho, inclusive_high=True)
-        check_non_negative(name, "eps", eps)
-        check_non_negative(name, "weight_decay", weight_decay)
+        check_non_negative(name, eps=eps, weight_decay=weight_decay)
         defaults = dict(lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
 
@@ -84,11 +83,8 @@ class Adagrad(Optimizer):
         maximize: bool = False,
     ) -> None:
         name = type(self).__name__
-        check_non_negative(name, "lr", lr)
-        check_non_negative(name, "lr_decay", lr_decay)
-        check_non_negative(name, "weight_decay", weight_decay)
-        check_non_negative(name, "initial_accumulator_value", initial_accumulator_value)
-        check_non_negative(name, "eps", eps)
+        check_non_negative(name, lr=lr, lr_decay=lr_decay, weight_decay=weight_decay)
+        check_non_negative(name, initial_accumulator_value=initial_accumulator_value, eps=eps)
         defaults = dict(
             lr=lr,
             lr_decay=lr_decay,
@@ -145,11 +141,9 @@ class RMSprop(_ZeroStateOptimizer):
         maximize: bool = False,
     ) -> None:
         name = type(self).__name__
-        check_non_negative(name, "lr", lr)
+        check_non_negative(name, lr=lr)
         check_unit_interval(name, "alpha", alpha, inclusive_high=True)
-        check_non_negative(name, "eps", eps)
-        check_non_negative(name, "weight_decay", weight_decay)
-        check_non_negative(name, "momentum", momentum)
+        check_non_negative(name, eps=eps, weight_decay=weight_decay, momentum=momentum)
         defaults = dict(
             lr=lr,
             alpha=alpha,
@@ -218,7 +212,7 @@ class Rprop(Optimizer):
         maximize: bool = False,
     ) -> None:
         name = type(self).__name__
-        check_non_negative(name, "lr", lr)
+        check_non_negative(name, lr=lr)
         etaminus, etaplus = check_pair(name, "etas", etas)
         if not 0.0 < etaminus < 1.0 < etaplus:
             raise ValueError(

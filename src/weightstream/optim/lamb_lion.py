@@ -102,9 +102,9 @@ class Lion(_ZeroStateOptimizer):
         weight_decay: float = 0,
     ) -> None:
         name = type(self).__name__
-        check_non_negative(name, "lr", lr)
+        check_non_negative(name, lr=lr)
         check_betas(name, betas)
-        check_non_negative(name, "weight_decay", weight_decay)
+        check_non_negative(name, weight_decay=weight_decay)
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay)
         super().__init__(params, defaults)
 

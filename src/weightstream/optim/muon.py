@@ -96,10 +96,7 @@ class Muon(_ZeroStateOptimizer):
         adjust_lr_fn: str | None = None,
     ) -> None:
         name = type(self).__name__
-        check_non_negative(name, "lr", lr)
-        check_non_negative(name, "weight_decay", weight_decay)
-        check_non_negative(name, "momentum", momentum)
-        check_non_negative(name, "eps", eps)
+        check_non_negative(name, lr=lr, weight_decay=weight_decay, momentum=momentum, eps=eps)
         if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 0:
             raise ValueError(f"{name}: ns_steps must be an int >= 0, got {ns_steps!r}.")
         if not isinstance(ns_coefficients, (tuple, list)) or len(ns_coefficients) != 3:

@@ -42,10 +42,9 @@ class SGD(_ZeroStateOptimizer):
         maximize: bool = False,
     ) -> None:
         name = type(self).__name__
-        check_non_negative(name, "lr", lr)
-        check_non_negative(name, "momentum", momentum)
+        check_non_negative(name, lr=lr, momentum=momentum)
         check_number(name, "dampening", dampening)
-        check_non_negative(name, "weight_decay", weight_decay)
+        check_non_negative(name, weight_decay=weight_decay)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError(
                 f"{name}: nesterov=True needs momentum > 0 and dampening == 0, got "
@@ -112,11 +111,10 @@ class ASGD(Optimizer):
         maximize: bool = False,
     ) -> None:
         name = type(self).__name__
-        check_non_negative(name, "lr", lr)
-        check_non_negative(name, "lambd", lambd)
+        check_non_negative(name, lr=lr, lambd=lambd)
         check_number(name, "alpha", alpha)
         check_number(name, "t0", t0)
-        check_non_negative(name, "weight_decay", weight_decay)
+        check_non_negative(name, weight_decay=weight_decay)
         defaults = dict(
             lr=lr, lambd=lambd, alpha=alpha, t0=t0, weight_decay=weight_decay, maximize=maximize
         )
