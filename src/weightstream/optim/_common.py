@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -12,14 +12,6 @@ from torch import Tensor
 # zeros_like places state where the bound engine keeps it (Note [engine binding]).
 from weightstream.optim.binding import zeros_like
 from weightstream.optim.optimizer import Optimizer
-
-
-def run_closure(closure: Callable[[], Any] | None) -> Any:
-    """Evaluate the loss closure with autograd on (``step`` itself runs under no_grad)."""
-    if closure is None:
-        return None
-    with torch.enable_grad():
-        return closure()
 
 
 def hyper(group: dict[str, Any], name: str) -> float:

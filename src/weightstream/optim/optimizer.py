@@ -36,7 +36,7 @@ bitwise (design invariant 1, pinned by tests/test_optim.py). Concretely:
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeAlias
 
 import torch
@@ -48,6 +48,14 @@ from weightstream.optim.binding import ParameterHost, hosts, placing_state
 __all__ = ["Optimizer", "ParamsT"]
 
 ParamsT: TypeAlias = Iterable[Tensor] | Iterable[dict[str, Any]]
+
+
+def run_closure(closure: Callable[[], Any] | None) -> Any:
+    """Evaluate the loss closure with autograd on (``step`` itself runs under no_grad)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 class Optimizer(torch.optim.Optimizer, abc.ABC):
@@ -99,8 +107,6 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
         engine with overlapped updates, the update is applied unit by unit
         behind the next forward (Note [overlapped updates] in runtime/updater.py).
         """
-        from weightstream.optim._common import run_closure
-
         loss = run_closure(closure)
         engine = self.engine
         if engine is not None:
