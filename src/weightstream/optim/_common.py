@@ -109,23 +109,23 @@ def state_list(state: Any, params: list[Tensor], key: str) -> list[Tensor]:
 class _ZeroStateOptimizer(Optimizer):
     """An optimizer whose state is zero tensors shaped like each parameter.
 
-    ``state_names`` names them all (all follow the parameter's sparsity mask);
-    ``_state_names(group)`` those a group needs, by default all of them.
+    ``_zero_state`` names them all (all follow the parameter's sparsity mask);
+    ``_zero_state_for(group)`` those a group needs, by default all of them.
     """
 
-    state_names: tuple[str, ...]
+    _zero_state: tuple[str, ...]
 
-    def _state_names(self, group: dict[str, Any]) -> Sequence[str]:
-        return self.state_names
+    def _zero_state_for(self, group: dict[str, Any]) -> Sequence[str]:
+        return self._zero_state
 
     def preinitialize(self) -> None:
         for group in self.param_groups:
             for p in group["params"]:
-                for key in self._state_names(group):
+                for key in self._zero_state_for(group):
                     self.state[p][key] = zeros_like(p)
 
     def state_names_to_sparsify(self) -> list[str]:
-        return list(self.state_names)
+        return list(self._zero_state)
 
 
 # ----------------------------------------------------------------- validation

@@ -34,7 +34,7 @@ class _AdamBase(_ZeroStateOptimizer):
     """
 
     _decoupled_weight_decay: bool
-    state_names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    _zero_state = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
     def __init__(
         self,
@@ -67,8 +67,8 @@ class _AdamBase(_ZeroStateOptimizer):
         )
         super().__init__(params, defaults, enable_global_step=True)
 
-    def _state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return self.state_names if group["amsgrad"] else self.state_names[:2]
+    def _zero_state_for(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return self._zero_state if group["amsgrad"] else self._zero_state[:2]
 
     def _fused_update(self, group, params, grads, exp_avgs, exp_avg_sqs) -> None:
         """One fused kernel over the whole group: the host update at memory speed.
@@ -182,7 +182,7 @@ class AdamW(_AdamBase):
 class Adamax(_ZeroStateOptimizer):
     """Adamax: Adam with the infinity norm (Kingma and Ba, 2014, section 7)."""
 
-    state_names = ("exp_avg", "exp_inf")
+    _zero_state = ("exp_avg", "exp_inf")
 
     def __init__(
         self,
@@ -225,7 +225,7 @@ class NAdam(_ZeroStateOptimizer):
     ``maximize`` and ``decoupled_weight_decay`` are extensions (torch has them).
     """
 
-    state_names = ("exp_avg", "exp_avg_sq")
+    _zero_state = ("exp_avg", "exp_avg_sq")
 
     def __init__(
         self,
@@ -300,7 +300,7 @@ class RAdam(_ZeroStateOptimizer):
     ``maximize`` and ``decoupled_weight_decay`` are extensions (torch has them).
     """
 
-    state_names = ("exp_avg", "exp_avg_sq")
+    _zero_state = ("exp_avg", "exp_avg_sq")
 
     def __init__(
         self,

@@ -29,7 +29,7 @@ __all__ = ["Adadelta", "Adagrad", "RMSprop", "Rprop"]
 class Adadelta(_ZeroStateOptimizer):
     """Adadelta (Zeiler, 2012)."""
 
-    state_names = ("square_avg", "acc_delta")
+    _zero_state = ("square_avg", "acc_delta")
 
     def __init__(
         self,
@@ -126,7 +126,7 @@ class RMSprop(_ZeroStateOptimizer):
     ``maximize`` is an extension (torch has it).
     """
 
-    state_names = ("square_avg", "momentum_buffer", "grad_avg")
+    _zero_state = ("square_avg", "momentum_buffer", "grad_avg")
 
     def __init__(
         self,
@@ -155,7 +155,7 @@ class RMSprop(_ZeroStateOptimizer):
         )
         super().__init__(params, defaults)
 
-    def _state_names(self, group: dict[str, Any]) -> list[str]:
+    def _zero_state_for(self, group: dict[str, Any]) -> list[str]:
         names = ["square_avg"]
         if group["momentum"] > 0:
             names.append("momentum_buffer")

@@ -39,7 +39,7 @@ class Lamb(_ZeroStateOptimizer):
     As in the reference, the moments are not bias corrected (the paper's v3).
     """
 
-    state_names = ("exp_avg", "exp_avg_sq")
+    _zero_state = ("exp_avg", "exp_avg_sq")
 
     def __init__(
         self,
@@ -92,7 +92,7 @@ class Lion(_ZeroStateOptimizer):
     m = beta2 m + (1 - beta2) g
     """
 
-    state_names = ("exp_avg",)
+    _zero_state = ("exp_avg",)
 
     def __init__(
         self,

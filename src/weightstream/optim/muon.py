@@ -80,7 +80,7 @@ class Muon(_ZeroStateOptimizer):
     ``0.2 * sqrt(max(rows, cols))``.
     """
 
-    state_names = ("momentum_buffer",)
+    _zero_state = ("momentum_buffer",)
 
     def __init__(
         self,

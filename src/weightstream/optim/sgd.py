@@ -29,7 +29,7 @@ class SGD(_ZeroStateOptimizer):
     step is the first, since the momentum buffer exists (as zeros) beforehand.
     """
 
-    state_names = ("momentum_buffer",)
+    _zero_state = ("momentum_buffer",)
 
     def __init__(
         self,
@@ -61,8 +61,8 @@ class SGD(_ZeroStateOptimizer):
         )
         super().__init__(params, defaults, enable_global_step=True)
 
-    def _state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return self.state_names if group["momentum"] != 0 else ()
+    def _zero_state_for(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return self._zero_state if group["momentum"] != 0 else ()
 
     @torch.no_grad()
     def _update(self, groups: list[dict[str, Any]]) -> None:
