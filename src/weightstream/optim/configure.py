@@ -174,17 +174,9 @@ def _learning_rate(value: Any) -> Any:
 
 def _constructor_arguments(cls: type) -> tuple[set[str], bool]:
     """Keyword arguments ``cls(params, ...)`` takes, and whether it takes ``**kwargs``."""
-    signature = inspect.signature(cls.__init__)
-    names: set[str] = set()
-    takes_any = False
-    for index, parameter in enumerate(signature.parameters.values()):
-        if index < 2:  # self, params
-            continue
-        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
-            takes_any = True
-        elif parameter.kind is not inspect.Parameter.VAR_POSITIONAL:
-            names.add(parameter.name)
-    return names, takes_any
+    arguments = list(inspect.signature(cls.__init__).parameters.values())[2:]  # after self, params
+    names = {a.name for a in arguments if a.kind not in (a.VAR_POSITIONAL, a.VAR_KEYWORD)}
+    return names, any(a.kind is a.VAR_KEYWORD for a in arguments)
 
 
 # ------------------------------------------------------------------ param groups
