@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from weightstream.data._checks import check_int
+
 # The two names of the sequence length (``max_sequence_length``: the reference's).
 SEQ_KEYS = frozenset({"seq_len", "max_sequence_length"})
 
@@ -62,12 +64,7 @@ class Section:
             raise ValueError(
                 f"{self.where(key)} is required by data_processor {self.processor!r}; add it."
             )
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(
-                f"{self.where(key)} must be an int, got {type(value).__name__} {value!r}."
-            )
-        if value < minimum:
-            raise ValueError(f"{self.where(key)} must be >= {minimum}, got {value}.")
+        check_int(self.where(key), value, minimum)
         return value
 
     def path_(self, key: str) -> str:
