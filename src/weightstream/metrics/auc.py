@@ -32,14 +32,12 @@ from typing import Any
 
 import torch
 
-from weightstream.metrics._inputs import (
-    check_positive_int,
-    paired_inputs,
-)
+from weightstream.metrics._inputs import check_positive_int, paired_inputs
 from weightstream.metrics.base import Metric
 
 _CURVES = ("ROC", "PR")
 _EPSILON = 1e-7
+_SCORE_HINT = "Pass one score per label, e.g. the positive-class probability."
 
 
 def auc_thresholds(num_thresholds: int) -> torch.Tensor:
@@ -103,12 +101,7 @@ class AUCMetric(Metric):
         """Add a batch (shapes in the class docstring)."""
         metric = type(self).__name__
         labels, predictions, w = paired_inputs(
-            metric,
-            labels,
-            predictions,
-            weights,
-            self.device,
-            "Pass one score per label, e.g. the positive-class probability.",
+            metric, labels, predictions, weights, self.device, _SCORE_HINT
         )
         w = w.reshape(-1)
         scores = predictions.reshape(-1).to(torch.float64).clamp(0.0, 1.0)
