@@ -443,28 +443,24 @@ class GradScaler:
                     f"GradScaler.load_state_dict(): {key} must be a non-negative integer, got {value!r}."
                 )
             values[key] = value
-        if not self._dynamic:
-            ignored = sorted(set(values) & set(counters))
-            if ignored:
-                warnings.warn(
-                    f"GradScaler.load_state_dict(): {ignored} are dynamic loss scaling state and are "
-                    "ignored by this non-dynamic GradScaler.",
-                    stacklevel=2,
-                )
-            if "loss_scale" in values and not self._scaling and values["loss_scale"] != 1.0:
-                warnings.warn(
-                    "GradScaler.load_state_dict(): loss_scale is ignored because this GradScaler "
-                    "does not scale the loss; construct it with loss_scale=<number> or "
-                    '"dynamic" to restore a scale.',
-                    stacklevel=2,
-                )
-            elif "loss_scale" in values and self._scaling:
-                self._loss_scale = _f32(values["loss_scale"])
-            return
-        if "loss_scale" in values:
+        ignored = [] if self._dynamic else sorted(set(values) & set(counters))
+        if ignored:
+            warnings.warn(
+                f"GradScaler.load_state_dict(): {ignored} are dynamic loss scaling state and are "
+                "ignored by this non-dynamic GradScaler.",
+                stacklevel=2,
+            )
+        if "loss_scale" in values and self._scaling:  # dynamic mode scales too
             self._loss_scale = _f32(values["loss_scale"])
+        elif "loss_scale" in values and values["loss_scale"] != 1.0:
+            warnings.warn(
+                "GradScaler.load_state_dict(): loss_scale is ignored because this GradScaler "
+                "does not scale the loss; construct it with loss_scale=<number> or "
+                '"dynamic" to restore a scale.',
+                stacklevel=2,
+            )
         for key in counters:
-            if key in values:
+            if key in values and self._dynamic:
                 setattr(self, f"_{key}", int(values[key]))
 
 
