@@ -384,9 +384,7 @@ class GradScaler:
             scale *= 2.0
             self._steps_since_rescale = 0
             self._overflows_since_rescale = 0
-        scale = min(scale, self._max_loss_scale)
-        scale = max(scale, self._min_loss_scale)
-        self._loss_scale = _f32(scale)
+        self._loss_scale = _f32(max(min(scale, self._max_loss_scale), self._min_loss_scale))
 
     # ------------------------------------------------------------ checkpoints
 

@@ -62,9 +62,7 @@ class _DataRNG:
     def reseed(self, seed: int, epoch: int) -> None:
         # SeedSequence mixes (seed, epoch) so consecutive passes get unrelated streams.
         mixed = int(np.random.SeedSequence([seed, epoch]).generate_state(1, np.uint64)[0])
-        gen = torch.Generator()
-        gen.manual_seed(mixed)
-        self.state = gen.get_state()
+        self.state = torch.Generator().manual_seed(mixed).get_state()
 
     def __enter__(self) -> None:
         assert self.state is not None, "reseed() before the first use"

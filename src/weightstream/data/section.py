@@ -152,9 +152,7 @@ def loader_settings(s: Section, is_training: bool, rank: int, num_ranks: int) ->
             f"multiple of {num_ranks}, e.g. {(batch_size // num_ranks + 1) * num_ranks}."
         )
     num_workers = s.int_("num_workers", 0, minimum=0)
-    prefetch = s.params.get("prefetch_factor")
-    if prefetch is not None:
-        prefetch = s.int_("prefetch_factor", None, minimum=1)
+    prefetch = s.int_("prefetch_factor", None, minimum=1) if s.has("prefetch_factor") else None
     persistent = s.bool_("persistent_workers", False)
     if num_workers == 0:
         s.ignore("prefetch_factor", "it applies to worker processes and num_workers is 0")

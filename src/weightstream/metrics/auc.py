@@ -42,14 +42,9 @@ _SCORE_HINT = "Pass one score per label, e.g. the positive-class probability."
 
 def auc_thresholds(num_thresholds: int) -> torch.Tensor:
     """The ``num_thresholds`` float64 thresholds of Note [AUC by thresholds]."""
-    inner = torch.arange(1, num_thresholds - 1, dtype=torch.float64) / (num_thresholds - 1)
-    return torch.cat(
-        [
-            torch.tensor([-_EPSILON], dtype=torch.float64),
-            inner,
-            torch.tensor([1.0 + _EPSILON], dtype=torch.float64),
-        ]
-    )
+    thresholds = torch.arange(num_thresholds, dtype=torch.float64) / (num_thresholds - 1)
+    thresholds[0], thresholds[-1] = -_EPSILON, 1.0 + _EPSILON
+    return thresholds
 
 
 class AUCMetric(Metric):
