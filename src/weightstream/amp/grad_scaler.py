@@ -323,8 +323,8 @@ class GradScaler:
         if skipped:
             self._num_skipped_steps += 1
             return None
-        if self._max_gradient_norm is not None:  # set in dynamic mode only
-            self._clip_by_global_norm(optimizer)
+        if self._max_gradient_norm is not None:  # dynamic mode only: the reference's clipping
+            scale_to_norm_(_grads_of(optimizer), self._max_gradient_norm, self._global_norm)
         return optimizer.step(*args, **kwargs)
 
     def update(self, new_scale: float | None = None) -> None:
@@ -362,13 +362,6 @@ class GradScaler:
         # Host sync point: whether the optimizer runs is a Python decision.
         self._isfinite = bool(torch.isfinite(self._global_norm))
         return self._isfinite
-
-    def _clip_by_global_norm(self, optimizer: torch.optim.Optimizer) -> None:
-        """Reference's clipping inside step(): same coefficient as clip_grad_norm_."""
-        assert self._global_norm is not None and self._max_gradient_norm is not None
-        coef = torch.clamp(self._max_gradient_norm / (self._global_norm + 1e-6), max=1.0)
-        for grad in _grads_of(optimizer):
-            grad.mul_(coef.to(grad.dtype))
 
     def _update_scale(self, isfinite: bool) -> None:
         """The reference update; both comparisons strict, ratio in float32."""
@@ -480,6 +473,15 @@ def params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
                 seen.add(id(param))
                 params.append(param)
     return params
+
+
+def scale_to_norm_(
+    grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor, eps: float = 1e-6
+) -> None:
+    """Scale ``grads`` (of global L2 norm ``norm``) in place with torch's clip_grad_norm_ coefficient."""
+    coef = torch.clamp(max_norm / (norm + eps), max=1.0)
+    for grad in grads:
+        grad.mul_(coef.to(grad.dtype))
 
 
 def _grads_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
