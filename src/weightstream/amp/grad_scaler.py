@@ -323,8 +323,8 @@ class GradScaler:
         if skipped:
             self._num_skipped_steps += 1
             return None
-        if self._max_gradient_norm is not None:  # set in dynamic mode only
-            self._clip_by_global_norm(optimizer)
+        if self._max_gradient_norm is not None:  # dynamic mode only: the reference's clipping
+            scale_to_norm_(_grads_of(optimizer), self._max_gradient_norm, self._global_norm)
         return optimizer.step(*args, **kwargs)
 
     def update(self, new_scale: float | None = None) -> None:
@@ -363,13 +363,6 @@ class GradScaler:
         self._isfinite = bool(torch.isfinite(self._global_norm))
         return self._isfinite
 
-    def _clip_by_global_norm(self, optimizer: torch.optim.Optimizer) -> None:
-        """Reference's clipping inside step(): same coefficient as clip_grad_norm_."""
-        assert self._global_norm is not None and self._max_gradient_norm is not None
-        coef = torch.clamp(self._max_gradient_norm / (self._global_norm + 1e-6), max=1.0)
-        for grad in _grads_of(optimizer):
-            grad.mul_(coef.to(grad.dtype))
-
     def _update_scale(self, isfinite: bool) -> None:
         """The reference update; both comparisons strict, ratio in float32."""
         self._steps_since_rescale += 1
@@ -384,9 +377,7 @@ class GradScaler:
             scale *= 2.0
             self._steps_since_rescale = 0
             self._overflows_since_rescale = 0
-        scale = min(scale, self._max_loss_scale)
-        scale = max(scale, self._min_loss_scale)
-        self._loss_scale = _f32(scale)
+        self._loss_scale = _f32(max(min(scale, self._max_loss_scale), self._min_loss_scale))
 
     # ------------------------------------------------------------ checkpoints
 
@@ -443,28 +434,24 @@ class GradScaler:
                     f"GradScaler.load_state_dict(): {key} must be a non-negative integer, got {value!r}."
                 )
             values[key] = value
-        if not self._dynamic:
-            ignored = sorted(set(values) & set(counters))
-            if ignored:
-                warnings.warn(
-                    f"GradScaler.load_state_dict(): {ignored} are dynamic loss scaling state and are "
-                    "ignored by this non-dynamic GradScaler.",
-                    stacklevel=2,
-                )
-            if "loss_scale" in values and not self._scaling and values["loss_scale"] != 1.0:
-                warnings.warn(
-                    "GradScaler.load_state_dict(): loss_scale is ignored because this GradScaler "
-                    "does not scale the loss; construct it with loss_scale=<number> or "
-                    '"dynamic" to restore a scale.',
-                    stacklevel=2,
-                )
-            elif "loss_scale" in values and self._scaling:
-                self._loss_scale = _f32(values["loss_scale"])
-            return
-        if "loss_scale" in values:
+        ignored = [] if self._dynamic else sorted(set(values) & set(counters))
+        if ignored:
+            warnings.warn(
+                f"GradScaler.load_state_dict(): {ignored} are dynamic loss scaling state and are "
+                "ignored by this non-dynamic GradScaler.",
+                stacklevel=2,
+            )
+        if "loss_scale" in values and self._scaling:  # dynamic mode scales too
             self._loss_scale = _f32(values["loss_scale"])
+        elif "loss_scale" in values and values["loss_scale"] != 1.0:
+            warnings.warn(
+                "GradScaler.load_state_dict(): loss_scale is ignored because this GradScaler "
+                "does not scale the loss; construct it with loss_scale=<number> or "
+                '"dynamic" to restore a scale.',
+                stacklevel=2,
+            )
         for key in counters:
-            if key in values:
+            if key in values and self._dynamic:
                 setattr(self, f"_{key}", int(values[key]))
 
 
@@ -486,6 +473,15 @@ def params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
                 seen.add(id(param))
                 params.append(param)
     return params
+
+
+def scale_to_norm_(
+    grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor, eps: float = 1e-6
+) -> None:
+    """Scale ``grads`` (of global L2 norm ``norm``) in place with torch's clip_grad_norm_ coefficient."""
+    coef = torch.clamp(max_norm / (norm + eps), max=1.0)
+    for grad in grads:
+        grad.mul_(coef.to(grad.dtype))
 
 
 def _grads_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from weightstream.amp import skip
-from weightstream.amp.grad_scaler import GradScaler, params_of
+from weightstream.amp.grad_scaler import GradScaler, params_of, scale_to_norm_
 
 __all__ = ["apply_gradients", "backward_context", "clip_grad_norm_", "optimizer_step"]
 
@@ -172,12 +172,10 @@ def clip_grad_norm_(params, max_norm: float, engine=None, eps: float = 1e-6) -> 
     """
     if engine is None or not engine.grads_sharded:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [p.grad.detach() for p in params if p.grad is not None]
     total = torch.zeros((), dtype=torch.float32)
     for g in grads:
-        total = total + torch.sum(torch.square(g.detach().float()))
+        total = total + torch.sum(torch.square(g.float()))
     norm = torch.sqrt(engine.sum_over_ranks(total))
-    coef = torch.clamp(max_norm / (norm + eps), max=1.0)
-    for g in grads:
-        g.detach().mul_(coef.to(g.dtype))
+    scale_to_norm_(grads, max_norm, norm, eps)
     return norm

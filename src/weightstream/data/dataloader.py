@@ -62,9 +62,7 @@ class _DataRNG:
     def reseed(self, seed: int, epoch: int) -> None:
         # SeedSequence mixes (seed, epoch) so consecutive passes get unrelated streams.
         mixed = int(np.random.SeedSequence([seed, epoch]).generate_state(1, np.uint64)[0])
-        gen = torch.Generator()
-        gen.manual_seed(mixed)
-        self.state = gen.get_state()
+        self.state = torch.Generator().manual_seed(mixed).get_state()
 
     def __enter__(self) -> None:
         assert self.state is not None, "reseed() before the first use"
@@ -254,19 +252,13 @@ class DataLoader:
         skip = 0
         if restore is None:
             self._pass_start = None if self._stateful else loader_parts.capture(loader)
-            loader_parts.set_epoch(loader, self._epoch)
-        elif self._stateful:
-            loader_parts.set_epoch(loader, self._epoch)
-            if restore["user_state"] is not None:
-                loader.load_state_dict(restore["user_state"]["loader"])
-        else:
+        elif not self._stateful:
             self._apply_capture(restore["generators"], restore["user_state"])
-            self._pass_start = {
-                "generators": restore["generators"],
-                "user_state": restore["user_state"],
-            }
-            loader_parts.set_epoch(loader, self._epoch)
+            self._pass_start = {k: restore[k] for k in ("generators", "user_state")}
             skip = restore["batch_in_epoch"]
+        loader_parts.set_epoch(loader, self._epoch)
+        if restore is not None and self._stateful and restore["user_state"] is not None:
+            loader.load_state_dict(restore["user_state"]["loader"])
         length = None if self._stateful else loader_parts.trusted_length(loader)
         spe = self._steps_per_epoch if self._steps_per_epoch is not None else length
         # Whole steps per pass, so a gradient-accumulation step does not span two
@@ -346,7 +338,9 @@ class DataLoader:
                 "rng_state": rng_state,
                 "generators": {} if self._stateful else start["generators"],
             }
-            user_state = self._loader_state() if self._stateful else start["user_state"]
+            user_state = (
+                {"loader": self._loader.state_dict()} if self._stateful else start["user_state"]
+            )
         config = current_config()
         return copy.deepcopy(
             {
@@ -386,9 +380,6 @@ class DataLoader:
             "samples_in_epoch": batch_in_epoch * order["global_batch_size"],
             **order,
         }
-
-    def _loader_state(self) -> dict:
-        return {"loader": self._loader.state_dict()}
 
     def load_state_dict(self, state_dict: dict, strict: bool = True) -> None:
         """Continue from a state saved by ``state_dict()`` (this worker's, or an aggregated one).

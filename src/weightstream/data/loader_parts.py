@@ -114,9 +114,7 @@ def trusted_length(loader: Any) -> int | None:
     """
     if isinstance(loader, Sequence):
         return len(loader)
-    if isinstance(loader, _TorchDataLoader) and not isinstance(
-        loader.dataset, torch.utils.data.IterableDataset
-    ):
+    if isinstance(loader, _TorchDataLoader) and not splits_over_workers(loader):
         return loader_length(loader)  # None for a sampler without __len__
     return None
 
@@ -130,9 +128,7 @@ def fast_forward_target(loader: Any) -> tuple[DistributedSampler, int] | None:
     the same reason the loader's position is then a place in the sampler's
     global order, the same on every rank (Note [global position]).
     """
-    if not isinstance(loader, _TorchDataLoader) or isinstance(
-        loader.dataset, torch.utils.data.IterableDataset
-    ):
+    if not isinstance(loader, _TorchDataLoader) or splits_over_workers(loader):
         return None
     if _has(loader.dataset, "state_dict", "load_state_dict"):
         return None

@@ -273,28 +273,23 @@ def check_position(position: dict | None, strict: bool) -> dict | None:
 def check_user_state(
     loader: Any, stateful: bool, user_state: dict | None, strict: bool
 ) -> dict | None:
-    if stateful:
-        have = {"loader"}
-    else:
-        have = set(loader_parts.stateful_parts(loader))
-    saved = set(user_state or {})
-    if saved != have:
-        mismatch(
-            strict,
-            f"it holds user state for {sorted(saved)} but the loader built by input_fn has "
-            f"state_dict/load_state_dict on {sorted(have)}. Build the DataLoader with the "
-            "same input_fn as the run that saved the state",
-        )
-    return {k: v for k, v in (user_state or {}).items() if k in have} or None
+    have = {"loader"} if stateful else set(loader_parts.stateful_parts(loader))
+    has = "has state_dict/load_state_dict on"
+    return _fit(user_state or {}, have, "user state", has, strict) or None
 
 
 def check_generators(loader: Any, saved: dict, strict: bool) -> dict:
     have = set(loader_parts.generators(loader))
+    return _fit(saved, have, "generator states", "draws from generators", strict)
+
+
+def _fit(saved: dict, have: set, held: str, has: str, strict: bool) -> dict:
+    """``saved`` without the parts the loader does not have; a mismatch if the sets differ."""
     if set(saved) != have:
         mismatch(
             strict,
-            f"it holds generator states for {sorted(saved)} but the loader built by input_fn "
-            f"draws from generators {sorted(have)}. Build the DataLoader with the same "
-            "input_fn as the run that saved the state",
+            f"it holds {held} for {sorted(saved)} but the loader built by input_fn {has} "
+            f"{sorted(have)}. Build the DataLoader with the same input_fn as the run that "
+            "saved the state",
         )
     return {k: v for k, v in saved.items() if k in have}

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from weightstream.data._checks import check_int
+
 # The two names of the sequence length (``max_sequence_length``: the reference's).
 SEQ_KEYS = frozenset({"seq_len", "max_sequence_length"})
 
@@ -62,12 +64,7 @@ class Section:
             raise ValueError(
                 f"{self.where(key)} is required by data_processor {self.processor!r}; add it."
             )
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(
-                f"{self.where(key)} must be an int, got {type(value).__name__} {value!r}."
-            )
-        if value < minimum:
-            raise ValueError(f"{self.where(key)} must be >= {minimum}, got {value}.")
+        check_int(self.where(key), value, minimum)
         return value
 
     def path_(self, key: str) -> str:
@@ -155,9 +152,7 @@ def loader_settings(s: Section, is_training: bool, rank: int, num_ranks: int) ->
             f"multiple of {num_ranks}, e.g. {(batch_size // num_ranks + 1) * num_ranks}."
         )
     num_workers = s.int_("num_workers", 0, minimum=0)
-    prefetch = s.params.get("prefetch_factor")
-    if prefetch is not None:
-        prefetch = s.int_("prefetch_factor", None, minimum=1)
+    prefetch = s.int_("prefetch_factor", None, minimum=1) if s.has("prefetch_factor") else None
     persistent = s.bool_("persistent_workers", False)
     if num_workers == 0:
         s.ignore("prefetch_factor", "it applies to worker processes and num_workers is 0")

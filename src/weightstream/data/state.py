@@ -107,14 +107,10 @@ def validate_worker_state(state, strict: bool = True) -> dict:
     known = WORKER_STATE_KEYS + OPTIONAL_WORKER_STATE_KEYS
     unexpected = sorted(str(k) for k in state if k not in known)
     if missing or unexpected:
-        problem = "; ".join(
-            part
-            for part in (
-                f"missing key(s) {missing}" if missing else "",
-                f"unexpected key(s) {unexpected}" if unexpected else "",
-            )
-            if part
-        )
+        problems = [f"missing key(s) {missing}"] if missing else []
+        if unexpected:
+            problems.append(f"unexpected key(s) {unexpected}")
+        problem = "; ".join(problems)
         if strict:
             raise ValueError(
                 f"DataLoader state does not match this DataLoader: {problem}. Pass the dict "

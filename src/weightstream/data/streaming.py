@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from weightstream.data._checks import check_int
+
 __all__ = [
     "batch_size_of",
     "get_streaming_batch_size",
@@ -82,22 +84,22 @@ def _launched() -> tuple[int, int] | None:
     return (rank, world) if world > 1 else None
 
 
-def num_streamers() -> int:
-    """The number of processes streaming input: the world size, or 1 when not distributed."""
+def _rank_and_world() -> tuple[int, int]:
+    """(rank, world size); asking counts as consulting them (Note [rank share])."""
     _consulted()
     if _distributed():
-        return dist.get_world_size()
-    launched = _launched()
-    return 1 if launched is None else launched[1]
+        return dist.get_rank(), dist.get_world_size()
+    return _launched() or (0, 1)
+
+
+def num_streamers() -> int:
+    """The number of processes streaming input: the world size, or 1 when not distributed."""
+    return _rank_and_world()[1]
 
 
 def get_streaming_rank() -> int:
     """This process's index among the streamers: the rank, or 0 when not distributed."""
-    _consulted()
-    if _distributed():
-        return dist.get_rank()
-    launched = _launched()
-    return 0 if launched is None else launched[0]
+    return _rank_and_world()[0]
 
 
 def is_streamer() -> bool:
@@ -116,12 +118,7 @@ def get_streaming_batch_size(global_batch: int) -> int:
     Raises ValueError when the global batch does not divide evenly across the
     streamers, since data-parallel ranks must step on equal shares.
     """
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int):
-        raise TypeError(
-            f"global_batch must be an int, got {type(global_batch).__name__} {global_batch!r}."
-        )
-    if global_batch < 1:
-        raise ValueError(f"global_batch must be >= 1, got {global_batch}.")
+    check_int("global_batch", global_batch, minimum=1)
     streamers = num_streamers()
     if global_batch % streamers:
         raise ValueError(

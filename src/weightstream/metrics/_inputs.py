@@ -12,6 +12,9 @@ from typing import Any
 
 import torch
 
+# The hint of the metrics whose predictions are class ids.
+ARGMAX_HINT = "Pass predicted class ids (e.g. logits.argmax(-1)), not logits."
+
 
 def check_num_classes(metric: str, num_classes: Any) -> int:
     if isinstance(num_classes, bool) or not isinstance(num_classes, int):

@@ -7,13 +7,12 @@ from typing import Any
 import torch
 
 from weightstream.metrics._inputs import (
+    ARGMAX_HINT,
     check_class_ids,
     check_num_classes,
     paired_inputs,
 )
 from weightstream.metrics.base import Metric
-
-_ARGMAX_HINT = "Pass predicted class ids (e.g. logits.argmax(-1)), not logits."
 
 
 class AccuracyMetric(Metric):
@@ -44,7 +43,7 @@ class AccuracyMetric(Metric):
         """
         metric = type(self).__name__
         labels, predictions, w = paired_inputs(
-            metric, labels, predictions, weights, self.device, _ARGMAX_HINT
+            metric, labels, predictions, weights, self.device, ARGMAX_HINT
         )
         self.total_correct.add_((w * (labels == predictions)).sum())
         self.total_weight.add_(w.sum())
@@ -84,7 +83,7 @@ class MeanPerClassAccuracyMetric(Metric):
         ``weights`` ``None`` or broadcastable to ``S``."""
         metric = type(self).__name__
         labels, predictions, w = paired_inputs(
-            metric, labels, predictions, weights, self.device, _ARGMAX_HINT
+            metric, labels, predictions, weights, self.device, ARGMAX_HINT
         )
         w = w.reshape(-1)
         ids = check_class_ids(metric, "labels", labels.reshape(-1), w, self.num_classes)

@@ -32,26 +32,19 @@ from typing import Any
 
 import torch
 
-from weightstream.metrics._inputs import (
-    check_positive_int,
-    paired_inputs,
-)
+from weightstream.metrics._inputs import check_positive_int, paired_inputs
 from weightstream.metrics.base import Metric
 
 _CURVES = ("ROC", "PR")
 _EPSILON = 1e-7
+_SCORE_HINT = "Pass one score per label, e.g. the positive-class probability."
 
 
 def auc_thresholds(num_thresholds: int) -> torch.Tensor:
     """The ``num_thresholds`` float64 thresholds of Note [AUC by thresholds]."""
-    inner = torch.arange(1, num_thresholds - 1, dtype=torch.float64) / (num_thresholds - 1)
-    return torch.cat(
-        [
-            torch.tensor([-_EPSILON], dtype=torch.float64),
-            inner,
-            torch.tensor([1.0 + _EPSILON], dtype=torch.float64),
-        ]
-    )
+    thresholds = torch.arange(num_thresholds, dtype=torch.float64) / (num_thresholds - 1)
+    thresholds[0], thresholds[-1] = -_EPSILON, 1.0 + _EPSILON
+    return thresholds
 
 
 class AUCMetric(Metric):
@@ -103,12 +96,7 @@ class AUCMetric(Metric):
         """Add a batch (shapes in the class docstring)."""
         metric = type(self).__name__
         labels, predictions, w = paired_inputs(
-            metric,
-            labels,
-            predictions,
-            weights,
-            self.device,
-            "Pass one score per label, e.g. the positive-class probability.",
+            metric, labels, predictions, weights, self.device, _SCORE_HINT
         )
         w = w.reshape(-1)
         scores = predictions.reshape(-1).to(torch.float64).clamp(0.0, 1.0)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from weightstream.metrics._inputs import (
+    ARGMAX_HINT,
     check_class_ids,
     check_num_classes,
     class_mask,
@@ -65,12 +66,7 @@ class ConfusionMatrixMetric(Metric):
         metric = type(self).__name__
         c = self.num_classes
         labels, predictions, w = paired_inputs(
-            metric,
-            labels,
-            predictions,
-            weights,
-            self.device,
-            "Pass predicted class ids (e.g. logits.argmax(-1)), not logits.",
+            metric, labels, predictions, weights, self.device, ARGMAX_HINT
         )
         w = w.reshape(-1)
         true_ids = check_class_ids(metric, "labels", labels.reshape(-1), w, c)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections import Counter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -48,18 +49,15 @@ class MetricRegistry:
         live metrics is suffixed ``.0`` ... ``.n-1`` in creation order.
         """
         live = self.metrics()
-        counts: dict[str, int] = {}
-        for metric in live:
-            counts[metric.name] = counts.get(metric.name, 0) + 1
-        seen: dict[str, int] = {}
+        counts = Counter(metric.name for metric in live)
+        seen: Counter[str] = Counter()
         pairs = []
         for metric in live:
             if counts[metric.name] == 1:
                 pairs.append((metric.name, metric))
             else:
-                index = seen.get(metric.name, 0)
-                seen[metric.name] = index + 1
-                pairs.append((f"{metric.name}.{index}", metric))
+                pairs.append((f"{metric.name}.{seen[metric.name]}", metric))
+                seen[metric.name] += 1
         return pairs
 
     def __len__(self) -> int:
