@@ -60,6 +60,17 @@ def init_rule(model: nn.Module) -> Callable[[str, nn.Module], bool]:
     return reset
 
 
+def init_normal(m: nn.Module, std: float = 0.02) -> None:
+    """The zoo's rule (a model's ``init_module``): N(0, std) for the matrix of an
+    ``nn.Linear`` or ``nn.Embedding``, zero biases; other modules (norms) reset."""
+    if isinstance(m, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(m.weight, mean=0.0, std=std)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+    else:
+        m.reset_parameters()
+
+
 def materialize(
     model: nn.Module,
     allocate: Allocate | None = None,
