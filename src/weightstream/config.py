@@ -117,10 +117,6 @@ def current_config() -> RunConfig:
     return _config if _config is not None else RunConfig()
 
 
-def is_configured() -> bool:
-    return _config is not None
-
-
 def _reset_for_tests() -> None:
     """Forget the configuration (tests run many configurations in one process)."""
     global _config
