@@ -85,11 +85,8 @@ def configure(**kwargs) -> RunConfig:
             close = difflib.get_close_matches(key, sorted(fields | _ACCEPTED_EXTRA), n=3)
             hints.append(f"{key!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
         raise TypeError(
-            "configure() got unknown argument(s): "
-            + ", ".join(hints)
-            + ". Valid arguments: "
-            + ", ".join(sorted(fields))
-            + "."
+            f"configure() got unknown argument(s): {', '.join(hints)}. "
+            f"Valid arguments: {', '.join(sorted(fields))}."
         )
     _config = RunConfig(**known, extra=extra)
     return _config

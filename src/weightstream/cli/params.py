@@ -14,9 +14,7 @@ and checks what the mode needs; :func:`apply_overrides` lets command-line values
 over the file; :meth:`Params.to_dict` gives the plain dict written back into
 model_dir, which :func:`parse_params` reads back to the same settings.
 
-Errors follow the project convention: TypeError for a value of the wrong type,
-ValueError for a wrong value, an unknown key or a missing section; every message
-names ``section.key``, what is expected, what was given and how to fix it.
+Errors are those of common/schema.py; a missing section is a ValueError too.
 """
 
 from __future__ import annotations
