@@ -481,7 +481,8 @@ class Run:
 
 
 class _Autocast:
-    """The compiled module called under the run's autocast (mixed precision)."""
+    """The compiled module called under the run's autocast (mixed precision); its
+    other attributes (eval, train, no_sync) are the compiled module's."""
 
     def __init__(self, compiled, autocast):
         self.compiled = compiled
@@ -491,14 +492,8 @@ class _Autocast:
         with self.autocast():
             return self.compiled(*args, **kwargs)
 
-    def eval(self):
-        self.compiled.eval()
-
-    def train(self):
-        self.compiled.train()
-
-    def no_sync(self):
-        return self.compiled.no_sync()
+    def __getattr__(self, name: str):
+        return getattr(self.compiled, name)
 
 
 class _NoWriter:
@@ -507,11 +502,7 @@ class _NoWriter:
     def add_scalar(self, *args, **kwargs) -> None:
         pass
 
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+    flush = close = add_scalar
 
 
 def main(argv: list[str] | None = None) -> int:
