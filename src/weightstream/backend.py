@@ -199,12 +199,8 @@ def compile(
             f"streaming options {sorted(streaming_kwargs)} apply only to weight streaming "
             f"(backend 'wse_ws'); backend {backend!r} does not stream{only}."
         )
-    if device is None:
-        device = (
-            torch.device("cuda")
-            if name == "gpu"
-            else (torch.device("cpu") if name == "cpu" else default_device())
-        )
+    if device is None:  # the eager backends name their device
+        device = {"gpu": "cuda", "cpu": "cpu"}.get(name) or default_device()
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(

@@ -85,11 +85,8 @@ def configure(**kwargs) -> RunConfig:
             close = difflib.get_close_matches(key, sorted(fields | _ACCEPTED_EXTRA), n=3)
             hints.append(f"{key!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
         raise TypeError(
-            "configure() got unknown argument(s): "
-            + ", ".join(hints)
-            + ". Valid arguments: "
-            + ", ".join(sorted(fields))
-            + "."
+            f"configure() got unknown argument(s): {', '.join(hints)}. "
+            f"Valid arguments: {', '.join(sorted(fields))}."
         )
     _config = RunConfig(**known, extra=extra)
     return _config
@@ -115,10 +112,6 @@ def run_configuration(**kwargs):
 def current_config() -> RunConfig:
     """The configuration set by :func:`configure`, or the defaults if it was never called."""
     return _config if _config is not None else RunConfig()
-
-
-def is_configured() -> bool:
-    return _config is not None
 
 
 def _reset_for_tests() -> None:

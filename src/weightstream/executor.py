@@ -40,6 +40,13 @@ class StepContext:
         every = current_config().checkpoint_steps
         return every > 0 and self.step % every == 0
 
+    def after_step(self, fn: Callable, /, *args, **kwargs):
+        """Call ``fn`` when the current step has finished, or now outside a step."""
+        if self.in_step:
+            self._pending.append((fn, args, kwargs))
+            return None
+        return fn(*args, **kwargs)
+
 
 _context = StepContext()
 
@@ -73,9 +80,9 @@ def compile_step(fn: Callable) -> Callable:
             result = fn(*args, **kwargs)
         except BaseException:
             ctx._pending.clear()
-            ctx.in_step = False
             raise
-        ctx.in_step = False
+        finally:
+            ctx.in_step = False
         ctx.step += 1
         pending, ctx._pending = ctx._pending, []
         for closure, c_args, c_kwargs in pending:
@@ -91,11 +98,7 @@ def step_closure(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def closure(*args, **kwargs):
-        ctx = step_context()
-        if ctx.in_step:
-            ctx._pending.append((fn, args, kwargs))
-            return None
-        return fn(*args, **kwargs)
+        return step_context().after_step(fn, *args, **kwargs)
 
     return closure
 
@@ -123,9 +126,6 @@ def checkpoint_closure(fn: Callable) -> Callable:
                 )
             return fn(*args, **kwargs)
 
-        if ctx.in_step:
-            ctx._pending.append((run, (), {}))
-            return None
-        return run()
+        return ctx.after_step(run)
 
     return closure

@@ -7,6 +7,7 @@ weightstream checkpoint {info,convert,diff} ...
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 USAGE = """usage: weightstream <command> [args]
@@ -20,6 +21,14 @@ commands:
 
 `weightstream <command> -h` describes each command."""
 
+# command -> the module whose main(argv) runs it
+_COMMANDS = {
+    "run": "weightstream.cli.run",
+    "launch": "weightstream.cli.launch",
+    "checkpoint": "weightstream.checkpoint.cli",
+    "input-analyzer": "weightstream.cli.input_analyzer",
+}
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -29,22 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command.upper() in ("CPU", "GPU", "CSX"):  # the reference's `run.py CPU -p ...`
         command, rest = "run", argv
-    if command == "run":
-        from weightstream.cli.run import main as run_main
-
-        return run_main(rest)
-    if command == "launch":
-        from weightstream.cli.launch import main as launch_main
-
-        return launch_main(rest)
-    if command == "checkpoint":
-        from weightstream.checkpoint.cli import main as checkpoint_main
-
-        return checkpoint_main(rest)
-    if command == "input-analyzer":
-        from weightstream.cli.input_analyzer import main as input_analyzer_main
-
-        return input_analyzer_main(rest)
+    if command in _COMMANDS:  # imported when used: each pulls in its own dependencies
+        return importlib.import_module(_COMMANDS[command]).main(rest)
     if command == "data":
         if not rest or rest[0] != "write-gpt-hdf5":
             print("usage: weightstream data write-gpt-hdf5 [args] (-h for help)", file=sys.stderr)

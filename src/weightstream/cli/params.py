@@ -14,15 +14,14 @@ and checks what the mode needs; :func:`apply_overrides` lets command-line values
 over the file; :meth:`Params.to_dict` gives the plain dict written back into
 model_dir, which :func:`parse_params` reads back to the same settings.
 
-Errors follow the project convention: TypeError for a value of the wrong type,
-ValueError for a wrong value, an unknown key or a missing section; every message
-names ``section.key``, what is expected, what was given and how to fix it.
+Errors are those of common/schema.py; a missing section is a ValueError too.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import re
 import warnings
 from collections.abc import Mapping
@@ -98,8 +97,9 @@ OVERRIDE_KEYS = (
 # The states a warm start may take from a checkpoint (runconfig.load_checkpoint_states).
 WARM_START_STATES = ("model", "optimizer", "lr_scheduler", "grad_scaler", "dataloader")
 
-_POSITIVE = "use a positive integer"
-_NATURAL = "use an integer >= 0"
+# Settings that count something: the bound and its fix, said once.
+_positive = functools.partial(setting, ge=1, fix="use a positive integer")
+_natural = functools.partial(setting, ge=0, fix="use an integer >= 0")
 
 
 @dataclass
@@ -114,46 +114,31 @@ class RunConfigParams:
     model_dir: str = setting(
         "model_dir", doc="The run's output directory (overridden by -o/--model_dir)."
     )
-    max_steps: int | None = setting(
-        None, ge=1, fix=_POSITIVE, doc="The global step at which training stops."
+    max_steps: int | None = _positive(None, doc="The global step at which training stops.")
+    num_steps: int | None = _positive(None, doc="Training steps of this run (excludes num_epochs).")
+    num_epochs: int | None = _positive(
+        None, doc="Training epochs of this run (excludes num_steps)."
     )
-    num_steps: int | None = setting(
-        None, ge=1, fix=_POSITIVE, doc="Training steps of this run (excludes num_epochs)."
+    steps_per_epoch: int | None = _positive(
+        None, doc="Steps counted as an epoch with num_epochs (default: the loader's length)."
     )
-    num_epochs: int | None = setting(
-        None, ge=1, fix=_POSITIVE, doc="Training epochs of this run (excludes num_steps)."
+    eval_steps: int | None = _positive(
+        None, doc="Evaluation steps (default: the whole eval input)."
     )
-    steps_per_epoch: int | None = setting(
+    eval_frequency: int | None = _positive(
         None,
-        ge=1,
-        fix=_POSITIVE,
-        doc="Steps counted as an epoch with num_epochs (default: the loader's length).",
-    )
-    eval_steps: int | None = setting(
-        None, ge=1, fix=_POSITIVE, doc="Evaluation steps (default: the whole eval input)."
-    )
-    eval_frequency: int | None = setting(
-        None,
-        ge=1,
-        fix=_POSITIVE,
         doc="Accepted as in the reference's files, where train_and_eval evaluates every "
         "this many steps; here train_and_eval evaluates once, after training (a warning "
         "says so), and -m eval_all evaluates every checkpoint.",
     )
-    checkpoint_steps: int = setting(
-        0,
-        ge=0,
-        fix=_NATURAL,
-        doc="Save a checkpoint every this many steps; 0: only at the end of training.",
+    checkpoint_steps: int = _natural(
+        0, doc="Save a checkpoint every this many steps; 0: only at the end of training."
     )
     save_initial_checkpoint: bool = setting(
         False, doc="Save a checkpoint of the initial weights before the first step."
     )
-    max_checkpoints: int | None = setting(
-        None,
-        ge=1,
-        fix=_POSITIVE,
-        doc="Keep at most this many checkpoints, deleting the oldest; null: keep all.",
+    max_checkpoints: int | None = _positive(
+        None, doc="Keep at most this many checkpoints, deleting the oldest; null: keep all."
     )
     autoload_last_checkpoint: bool = setting(
         True, doc="Resume from the newest checkpoint in model_dir when there is one."
@@ -169,16 +154,10 @@ class RunConfigParams:
         + ", ".join(WARM_START_STATES)
         + " ('model' for the weights only); null: resume every state.",
     )
-    log_steps: int = setting(10, ge=1, fix=_POSITIVE, doc="Log the loss every this many steps.")
-    seed: int = setting(
-        1, ge=0, fix=_NATURAL, doc="The seed of every random generator of the run (< 2**64)."
-    )
-    num_csx: int = setting(
-        1, ge=1, fix=_POSITIVE, doc="Compute systems: data-parallel ranks of the run."
-    )
-    num_workers_per_csx: int = setting(
-        1, ge=0, fix=_NATURAL, doc="Input worker processes per compute system."
-    )
+    log_steps: int = _positive(10, doc="Log the loss every this many steps.")
+    seed: int = _natural(1, doc="The seed of every random generator of the run (< 2**64).")
+    num_csx: int = _positive(1, doc="Compute systems: data-parallel ranks of the run.")
+    num_workers_per_csx: int = _natural(1, doc="Input worker processes per compute system.")
     compile_dir: str | None = setting(
         None, doc="Where the compile directories (ws_<checksum>) go; null: model_dir."
     )
@@ -216,9 +195,8 @@ class RunConfigParams:
                 f"exclusive. Fix: set at most one of them."
             )
         if self.load_checkpoint_states is not None:
-            states = [x.strip() for x in str(self.load_checkpoint_states).split(",")]
-            bad = [x for x in states if x not in WARM_START_STATES]
-            if bad or not states:
+            bad = [x for x in self.warm_start_states if x not in WARM_START_STATES]
+            if bad:
                 raise ValueError(
                     f"{s}.load_checkpoint_states: unknown state(s) {', '.join(map(repr, bad))}. "
                     f"Fix: a comma-separated subset of {', '.join(WARM_START_STATES)}, e.g. "
@@ -323,12 +301,7 @@ class Params:
     def to_dict(self) -> dict[str, Any]:
         """The plain dict of every present section (written to model_dir as the run's
         params yaml); :func:`parse_params` reads it back to the same settings."""
-        out = {}
-        for name in SECTIONS:
-            value = getattr(self, name)
-            if value is not None:
-                out[name] = value.to_dict()
-        return out
+        return {s: getattr(self, s).to_dict() for s in SECTIONS if getattr(self, s) is not None}
 
 
 def _check_mode_name(mode: Any) -> None:
@@ -365,21 +338,17 @@ def parse_params(raw: Any, mode: str) -> Params:
     missing = [s for s in _REQUIRED_SECTIONS[mode] if s not in present]
     if missing:
         raise _missing_sections_error(mode, missing)
+    model = ModelParams.from_dict(present["model"])
+    inputs = {
+        name: InputParams.from_dict(present[name], name)
+        for name in ("train_input", "eval_input")
+        if name in present
+    }
+    optimizer = present.get("optimizer")
     params = Params(
-        model=ModelParams.from_dict(present["model"]),
-        train_input=(
-            InputParams.from_dict(present["train_input"], "train_input")
-            if "train_input" in present
-            else None
-        ),
-        eval_input=(
-            InputParams.from_dict(present["eval_input"], "eval_input")
-            if "eval_input" in present
-            else None
-        ),
-        optimizer=(
-            OptimizerParams.from_dict(present["optimizer"]) if "optimizer" in present else None
-        ),
+        model,
+        **inputs,
+        optimizer=None if optimizer is None else OptimizerParams.from_dict(optimizer),
         runconfig=RunConfigParams.from_dict(present.get("runconfig", {})),
     )
     params.check_mode(mode)

@@ -122,6 +122,8 @@ class Run:
         warm = weights_from_checkpoint and self.ws and not shapes_only
         on_meta = shapes_only or (self.ws and rc.streaming.store == "disk") or warm
         model = self.params.model.build("meta" if on_meta else "cpu")
+        # A transformers model streams (and recomputes) decoder layer by decoder layer.
+        units = hf.unit_classes(model) if hf.is_hf_model(model) else None
         kwargs = {"device": self.device}
         if self.ws:
             # The runconfig's streaming settings are the engine's StreamingConfig;
@@ -134,8 +136,7 @@ class Run:
                 rc.streaming,
                 compute_dtype=self._compute_dtype(),
                 init_weights=not warm,
-                # A transformers model streams decoder layer by decoder layer.
-                unit_classes=hf.unit_classes(model) if hf.is_hf_model(model) else None,
+                unit_classes=units,
                 store="disk" if disk else "ram",
                 store_dir=store_dir if disk else None,
                 host_memory_budget=rc.streaming.host_memory_budget if disk else None,
@@ -143,10 +144,7 @@ class Run:
         elif rc.streaming.activation_checkpointing:
             # Layer pipelined recomputes the units these settings choose (Note
             # [activation checkpointing] in runtime/recompute.py).
-            kwargs["streaming"] = dataclasses.replace(
-                rc.streaming,
-                unit_classes=hf.unit_classes(model) if hf.is_hf_model(model) else None,
-            )
+            kwargs["streaming"] = dataclasses.replace(rc.streaming, unit_classes=units)
         # compile() joins the ranks: every rank starts from rank 0's weights, and
         # SwarmX reduces the gradients in every backward (Note [swarm reduce]).
         compiled = cstorch.compile(model, backend="wse_ws" if self.ws else "wse_lp", **kwargs)
@@ -193,13 +191,10 @@ class Run:
             if store is not None and store.places is not None:
                 # Predicted for AdamW's two moments (Note [hybrid placement]).
                 log.info("Disk store: %s", store.places.predicted.describe())
-        try:
-            from weightstream.compiler import compile_phase
-        except ImportError:
-            compile_phase = None
-        if compile_phase is not None:
-            result = compile_phase.run(self, compiled, args, batch_size_of(example))
-            self.perf.est_samples_per_sec = result.get("est_samples_per_sec")
+        from weightstream.compiler import compile_phase
+
+        result = compile_phase.run(self, compiled, args, batch_size_of(example))
+        self.perf.est_samples_per_sec = result.get("est_samples_per_sec")
         self.perf.compile_time = time.perf_counter() - t0
         log.info("Compile finished in %.2f s", self.perf.compile_time)
 
@@ -486,7 +481,8 @@ class Run:
 
 
 class _Autocast:
-    """The compiled module called under the run's autocast (mixed precision)."""
+    """The compiled module called under the run's autocast (mixed precision); its
+    other attributes (eval, train, no_sync) are the compiled module's."""
 
     def __init__(self, compiled, autocast):
         self.compiled = compiled
@@ -496,14 +492,8 @@ class _Autocast:
         with self.autocast():
             return self.compiled(*args, **kwargs)
 
-    def eval(self):
-        self.compiled.eval()
-
-    def train(self):
-        self.compiled.train()
-
-    def no_sync(self):
-        return self.compiled.no_sync()
+    def __getattr__(self, name: str):
+        return getattr(self.compiled, name)
 
 
 class _NoWriter:
@@ -512,11 +502,7 @@ class _NoWriter:
     def add_scalar(self, *args, **kwargs) -> None:
         pass
 
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+    flush = close = add_scalar
 
 
 def main(argv: list[str] | None = None) -> int:

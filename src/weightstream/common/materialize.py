@@ -32,32 +32,29 @@ from torch import nn
 Allocate = Callable[[nn.Parameter], torch.Tensor]
 
 
-def init_rule(model: nn.Module) -> Callable[[str, nn.Module], bool]:
-    """How :func:`materialize` initializes one module of ``model`` (see the module doc).
-
-    The returned function initializes ``module``'s own parameters and returns
-    True, or returns False when there is no rule for it.
-    """
-    own = getattr(model, "init_module", None)
-    if own is not None:
-
-        def by_model(name: str, module: nn.Module) -> bool:
-            own(name, module)
-            return True
-
-        return by_model
-    hf = getattr(model, "_init_weights", None)  # a transformers PreTrainedModel
-
-    def reset(name: str, module: nn.Module) -> bool:
-        if hasattr(module, "reset_parameters"):
-            module.reset_parameters()
-            return True
-        if hf is not None:
-            hf(module)  # the library's own rule (config.initializer_range)
-            return True
+def _initialize(model: nn.Module, name: str, module: nn.Module) -> bool:
+    """Initialize ``module``'s own parameters by ``model``'s rule (see the module doc);
+    False when there is no rule for it."""
+    if getattr(model, "init_module", None) is not None:
+        model.init_module(name, module)
+    elif hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+    elif getattr(model, "_init_weights", None) is not None:  # a transformers PreTrainedModel
+        model._init_weights(module)  # the library's own rule (config.initializer_range)
+    else:
         return False
+    return True
 
-    return reset
+
+def init_normal(m: nn.Module, std: float = 0.02) -> None:
+    """The zoo's rule (a model's ``init_module``): N(0, std) for the matrix of an
+    ``nn.Linear`` or ``nn.Embedding``, zero biases; other modules (norms) reset."""
+    if isinstance(m, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(m.weight, mean=0.0, std=std)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+    else:
+        m.reset_parameters()
 
 
 def materialize(
@@ -81,7 +78,6 @@ def materialize(
 
     Returns the qualified names of the parameters left without initial values.
     """
-    init = init_rule(model)
     twins: dict[int, nn.Parameter] = {}  # id(parameter as built) -> the parameter kept
     left: list[str] = []
     for name, m in model.named_modules():
@@ -94,12 +90,9 @@ def materialize(
                 m._parameters[key] = twins[id(p)]
                 continue
             q = p
-            if allocate is None:
-                fresh.append(q)
-                names.append(f"{name}.{key}" if name else key)
-            elif p.is_meta:
-                q = nn.Parameter(allocate(p), requires_grad=p.requires_grad)
-                m._parameters[key] = q
+            if allocate is not None and p.is_meta:
+                q = m._parameters[key] = nn.Parameter(allocate(p), requires_grad=p.requires_grad)
+            if allocate is None or p.is_meta:
                 fresh.append(q)
                 names.append(f"{name}.{key}" if name else key)
             twins[id(p)] = q
@@ -109,7 +102,7 @@ def materialize(
             left.extend(names)
         else:
             with torch.no_grad():
-                done = init(name, m)
+                done = _initialize(model, name, m)
             if not done and without_rule == "leave":
                 left.extend(names)
             elif not done:

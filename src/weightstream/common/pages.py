@@ -38,22 +38,23 @@ MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21)
 _PAGE = mmap.PAGESIZE
 
 
-def _libc_madvise():
-    """``madvise(addr, length, advice)`` from the C library, or None where there is none."""
+def _libc(name: str, argtypes: tuple, use_errno: bool = False):
+    """The C library's function ``name`` returning an int, or None where there is none
+    (not Linux, or a C library without it: malloc_trim is glibc's)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
+        fn = getattr(ctypes.CDLL(None, use_errno=use_errno), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    fn.argtypes = argtypes
     fn.restype = ctypes.c_int
     return fn
 
 
-# On the storages' own addresses: torch's mapping is page-aligned and has no
-# Python object to call madvise on.
-madvise = _libc_madvise()
+# madvise(addr, length, advice), on the storages' own addresses: torch's mapping
+# is page-aligned and has no Python object to call madvise on.
+madvise = _libc("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), use_errno=True)
 
 
 def is_store_mapped(t: torch.Tensor) -> bool:
@@ -107,19 +108,7 @@ def release_pages(tensors: Iterable[torch.Tensor]) -> None:
                     madvise(lo, hi - lo, MADV_PAGEOUT)
 
 
-def _libc_malloc_trim():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None  # not glibc
-    fn.argtypes = (ctypes.c_size_t,)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_malloc_trim = _libc_malloc_trim()
+_malloc_trim = _libc("malloc_trim", (ctypes.c_size_t,))
 
 
 def trim_heap() -> None:

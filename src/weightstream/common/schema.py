@@ -76,8 +76,7 @@ def setting(
     when the value is not None), the ``fix`` a bound's error suggests, other
     names it is accepted under (``aliases``), and whether the params file may set
     it (``in_params``: False for settings the run command derives itself)."""
-    metadata = {"doc": doc, "ge": ge, "gt": gt, "fix": fix, "aliases": aliases}
-    metadata["in_params"] = in_params
+    metadata = dict(doc=doc, ge=ge, gt=gt, fix=fix, aliases=aliases, in_params=in_params)
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
@@ -104,9 +103,7 @@ def describe(tp: Any) -> str:
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in args)
     if origin in (list, tuple) or tp in (list, tuple):
-        if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
-            return f"a list of {_plural(args[0])}"
-        if origin is tuple and args:
+        if origin is tuple and args and args[-1] is not Ellipsis:
             return f"a list of {len(args)} {_plural(args[0])}"
         return f"a list of {_plural(args[0])}" if args else "a list"
     if origin in (Union, types.UnionType):

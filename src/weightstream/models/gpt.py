@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from weightstream.common.materialize import materialize
+from weightstream.common.materialize import init_normal, materialize
 
 
 @dataclass
@@ -104,15 +104,8 @@ class GPT(nn.Module):
         """Initialize ``m``'s own parameters (see ``common.materialize``): N(0, 0.02)
         matrices, zero biases, and GPT-2's residual projections scaled by
         1/sqrt(2 n_layer)."""
-        if isinstance(m, nn.Linear):
-            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("proj") else 0.02
-            nn.init.normal_(m.weight, mean=0.0, std=std)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-        else:
-            m.reset_parameters()
+        scaled = isinstance(m, nn.Linear) and name.endswith("proj")
+        init_normal(m, 0.02 / math.sqrt(2 * self.cfg.n_layer) if scaled else 0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]

@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from weightstream.common.materialize import materialize
+from weightstream.common.materialize import init_normal, materialize
 from weightstream.models import _validate
+from weightstream.models.llama import rotary_angles
 
 _OWNER = "GPTJConfig"
 
@@ -68,15 +69,8 @@ class GPTJConfig:
 def rotary_tables(
     seq_len: int, rotary_dim: int, device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [seq_len, rotary_dim] (float32), each angle repeated for its pair (2i, 2i + 1).
-
-    Recomputed per forward for the reason given in ``llama.rotary_tables``.
-    """
-    inv_freq = 1.0 / (
-        10000.0 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim)
-    )
-    angles = torch.arange(seq_len, dtype=torch.float32, device=device)[:, None] * inv_freq
-    angles = angles.repeat_interleave(2, dim=-1)
+    """cos, sin [seq_len, rotary_dim] (float32), each angle repeated for its pair (2i, 2i + 1)."""
+    angles = rotary_angles(seq_len, rotary_dim, 10000.0, device).repeat_interleave(2, dim=-1)
     return angles.cos(), angles.sin()
 
 
@@ -160,12 +154,7 @@ class GPTJ(nn.Module):
     def init_module(name: str, m: nn.Module) -> None:
         """Initialize ``m``'s own parameters (see ``common.materialize``): N(0, 0.02)
         matrices and zero biases, as Hugging Face's GPT-J; LayerNorms start at (1, 0)."""
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-            if isinstance(m, nn.Linear) and m.bias is not None:
-                nn.init.zeros_(m.bias)
-        else:
-            m.reset_parameters()
+        init_normal(m)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from weightstream.common.materialize import materialize
+from weightstream.common.materialize import init_normal, materialize
 from weightstream.models import _validate
 
 _OWNER = "LlamaConfig"
@@ -88,20 +88,25 @@ class LlamaConfig:
         return -(-hidden // self.multiple_of) * self.multiple_of
 
 
-def rotary_tables(
-    seq_len: int, head_dim: int, theta: float, device: torch.device | str | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of the rotation angles, each [seq_len, head_dim], in float32.
+def rotary_angles(
+    seq_len: int, dim: int, theta: float, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """The rotation angles [seq_len, dim / 2] (float32), one per rotated pair.
 
     Computed per forward rather than stored: a buffer would have to follow the
     model between devices and into checkpoints for a few kilobytes of values
     that cost microseconds to recompute. Same arithmetic as Hugging Face's
     default RoPE (float32 powers of ``theta``), so results match it bit for bit.
     """
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
-    )
-    angles = torch.arange(seq_len, dtype=torch.float32, device=device)[:, None] * inv_freq
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    return torch.arange(seq_len, dtype=torch.float32, device=device)[:, None] * inv_freq
+
+
+def rotary_tables(
+    seq_len: int, head_dim: int, theta: float, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of the rotation angles, each [seq_len, head_dim], in float32."""
+    angles = rotary_angles(seq_len, head_dim, theta, device)
     angles = torch.cat((angles, angles), dim=-1)  # see Note [rotary layout]
     return angles.cos(), angles.sin()
 
@@ -200,10 +205,7 @@ class Llama(nn.Module):
     def init_module(name: str, m: nn.Module) -> None:
         """Initialize ``m``'s own parameters (see ``common.materialize``): N(0, 0.02)
         for every matrix, as Hugging Face's initializer_range; norms start at 1."""
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-        else:
-            m.reset_parameters()
+        init_normal(m)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import warnings
 from dataclasses import dataclass, field
@@ -13,6 +12,7 @@ from weightstream.common.schema import (
     check,
     convert,
     hints,
+    init_names,
     plain,
     require,
     setting,
@@ -74,7 +74,7 @@ class ModelParams:
                 f"model.preset: model {self.name!r} has no preset {self.preset!r}.{hint} {fix}"
             )
         config_hints = hints(spec.config_cls)
-        config_names = [f.name for f in dataclasses.fields(spec.config_cls) if f.init]
+        config_names = init_names(spec.config_cls)
         unknown = [k for k in self.fields if k not in config_names]
         if unknown:
             raise unknown_keys_error(

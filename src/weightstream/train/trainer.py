@@ -15,6 +15,7 @@ to its checkpoint's step, so the file reads as if the run had never stopped.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -73,8 +74,6 @@ class Trainer:
         optimizer: torch.optim.Optimizer | None = None,
         lr_scheduler=None,
         grad_scaler: GradScaler | None = None,
-        writer=None,
-        eval_writer=None,
         perf: PerformanceTracker | None = None,
     ):
         self.s = settings
@@ -83,8 +82,9 @@ class Trainer:
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.grad_scaler = grad_scaler or GradScaler()
-        self.writer = writer
-        self.eval_writer = eval_writer
+        # TensorBoard writers of training and evaluation, set by the run command.
+        self.writer = None
+        self.eval_writer = None
         self.perf = perf or PerformanceTracker()
         self.global_step = 0
         self.losses: list[float] = []
@@ -240,12 +240,7 @@ class Trainer:
 
     def _micro_batches(self, it: Iterator) -> tuple[list[dict], float]:
         t0 = time.perf_counter()
-        batches = []
-        for _ in range(self.s.grad_accum_steps):
-            try:
-                batches.append(next(it))
-            except StopIteration:
-                break
+        batches = list(itertools.islice(it, self.s.grad_accum_steps))
         return batches, time.perf_counter() - t0
 
     def _optimizer_step(self, batches: list[dict]) -> torch.Tensor:

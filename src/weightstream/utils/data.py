@@ -1,31 +1,10 @@
 """``weightstream.utils.data``: the reference API's ``cstorch.utils.data`` names.
 
 The implementation lives in :mod:`weightstream.data`; this module only gives
-it the reference's import path.
+its public names (``weightstream.data.__all__``) the reference's import path.
 """
 
-from weightstream.data import (
-    DataLoader,
-    DistributedSampler,
-    SyntheticDataset,
-    aggregate_state_dict,
-    compute_num_steps,
-    deaggregate_state_dict,
-    get_streaming_batch_size,
-    get_streaming_rank,
-    is_streamer,
-    num_streamers,
-)
+import weightstream.data as _data
+from weightstream.data import *  # noqa: F403
 
-__all__ = [
-    "DataLoader",
-    "DistributedSampler",
-    "SyntheticDataset",
-    "aggregate_state_dict",
-    "compute_num_steps",
-    "deaggregate_state_dict",
-    "get_streaming_batch_size",
-    "get_streaming_rank",
-    "is_streamer",
-    "num_streamers",
-]
+__all__ = list(_data.__all__)
