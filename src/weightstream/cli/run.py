@@ -481,8 +481,7 @@ class Run:
 
 
 class _Autocast:
-    """The compiled module called under the run's autocast (mixed precision); its
-    other attributes (eval, train, no_sync) are the compiled module's."""
+    """The compiled module called under the run's autocast (mixed precision)."""
 
     def __init__(self, compiled, autocast):
         self.compiled = compiled
@@ -492,8 +491,14 @@ class _Autocast:
         with self.autocast():
             return self.compiled(*args, **kwargs)
 
-    def __getattr__(self, name: str):
-        return getattr(self.compiled, name)
+    def eval(self):
+        self.compiled.eval()
+
+    def train(self):
+        self.compiled.train()
+
+    def no_sync(self):
+        return self.compiled.no_sync()
 
 
 class _NoWriter:

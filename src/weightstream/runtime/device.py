@@ -161,12 +161,6 @@ class DeviceOps:
         if not self.is_cpu:
             self._copy_stream = torch.Stream(device=self.device)
 
-    def pin_if_useful(self, t: torch.Tensor) -> torch.Tensor:
-        """Host memory that the device can read asynchronously (pinned for CUDA)."""
-        if self.is_cpu or t.is_pinned():
-            return t
-        return t.pin_memory()
-
     def submit(self, fn: Callable[[], object], background: bool) -> Transfer:
         """Run ``fn`` (which allocates on and copies to the device) now or in the background.
 
@@ -229,14 +223,6 @@ class DeviceOps:
         out = self.empty(src.numel(), src.dtype)
         out.copy_(src, non_blocking=True)
         return out
-
-    def to_host(self, grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """A gradient computed on the device, as a tensor matching the host master."""
-        if grad.device == like.device and grad.dtype == like.dtype:
-            return grad
-        # Host sync point on accelerators: the gradient must be on the host
-        # before the store accumulates it.
-        return grad.to(device=like.device, dtype=like.dtype)
 
     def close(self) -> None:
         if self._buffers is not None:
