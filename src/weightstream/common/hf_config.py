@@ -7,11 +7,12 @@ used. Nothing is downloaded.
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 from pathlib import Path
 from typing import Any
+
+from weightstream.common.schema import did_you_mean
 
 CONFIG_FILE = "config.json"
 
@@ -68,8 +69,7 @@ def load_config(path: str | os.PathLike, overrides: dict[str, Any] | None = None
     known = set(config.to_dict())
     for key, value in (overrides or {}).items():
         if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=3)
-            hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+            hint = did_you_mean(key, sorted(known))
             raise ValueError(
                 f"model.{key}: {model_type!r} configurations have no field {key!r}.{hint} "
                 "Fix: use a field of the model's config.json, or remove the key."

@@ -32,7 +32,7 @@ import os
 import reprlib
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal, Union
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "check",
     "convert",
     "describe",
+    "did_you_mean",
     "got",
     "hints",
     "init_names",
@@ -140,8 +141,12 @@ def _quoted_number_hint(value: Any) -> str:
     return ""
 
 
-def _close(value: Any, words: list[str], n: int = 1) -> list[str]:
-    return difflib.get_close_matches(value, words, n=n) if isinstance(value, str) else []
+def did_you_mean(value: Any, choices: Iterable[Any], n: int = 3) -> str:
+    """`` Did you mean 'a' or 'b'?`` for the close matches of ``value`` among
+    ``choices`` (their string forms), else ``""``."""
+    words = [str(c) for c in choices]
+    close = difflib.get_close_matches(value, words, n=n) if isinstance(value, str) else []
+    return f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
 
 
 def _convert_union(path: str, value: Any, tp: Any, args: tuple) -> Any:
@@ -165,8 +170,7 @@ def _convert_union(path: str, value: Any, tp: Any, args: tuple) -> Any:
             continue
     hint = _quoted_number_hint(value) if {int, float} & set(options) else ""
     words = [str(w) for o in options if typing.get_origin(o) is Literal for w in o.__args__]
-    close = _close(value, words)
-    suggestion = f" Did you mean {close[0]!r}?" if close else ""
+    suggestion = did_you_mean(value, words, n=1)
     raise TypeError(f"{path} must be {describe(tp)}, got {got(value)}{hint}.{suggestion}")
 
 
@@ -216,8 +220,7 @@ def convert(path: str, value: Any, tp: Any) -> Any:
     if origin is Literal:
         if isinstance(value, str) and value in args:
             return value
-        close = _close(value, [str(a) for a in args])
-        hint = f" Did you mean {close[0]!r}?" if close else ""
+        hint = did_you_mean(value, args, n=1)
         raise ValueError(f"{path} must be {describe(tp)}, got {got(value)}.{hint}")
     if tp is bool:
         if isinstance(value, bool):

@@ -30,7 +30,6 @@ sharded across ranks, fast restarts); the HDF5 processor shards files
 
 from __future__ import annotations
 
-import difflib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +40,7 @@ import torch.nn.functional as F
 import torch.utils.data
 from torch.utils.data import Dataset
 
+from weightstream.common.schema import did_you_mean
 from weightstream.data.corpus import VOCAB_SIZE, ByteCorpusDataset, read_texts, text_files
 from weightstream.data.gpt_hdf5 import GptHDF5Dataset, scan_gpt_hdf5_dir, write_gpt_hdf5
 from weightstream.data.sampler import DistributedSampler
@@ -91,8 +91,7 @@ def _register(name: str, keys: frozenset[str]) -> Callable[[DataProcessor], Data
 def get_data_processor(name: str) -> DataProcessor:
     """The processor registered as ``name``; ValueError naming the valid ones otherwise."""
     if name not in DATA_PROCESSORS:
-        close = difflib.get_close_matches(str(name), list(DATA_PROCESSORS), n=3)
-        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+        hint = did_you_mean(str(name), DATA_PROCESSORS)
         raise ValueError(
             f"unknown data_processor {name!r}.{hint} Valid names: "
             f"{', '.join(sorted(DATA_PROCESSORS))}."

@@ -6,13 +6,13 @@ params file spells it (``train_input.batch_size``) and say what to write instead
 
 from __future__ import annotations
 
-import difflib
 import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from weightstream.common.schema import did_you_mean
 from weightstream.data._checks import check_int
 
 # The two names of the sequence length (``max_sequence_length``: the reference's).
@@ -39,8 +39,7 @@ class Section:
         unknown = sorted(set(self.params) - keys)
         if unknown:
             key = unknown[0]
-            close = difflib.get_close_matches(key, sorted(keys), n=3)
-            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+            hint = did_you_mean(key, sorted(keys))
             raise ValueError(
                 f"{self.section}.{key} is not a key of data_processor {name!r}.{hint} "
                 f"Valid keys: {', '.join(sorted(keys))}."

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -11,6 +10,7 @@ from weightstream.common.schema import (
     as_section,
     check,
     convert,
+    did_you_mean,
     hints,
     init_names,
     plain,
@@ -62,8 +62,7 @@ class ModelParams:
         except ValueError as e:
             raise ValueError(f"model.name: {e}") from None
         if self.preset is not None and self.preset not in spec.presets:
-            close = difflib.get_close_matches(self.preset, list(spec.presets), n=3)
-            hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+            hint = did_you_mean(self.preset, spec.presets)
             fix = (
                 f"Its presets: {', '.join(map(repr, spec.presets))}. Fix: use one of them or "
                 f"remove 'preset'."

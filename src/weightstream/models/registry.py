@@ -15,12 +15,12 @@ Batch formats by task:
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import nn
 
+from weightstream.common.schema import did_you_mean
 from weightstream.models.fc_mnist import FCMNIST, FCMNISTConfig
 from weightstream.models.gpt import GPT, GPTConfig
 
@@ -51,8 +51,7 @@ def register_model(spec: ModelSpec) -> ModelSpec:
 
 def get_model_spec(name: str) -> ModelSpec:
     if name not in MODELS:
-        close = difflib.get_close_matches(str(name), list(MODELS), n=3)
-        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+        hint = did_you_mean(str(name), MODELS)
         raise ValueError(
             f"unknown model name {name!r}.{hint} Known models: {', '.join(sorted(MODELS))}."
         )
