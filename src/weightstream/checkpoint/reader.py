@@ -508,18 +508,14 @@ class H5Source(Source):
         address = target.ctypes.data
         verify = expected is not None
         fd = self._fd
-        size = pieces.PIECE_BYTES
 
-        def read_piece(i: int) -> int | None:
-            start = i * size
-            piece = buffer[start : start + size]
+        def read_piece(start: int, piece: memoryview) -> int | None:
             kernel.populate(address + start, len(piece))  # Note [populate before read]
             if not read_exact(fd, piece, offset + start):
                 return None  # past the end of the file
             return fmt.checksum(np.frombuffer(piece, dtype=np.uint8)) if verify else 0
 
-        # Note [parallel pieces]
-        sums = pieces.for_each_piece(pieces.piece_count(len(buffer), size), read_piece)
+        sums = pieces.map_pieces(buffer, read_piece)  # Note [parallel pieces]
         if any(s is None for s in sums):
             raise CorruptCheckpointError(
                 f"{self.path}: key {key!r} (dataset {name!r}) ends past the end of "

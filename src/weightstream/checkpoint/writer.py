@@ -469,19 +469,13 @@ class LeafWriter:
         Straight from the tensor's memory (Note [direct data writes]), in
         pieces summed and written by a few threads (Note [parallel pieces]).
         """
-        data = array.reshape(-1).view(np.uint8)
-        guard = self._guard
 
-        size = pieces.PIECE_BYTES
-
-        def write_piece(i: int) -> int:
-            piece = data[i * size : (i + 1) * size]
+        def write_piece(start: int, piece: np.ndarray) -> int:
             total = fmt.checksum(piece)  # then written while it is in the CPU cache
-            guard.pwrite(piece, offset + i * size)
+            self._guard.pwrite(piece, offset + start)
             return total
 
-        count = pieces.piece_count(len(data), size)
-        return pieces.combine(pieces.for_each_piece(count, write_piece))
+        return pieces.combine(pieces.map_pieces(array.reshape(-1).view(np.uint8), write_piece))
 
     def _write_string(self, name: str, value: str) -> None:
         try:
