@@ -36,7 +36,7 @@ import copy
 import os
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, ItemsView, Mapping, ValuesView
+from collections.abc import Hashable, ItemsView, Mapping, ValuesView
 from typing import Any
 
 import torch
@@ -50,6 +50,7 @@ from weightstream.checkpoint.tree import (
     TreeView,
     iter_leaves,
     join_key,
+    read_once,
     restore_metadata,
     unflatten,
 )
@@ -60,7 +61,8 @@ class _Loader:
 
     def __init__(self, source: Source, cache: bool) -> None:
         self.source = source
-        self.cache: dict[Hashable, Any] | None = {} if cache else None
+        # Cache mode: each value read once (tied keys share it); None: read on every access.
+        self.cache = read_once(source.read, lambda k: _slot(source.tie(k), k)) if cache else None
         self.closed = False
         # Close the file when the last view is garbage collected.
         self._finalizer = weakref.finalize(self, source.close)
@@ -70,23 +72,21 @@ class _Loader:
             raise ValueError(
                 f"the checkpoint {self.source.path} was closed; load() it again to read {key!r}."
             )
-        if self.cache is None:
-            return self.source.read(key)
-        tie = self.source.tie(key)
-        slot = ("key", key) if tie is None else tie
-        if slot not in self.cache:
-            self.cache[slot] = self.source.read(key)
-        return self.cache[slot]
+        return self.source.read(key) if self.cache is None else self.cache(key)
 
     def materialize(self, node: Node) -> Any:
         """The real nested value of ``node``, tied leaves read once."""
         if self.cache is not None:
             return unflatten(node, self.read)
-        return _read_tree(node, self.read, self.source.tie)
+        return unflatten(node, read_once(self.read, self.source.tie))
 
     def close(self) -> None:
         self.closed = True
         self._finalizer()
+
+
+def _slot(tie: Hashable | None, key: str) -> Hashable:
+    return ("key", key) if tie is None else tie
 
 
 def _read_only(*_: Any, **__: Any) -> None:
@@ -320,36 +320,16 @@ def _parse_map_location(map_location: Any) -> tuple[str, torch.device | None]:
     )
 
 
-def _read_tree(
-    node: Node,
-    read: Callable[[str], Any],
-    tie: Callable[[str], Hashable | None],
-    place: Callable[[Any], Any] | None = None,
-) -> Any:
-    """``node`` rebuilt from ``read(key)`` of each leaf (then ``place``d), tied leaves read once."""
-    seen: dict[Hashable, Any] = {}
-
-    def value_of(key: str) -> Any:
-        slot = tie(key)
-        if slot is not None and slot in seen:
-            return seen[slot]
-        value = read(key) if place is None else place(read(key))
-        if slot is not None:
-            seen[slot] = value
-        return value
-
-    return unflatten(node, value_of)
-
-
 def _materialize_on(source: Source, device: torch.device) -> Any:
     """Read every leaf (tied ones once) and place tensors on ``device``, one at a time."""
 
-    def place(value: Any) -> Any:
+    def read(key: str) -> Any:
+        value = source.read(key)
         if isinstance(value, torch.Tensor) and value.device != device:
             return _to_device(value, device)
         return value
 
-    return _read_tree(source.tree, source.read, source.tie, place)
+    return unflatten(source.tree, read_once(read, source.tie))
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -311,24 +311,32 @@ def _container_kind(x: Any) -> str | None:
     return None
 
 
+def read_once(
+    read: Callable[[str], Any], tie: Callable[[str], Hashable | None]
+) -> Callable[[str], Any]:
+    """``read`` for :func:`unflatten`, keys of one ``tie`` identity read once (tied tensors)."""
+    seen: dict[Hashable, Any] = {}
+
+    def value_of(key: str) -> Any:
+        slot = tie(key)
+        if slot is None:
+            return read(key)
+        if slot not in seen:
+            seen[slot] = read(key)
+        return seen[slot]
+
+    return value_of
+
+
 def resolve_leaves(flat: Flattened) -> Callable[[str], Any]:
     """``value_of(key)`` for :func:`unflatten` of ``flat``: reads deferred leaves,
     tied ones once."""
     values = dict(flat.leaves)
-    seen: dict[Hashable, Any] = {}
-
-    def value_of(key: str) -> Any:
-        value = values[key]
-        if not isinstance(value, Deferred):
-            return value
-        tie = value.tie()
-        if tie is None:
-            return value.get()
-        if tie not in seen:
-            seen[tie] = value.get()
-        return seen[tie]
-
-    return value_of
+    deferred = {k: v for k, v in flat.leaves if isinstance(v, Deferred)}
+    return read_once(
+        lambda k: deferred[k].get() if k in deferred else values[k],
+        lambda k: deferred[k].tie() if k in deferred else None,
+    )
 
 
 def unflatten(node: Node, value_of: Callable[[str], Any]) -> Any:
