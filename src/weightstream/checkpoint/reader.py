@@ -202,17 +202,13 @@ class H5Source(Source):
 
     # -- Source ------------------------------------------------------------
 
-    def _name(self, key: str) -> str:
-        try:
-            return self._names[key]
-        except KeyError:
-            raise KeyError(f"{self.path} has no key {key!r}") from None
-
     @contextmanager
-    def _reading(self, key: str, name: str) -> Iterator[None]:
-        """Turn h5py's errors on a damaged file into one that names file, key and fix."""
+    def _reading(self, key: str) -> Iterator[tuple[str, h5py.Dataset]]:
+        """The dataset name and dataset of ``key``; h5py's errors on a damaged file
+        become one that names file, key and fix."""
+        name = self._lookup(self._names, key)
         try:
-            yield
+            yield name, self._dataset(name)
         except CheckpointError:
             raise
         except (OSError, RuntimeError, ValueError, TypeError, KeyError) as e:
@@ -231,19 +227,16 @@ class H5Source(Source):
         return self._last[1]
 
     def read(self, key: str) -> Any:
-        name = self._name(key)
-        with self._reading(key, name):
-            return self._read_dataset(key, name, self._dataset(name))
+        with self._reading(key) as (name, dset):
+            return self._read_dataset(key, name, dset)
 
     def tie(self, key: str) -> Hashable | None:
-        name = self._name(key)
-        with self._reading(key, name):
-            return ("h5", self._uid, h5py.h5o.get_info(self._dataset(name).id).addr)
+        with self._reading(key) as (_, dset):
+            return ("h5", self._uid, h5py.h5o.get_info(dset.id).addr)
 
     def describe(self, key: str) -> LeafInfo:
-        name = self._name(key)
-        with self._reading(key, name):
-            return self._describe(key, self._dataset(name))
+        with self._reading(key) as (_, dset):
+            return self._describe(key, dset)
 
     def _describe(self, key: str, dset: h5py.Dataset) -> LeafInfo:
         attrs = read_attributes(dset)

@@ -175,16 +175,10 @@ class SafetensorsSource(Source):
         names = [n for _, handle in files for n in handle.offset_keys() if n in self._entries]
         return Branch("dict", names, [Leaf(n) for n in names])
 
-    def _entry(self, key: str) -> tuple[Path, Any]:
-        try:
-            return self._entries[key]
-        except KeyError:
-            raise KeyError(f"{self.path} has no key {key!r}") from None
-
     def read(self, key: str) -> Any:
         if key in self._values:
             return self._values[key]
-        file, handle = self._entry(key)
+        file, handle = self._lookup(self._entries, key)
         try:
             return handle.get_tensor(key)
         except SafetensorError as e:  # e.g. the file was truncated since it was opened
@@ -198,7 +192,7 @@ class SafetensorsSource(Source):
             value = self._values[key]
             kind = {type(None): "none", str: "string"}.get(type(value), "scalar")
             return LeafInfo(key, kind, None, type(value).__name__, 0, "metadata")
-        file, handle = self._entry(key)
+        file, handle = self._lookup(self._entries, key)
         spec = handle.get_slice(key)  # the header's entry; reads no data
         shape, code = tuple(spec.get_shape()), spec.get_dtype()
         if code not in DTYPES:

@@ -48,10 +48,7 @@ class TorchSource(Source):
         self._values = dict(flat.leaves)
 
     def read(self, key: str) -> Any:
-        try:
-            return self._values[key]
-        except KeyError:
-            raise KeyError(f"{self.path} has no key {key!r}") from None
+        return self._lookup(self._values, key)
 
     def tie(self, key: str) -> Hashable | None:
         value = self.read(key)
