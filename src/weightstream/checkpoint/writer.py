@@ -164,7 +164,7 @@ def save(
                     fmt.checksum(np.frombuffer(spec.encode(), np.uint8))
                 )
                 f.attrs[fmt.ATTR_VERSION] = fmt.FORMAT_VERSION
-                set_text(f.attrs, fmt.ATTR_LIBRARY_VERSION, __version__)
+                writer._text(f, fmt.ATTR_LIBRARY_VERSION, __version__)
                 f.attrs[fmt.ATTR_SUCCESS] = True  # last: Note [atomic save]
             guard.check()  # closing flushes the metadata: that may fail too
     except (OSError, RuntimeError) as e:
@@ -284,8 +284,8 @@ class LeafWriter:
         self._fresh = 0  # bytes this save allocated since the heap was last trimmed
         self._attribute_types: dict[tuple, h5py.h5t.TypeID] = {}
 
-    def _put(self, dset: h5py.Dataset, name: str, value: np.ndarray | np.generic) -> None:
-        """``dset.attrs[name] = value`` for a dataset this save just created.
+    def _put(self, obj: h5py.HLObject, name: str, value: np.ndarray | np.generic) -> None:
+        """``obj.attrs[name] = value`` for a dataset (or file) this save just created.
 
         The same HDF5 attribute (type and space made as h5py makes them), minus
         what h5py redoes on every assignment: looking for an existing attribute
@@ -299,12 +299,13 @@ class LeafWriter:
             tid = self._attribute_types[key] = h5py.h5t.py_create(array.dtype, logical=True)
         space = h5py.h5s.create_simple(array.shape)  # () gives a scalar space
         # The memory type is the file type: the bytes go in as they are, no conversion.
-        h5py.h5a.create(dset.id, name.encode("utf-8"), tid, space).write(array, mtype=tid)
+        h5py.h5a.create(obj.id, name.encode("utf-8"), tid, space).write(array, mtype=tid)
 
-    def _text(self, dset: h5py.Dataset, name: str, value: str) -> None:
-        """:func:`set_text` for a dataset this save just created (see :meth:`_put`)."""
+    def _text(self, obj: h5py.HLObject, name: str, value: str) -> None:
+        """A string attribute, fixed-length UTF-8 in the object header (Note [checkpoint
+        layout]: HDF5 checksums that, not the heap of variable-length strings)."""
         data = value.encode("utf-8")
-        self._put(dset, name, np.array(data, dtype=h5py.string_dtype("utf-8", max(1, len(data)))))
+        self._put(obj, name, np.array(data, dtype=h5py.string_dtype("utf-8", max(1, len(data)))))
 
     def write(self, key: str, name: str, value: Any) -> None:
         if self._fresh >= TRIM_BYTES:
@@ -331,13 +332,13 @@ class LeafWriter:
         if is_plain_tensor(value):
             self._write_tensor(name, value)
         elif value is None:
-            self._empty(name, fmt.TYPE_NONE)
+            self._data(name, None, fmt.TYPE_NONE)
         elif type(value) in (bool, float, complex) or (
             type(value) is int and -(2**63) <= value < 2**63
         ):
             self._data(name, np.asarray(value), fmt.TYPE_SCALAR)
         elif type(value) is int:
-            self._empty(name, fmt.TYPE_BIGINT, {fmt.ATTR_VALUE: str(value)})
+            self._data(name, None, fmt.TYPE_BIGINT, {fmt.ATTR_VALUE: str(value)})
         elif type(value) is str:
             self._write_string(name, value)
         elif type(value) in (bytes, bytearray):
@@ -350,40 +351,36 @@ class LeafWriter:
             if scalar:
                 self._put(dset, fmt.ATTR_NUMPY_SCALAR, np.bool_(True))
         elif isinstance(value, torch.dtype):
-            self._empty(name, fmt.TYPE_TORCH_DTYPE, {fmt.ATTR_VALUE: fmt.dtype_name(value)})
+            self._data(name, None, fmt.TYPE_TORCH_DTYPE, {fmt.ATTR_VALUE: fmt.dtype_name(value)})
         elif isinstance(value, torch.device):
-            self._empty(name, fmt.TYPE_TORCH_DEVICE, {fmt.ATTR_VALUE: str(value)})
+            self._data(name, None, fmt.TYPE_TORCH_DEVICE, {fmt.ATTR_VALUE: str(value)})
         elif type(value) is torch.Size:
             self._data(name, np.asarray(list(value), dtype=np.int64), fmt.TYPE_TORCH_SIZE)
         else:
             self._write_pickle(key, name, value)
 
-    def _empty(self, name: str, tag: str, text: dict[str, str] | None = None) -> h5py.Dataset:
-        """A dataset without data: the value lives in its (checksummed) attributes."""
-        dset = self._f.create_dataset(name, data=h5py.Empty("f"))
-        self._text(dset, fmt.ATTR_TYPE, tag)
-        for attr, value in (text or {}).items():
-            self._text(dset, attr, value)
-        return dset
-
     def _data(
         self,
         name: str,
-        array: np.ndarray,
+        array: np.ndarray | None,
         tag: str,
         text: dict[str, str] | None = None,
         *,
         compress: bool = False,
     ) -> h5py.Dataset:
-        """A dataset holding ``array``, with its checksum (any data can be damaged)."""
-        options = self._options_for(array.shape) if compress else {}
-        if not array.flags.c_contiguous:
-            array = array.copy(order="C")  # (np.ascontiguousarray would make 0-d 1-d)
-        dset = self._f.create_dataset(name, data=array, **options)
-        self._text(dset, fmt.ATTR_TYPE, tag)
-        for attr, value in (text or {}).items():
+        """A dataset holding ``array``, with its checksum (any data can be damaged); for
+        None, a dataset without data: the value lives in its (checksummed) attributes."""
+        if array is None:
+            dset = self._f.create_dataset(name, data=h5py.Empty("f"))
+        else:
+            options = self._options_for(array.shape) if compress else {}
+            if not array.flags.c_contiguous:
+                array = array.copy(order="C")  # (np.ascontiguousarray would make 0-d 1-d)
+            dset = self._f.create_dataset(name, data=array, **options)
+        for attr, value in {fmt.ATTR_TYPE: tag, **(text or {})}.items():
             self._text(dset, attr, value)
-        self._put(dset, fmt.ATTR_CHECKSUM, np.uint64(fmt.checksum(array)))
+        if array is not None:
+            self._put(dset, fmt.ATTR_CHECKSUM, np.uint64(fmt.checksum(array)))
         return dset
 
     def _options_for(self, shape: tuple[int, ...]) -> dict:
@@ -487,7 +484,7 @@ class LeafWriter:
             and len(encoded) <= fmt.MAX_STRING_ATTR_BYTES
             and b"\0" not in encoded
         ):
-            self._empty(name, fmt.TYPE_STRING, {fmt.ATTR_STRING: value})
+            self._data(name, None, fmt.TYPE_STRING, {fmt.ATTR_STRING: value})
         else:
             data = value.encode("utf-8", errors="surrogatepass")
             self._data(name, np.frombuffer(data, dtype=np.uint8), fmt.TYPE_STRING)
@@ -504,14 +501,3 @@ class LeafWriter:
         python_type = f"{type(value).__module__}.{type(value).__qualname__}"
         array = np.frombuffer(data, dtype=np.uint8)
         self._data(name, array, fmt.TYPE_PICKLE, {fmt.ATTR_PYTHON_TYPE: python_type})
-
-
-def set_text(attrs: h5py.AttributeManager, name: str, value: str) -> None:
-    """A string attribute stored fixed-length, inside the dataset's object header.
-
-    HDF5 checksums object headers (format 1.8+) but not the global heap where
-    variable-length strings live, so a flipped byte in a variable-length
-    string would go unnoticed; in the header it is caught when the file is read.
-    """
-    data = value.encode("utf-8")
-    attrs.create(name, data=np.bytes_(data), dtype=h5py.string_dtype("utf-8", max(1, len(data))))
