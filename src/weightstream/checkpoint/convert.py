@@ -9,9 +9,7 @@ whole state in memory (see :mod:`.torchfile`).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Hashable
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -20,7 +18,7 @@ from weightstream.checkpoint.opener import open_source
 from weightstream.checkpoint.safetensors_io import write_safetensors
 from weightstream.checkpoint.source import Source
 from weightstream.checkpoint.torchfile import write_torch
-from weightstream.checkpoint.tree import Branch, Leaf, Node, TreeView, find_subtree
+from weightstream.checkpoint.tree import Branch, Leaf, Node, Subtree, TreeView, find_subtree
 from weightstream.checkpoint.writer import atomic_path, save
 from weightstream.common.hf_config import load_config
 
@@ -54,9 +52,7 @@ class SourceView(TreeView):
             )
         self.node: Node = node
 
-    def _ws_subtree(
-        self,
-    ) -> tuple[Node, Callable[[str], Any], Callable[[str], Hashable | None], Callable]:
+    def _ws_subtree(self) -> Subtree:
         node = self.node
         if self.names and isinstance(node, Branch):
             keys = [self.names.get(k, k) if isinstance(k, str) else k for k in node.keys]

@@ -47,6 +47,7 @@ from weightstream.checkpoint.tree import (
     Branch,
     Leaf,
     Node,
+    Subtree,
     TreeView,
     iter_leaves,
     join_key,
@@ -230,7 +231,7 @@ class LazyStateDict(dict, TreeView):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _ws_subtree(self):
+    def _ws_subtree(self) -> Subtree:
         source = self._loader.source
         return self._node, self._loader.read, source.tie, source.describe
 

@@ -217,23 +217,18 @@ class Deferred:
         return None if self._info is None else self._info()
 
 
+# A stored tree's node and, for a leaf key of it: how to read it, its tie, its description.
+Subtree = tuple[Node, Callable[[str], Any], Callable[[str], Hashable | None], Callable[[str], Any]]
+
+
 class TreeView:
     """Mixin for objects that are a view of a stored tree (the lazy state dict).
 
-    :func:`flatten` grafts such a view as :class:`Deferred` leaves instead of
-    reading it, so ``save(load(path), other)`` streams tensor by tensor.
-    ``_ws_subtree`` returns the node and, for a leaf key of that node, how to
-    read it, its tie identity and its description.
+    :func:`flatten` grafts such a view (its ``_ws_subtree``) as :class:`Deferred`
+    leaves instead of reading it, so ``save(load(path), other)`` streams tensor by tensor.
     """
 
-    def _ws_subtree(
-        self,
-    ) -> tuple[
-        Node,
-        Callable[[str], Any],
-        Callable[[str], Hashable | None],
-        Callable[[str], Any],
-    ]:
+    def _ws_subtree(self) -> Subtree:
         raise NotImplementedError
 
 
