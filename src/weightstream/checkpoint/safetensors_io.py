@@ -296,7 +296,6 @@ def write_safetensors(
         _write_file(target, shards[0], {METADATA_KEY: record}, fsync)
         return [target]
     index = target if target.name.endswith(".index.json") else target / SAFETENSORS_INDEX
-    index.parent.mkdir(parents=True, exist_ok=True)
     if len(shards) == 1:
         out = index.parent / SAFETENSORS_SINGLE
         _write_file(out, shards[0], {METADATA_KEY: record}, fsync)
@@ -346,7 +345,6 @@ def _write_file(target: Path, tensors: list, metadata: dict[str, str], fsync: bo
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
-    target.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(target, fsync=fsync) as tmp, open(tmp, "wb") as fh:
         fh.write(struct.pack("<Q", len(raw)))
         fh.write(raw)

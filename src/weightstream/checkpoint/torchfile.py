@@ -79,7 +79,6 @@ def write_torch(state: Any, path: str | os.PathLike, *, fsync: bool = True) -> P
     target = Path(os.fspath(path))
     flat = flatten(state)
     value = unflatten(flat.tree, resolve_leaves(flat))
-    target.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(target, fsync=fsync) as tmp:
         torch.save(value, tmp)
     return target

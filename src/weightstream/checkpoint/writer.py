@@ -141,7 +141,6 @@ def save(
     names = _dataset_names([key for key, _ in flat.leaves])
     spec = tree_to_json(flat.tree)
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
         with (
             atomic_path(target, fsync=fsync) as tmp,
             open(tmp, "w+b", buffering=0) as raw,
@@ -179,11 +178,12 @@ def save(
 
 
 def atomic_path(target: Path, *, fsync: bool = True):
-    """Yield a temporary path next to ``target``; rename it over ``target`` on success.
+    """Yield a temporary path beside ``target`` (its directory made), renamed over it on success.
 
     See Note [atomic save]; ``common.files.atomic_path`` with the crash point
     after the rename. Also used for safetensors and torch outputs.
     """
+    target.parent.mkdir(parents=True, exist_ok=True)
     return files.atomic_path(target, fsync=fsync, renamed=lambda: crash_point("save.renamed"))
 
 
