@@ -204,10 +204,8 @@ def _target_path(path: Any, what: str) -> Path:
 
 
 def _compression_options(compression: str | None, level: int | None) -> dict:
-    if isinstance(compression, str) and compression.lower() == "none":
-        compression = None
     if isinstance(compression, str):
-        compression = compression.lower()
+        compression = None if compression.lower() == "none" else compression.lower()
     if compression not in COMPRESSIONS:
         raise ValueError(
             f"save(): compression={compression!r} is not supported; use None (default, "
