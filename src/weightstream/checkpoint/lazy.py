@@ -288,10 +288,8 @@ def load(
         verify=verify,
     )
     if mode == "eager":
-        try:
+        with source:
             return _materialize_on(source, device)
-        finally:
-            source.close()
     loader = _Loader(source, cache=mode == "cache")
     tree = source.tree
     if isinstance(tree, Branch) and tree.kind in ("dict", "odict"):

@@ -34,7 +34,7 @@ import os
 import pickle
 import warnings
 from collections.abc import Hashable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -278,13 +278,10 @@ class H5Source(Source):
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        f = getattr(self, "_f", None)
+        f, self._f = getattr(self, "_f", None), None
         if f is not None:
-            try:
+            with suppress(Exception):  # closing a damaged file must not mask the real error
                 f.close()
-            except Exception:  # closing a damaged file must not mask the real error
-                pass
-            self._f = None
 
     # -- values ------------------------------------------------------------
 

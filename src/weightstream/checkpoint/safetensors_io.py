@@ -292,12 +292,9 @@ def write_safetensors(
             f"{target}: a .safetensors path is one file."
         )
     shards = _shards(tensors, max_shard_size)
-    if single_file:
-        _write_file(target, shards[0], {METADATA_KEY: record}, fsync)
-        return [target]
     index = target if target.name.endswith(".index.json") else target / SAFETENSORS_INDEX
-    if len(shards) == 1:
-        out = index.parent / SAFETENSORS_SINGLE
+    if single_file or len(shards) == 1:
+        out = target if single_file else index.parent / SAFETENSORS_SINGLE
         _write_file(out, shards[0], {METADATA_KEY: record}, fsync)
         return [out]
     written, weight_map = [], {}

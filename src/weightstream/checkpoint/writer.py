@@ -349,7 +349,7 @@ class LeafWriter:
             if scalar:
                 self._put(dset, fmt.ATTR_NUMPY_SCALAR, np.bool_(True))
         elif isinstance(value, torch.dtype):
-            self._data(name, None, fmt.TYPE_TORCH_DTYPE, {fmt.ATTR_VALUE: fmt.dtype_name(value)})
+            self._data(name, None, fmt.TYPE_TORCH_DTYPE, {fmt.ATTR_VALUE: str(value)})
         elif isinstance(value, torch.device):
             self._data(name, None, fmt.TYPE_TORCH_DEVICE, {fmt.ATTR_VALUE: str(value)})
         elif type(value) is torch.Size:
@@ -410,19 +410,16 @@ class LeafWriter:
             dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
             options["dcpl"] = dcpl
         dset = self._f.create_dataset(name, shape=shape, dtype=np_dtype, **options)
-        digest = fmt.Sum64()
         offset = dset.id.get_offset() if direct and t.numel() > 0 else None
         if offset is not None and t.is_contiguous():
             total = self._write_flat_at(offset, fmt.storage_array(t))
         else:
-            if t.numel() > 0:
-                self._write_pieces(dset, offset, t, digest)
-            total = digest.digest()
+            total = self._write_pieces(dset, offset, t) if t.numel() > 0 else 0
         # A tensor of the disk store: its pages go back once written, so a save
         # never holds more than one tensor of it (Note [disk tier]).
         release_pages([t])
         self._text(dset, fmt.ATTR_TYPE, fmt.TYPE_TENSOR)
-        self._text(dset, fmt.ATTR_DTYPE, fmt.dtype_name(value.dtype))
+        self._text(dset, fmt.ATTR_DTYPE, str(value.dtype))
         self._put(dset, fmt.ATTR_SHAPE, np.asarray(tuple(value.shape), dtype=np.int64))
         self._put(dset, fmt.ATTR_BFLOAT16, np.bool_(encoding == fmt.ENCODING_BFLOAT16))
         self._put(dset, fmt.ATTR_CHECKSUM, np.uint64(total))
@@ -430,21 +427,15 @@ class LeafWriter:
             self._put(dset, fmt.ATTR_IS_PARAMETER, np.bool_(True))
             self._put(dset, fmt.ATTR_REQUIRES_GRAD, np.bool_(requires_grad))
 
-    def _write_pieces(
-        self, dset: h5py.Dataset, offset: int | None, t: torch.Tensor, digest: fmt.Sum64
-    ) -> None:
-        """Write ``t`` in pieces of about SLAB_BYTES along dim 0 (Note [save memory]):
-        through HDF5, or straight to the file at ``offset`` (Note [direct data writes]).
-
-        Each piece is summed for the checksum and then written while it is still
-        in the CPU cache (one pass over memory, not two); a piece of a strided
-        tensor is first copied contiguous, so a save holds at most one piece.
-        """
+    def _write_pieces(self, dset: h5py.Dataset, offset: int | None, t: torch.Tensor) -> int:
+        """Write ``t`` in pieces of about SLAB_BYTES along dim 0 (Note [save memory]),
+        through HDF5 or straight to the file at ``offset`` (Note [direct data writes]);
+        its Sum64. Each piece is summed, then written while it is in the CPU cache."""
         if t.dim() == 0:
             array = fmt.storage_array(t)
             dset.write_direct(array)
-            digest.update(array)
-            return
+            return fmt.checksum(array)
+        digest = fmt.Sum64()
         row_bytes = max(1, t[0].numel() * t.element_size())
         rows = max(1, SLAB_BYTES // row_bytes)
         for start in range(0, t.shape[0], rows):
@@ -457,6 +448,7 @@ class LeafWriter:
             else:
                 self._guard.pwrite(array.reshape(-1).view(np.uint8), offset + start * row_bytes)
             del piece, array  # before the next piece exists: one piece at a time
+        return digest.digest()
 
     def _write_flat_at(self, offset: int, array: np.ndarray) -> int:
         """Write a C-contiguous array's bytes to the file at ``offset``; its Sum64.
