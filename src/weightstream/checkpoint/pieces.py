@@ -4,12 +4,13 @@
 
 Saving and loading a large tensor is a loop over pieces of its bytes: read a
 piece from the file (or write it), sum it for the checksum while it is in the
-CPU cache. Every step of a piece releases the GIL (``os.preadv``,
-``os.pwrite``, numpy's sum, ``madvise``), and the pieces are independent:
-each lands at its own offset, and :class:`~weightstream.checkpoint.format.Sum64`
-of the whole is the sum of the pieces' sums when every piece but the last is
-a whole number of 8-byte words. So the pieces of one tensor are shared out
-among up to :data:`MAX_THREADS` threads (the caller's thread is one of them).
+CPU cache (so checksums cost no second pass over memory). Every step of a
+piece releases the GIL (``os.preadv``, ``os.pwrite``, numpy's sum,
+``madvise``), and the pieces are independent: each lands at its own offset,
+and :class:`~weightstream.checkpoint.format.Sum64` of the whole is the sum of
+the pieces' sums when every piece but the last is a whole number of 8-byte
+words. So the pieces of one tensor are shared out among up to
+:data:`MAX_THREADS` threads (the caller's thread is one of them).
 
 On a load most of the time goes to the kernel (mapping fresh memory, copying
 from the page cache), which runs in parallel on several threads. On a save,

@@ -17,14 +17,15 @@ With ``mmap=True`` (the default of a lazy ``load``) such a plain byte range is
 not copied at all: the tensor is a view of a copy-on-write mapping of its own
 pages of the file (writable, changes stay in memory), as safetensors and
 ``torch.load(mmap=True)`` do. One mapping per tensor, not per file: the kernel
-refuses a writable private mapping larger than the memory it could back, as a
-checkpoint of a model larger than RAM is. The checksum is still verified
-(reading the pages once through the page cache), and the verified pages are
-given back at once (``common.pages.release_pages``), so reading every tensor
-of a large checkpoint costs address space until they are used (Note [bounded
-loads]). The mapping lives as long as the tensor; a file replaced by a later
-save (a rename) does not affect it, but a file truncated in place by another
-program would (SIGBUS on access), which is why the eager modes copy.
+refuses a writable private mapping larger than the memory it could back (its
+overcommit heuristic), as a checkpoint of a model larger than RAM is. The
+checksum is still verified (reading the pages once through the page cache),
+and the verified pages are given back at once
+(``common.pages.release_pages``), so reading every tensor of a large
+checkpoint costs address space until they are used (Note [bounded loads]). The
+mapping lives as long as the tensor; a file replaced by a later save (a
+rename) does not affect it, but a file truncated in place by another program
+would (SIGBUS on access), which is why the eager modes copy.
 """
 
 from __future__ import annotations
@@ -479,13 +480,8 @@ class H5Source(Source):
     def _read_into(
         self, key: str, name: str, dset: h5py.Dataset, attrs: dict, target: np.ndarray
     ) -> None:
-        """Fill ``target`` (C-contiguous, native order) and verify it (Note [fast reads]).
-
-        The plain byte range is read in pieces of PIECE_BYTES, each summed for
-        the checksum right after it arrives, while it is still in the CPU
-        cache: verifying then costs no second pass over memory. The pieces are
-        shared out among a few threads (Note [parallel pieces]).
-        """
+        """Fill ``target`` (C-contiguous, native order) and verify it (Note [fast reads]);
+        a plain byte range in pieces, each summed as it arrives (Note [parallel pieces])."""
         expected = self._expected(attrs)
         offset = raw_offset(dset)
         if offset is None or dset.dtype != target.dtype or self._fd is None:

@@ -50,11 +50,7 @@ class WriteGuard:
     def _write_all(self, data, put) -> int:
         """Write all of ``data`` with ``put(view, bytes_done)`` (a write may be partial),
         unless a write failed before; keep the first failure. Returns the length.
-
-        One writer at a time: concurrent writes into one file contend for its
-        inode lock in the kernel, which costs CPU and gains little (Note
-        [parallel pieces]); the other threads sum their next piece meanwhile.
-        """
+        One writer at a time (Note [parallel pieces])."""
         view = memoryview(data).cast("B")
         with self._lock:
             if self.error is None:

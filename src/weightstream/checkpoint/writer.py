@@ -451,11 +451,8 @@ class LeafWriter:
         return digest.digest()
 
     def _write_flat_at(self, offset: int, array: np.ndarray) -> int:
-        """Write a C-contiguous array's bytes to the file at ``offset``; its Sum64.
-
-        Straight from the tensor's memory (Note [direct data writes]), in
-        pieces summed and written by a few threads (Note [parallel pieces]).
-        """
+        """Write a C-contiguous array's bytes to the file at ``offset``, straight from its
+        memory (Note [direct data writes]), in pieces (Note [parallel pieces]); its Sum64."""
 
         def write_piece(start: int, piece: np.ndarray) -> int:
             total = fmt.checksum(piece)  # then written while it is in the CPU cache
