@@ -145,9 +145,7 @@ class LazyStateDict(dict, TreeView):
         return self._loader.source.describe(node.key)
 
     def get(self, key: Any, default: Any = None) -> Any:
-        if not dict.__contains__(self, key):
-            return default
-        return self[key]
+        return self[key] if dict.__contains__(self, key) else default
 
     def __iter__(self):
         # Defined in Python on purpose: dict(x) and {**x} then use keys() and

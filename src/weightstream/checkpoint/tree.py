@@ -187,34 +187,18 @@ def restore_metadata(pairs: Any) -> Any:
 # --------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
 class Deferred:
     """A leaf whose value is read on demand (streaming a checkpoint into another).
 
-    ``tie()`` gives a hashable identity of the stored object (equal for keys
-    linked to one dataset) or None; ``info()`` describes the value without
-    reading it (a :class:`~weightstream.checkpoint.source.LeafInfo`).
+    ``get()`` reads it; ``tie()`` gives a hashable identity of the stored object
+    (equal for keys linked to one dataset) or None; ``info()`` describes the
+    value without reading it (a :class:`~weightstream.checkpoint.source.LeafInfo`).
     """
 
-    __slots__ = ("_info", "_read", "_tie")
-
-    def __init__(
-        self,
-        read: Callable[[], Any],
-        tie: Callable[[], Hashable | None] | None = None,
-        info: Callable[[], Any] | None = None,
-    ):
-        self._read = read
-        self._tie = tie
-        self._info = info
-
-    def get(self) -> Any:
-        return self._read()
-
-    def tie(self) -> Hashable | None:
-        return None if self._tie is None else self._tie()
-
-    def info(self) -> Any:
-        return None if self._info is None else self._info()
+    get: Callable[[], Any]
+    tie: Callable[[], Hashable | None]
+    info: Callable[[], Any]
 
 
 # A stored tree's node and, for a leaf key of it: how to read it, its tie, its description.
