@@ -127,9 +127,7 @@ class H5Source(Source):
             attrs = dict(self._f.attrs)
             names = set(self._f.keys())  # link names only: no object is opened
         except (OSError, RuntimeError, KeyError, ValueError) as e:
-            raise CorruptCheckpointError(
-                f"{self.path}: cannot read the file's index ({e}). {DAMAGED_FIX}"
-            ) from e
+            raise self._damaged(f"cannot read the file's index ({e}).") from e
         if not bool(attrs.get(fmt.ATTR_SUCCESS, False)) and not allow_incomplete:
             raise IncompleteCheckpointError(
                 f"{self.path} is incomplete: it has no {fmt.ATTR_SUCCESS} marker, which a save "
@@ -154,10 +152,9 @@ class H5Source(Source):
         if missing:
             shown = ", ".join(repr(k) for k in missing[:5])
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-            raise CorruptCheckpointError(
-                f"{self.path}: {len(missing)} value(s) listed in its spec have no dataset: "
-                f"{shown}{more}. Datasets were deleted or renamed after the save. "
-                f"{DAMAGED_FIX}"
+            raise self._damaged(
+                f"{len(missing)} value(s) listed in its spec have no dataset: {shown}{more}. "
+                "Datasets were deleted or renamed after the save."
             )
         self._fd = os.open(self.path, os.O_RDONLY)
 
@@ -167,25 +164,24 @@ class H5Source(Source):
         if text is None and fmt.ATTR_LIBRARY_VERSION in self._attrs:
             # Every file weightstream writes has a spec: without it the nesting of the
             # state is lost, and a flat dict of dataset names is not what was saved.
-            raise CorruptCheckpointError(
-                f"{self.path}: its {fmt.ATTR_SPEC} attribute (the state's structure), which "
-                f"weightstream always writes, is missing. {DAMAGED_FIX}"
+            raise self._damaged(
+                f"its {fmt.ATTR_SPEC} attribute (the state's structure), which weightstream always "
+                "writes, is missing."
             )
         stored = self._attrs.get(fmt.ATTR_SPEC_CHECKSUM)
         if text is not None and stored is not None and self._verify:
             actual = fmt.checksum(np.frombuffer(text.encode("utf-8", "surrogatepass"), np.uint8))
             if actual != int(np.asarray(stored).reshape(-1)[0]):
-                raise CorruptCheckpointError(
-                    f"{self.path}: its {fmt.ATTR_SPEC} attribute (the state's structure) does not "
-                    f"match its checksum. {DAMAGED_FIX}"
+                raise self._damaged(
+                    f"its {fmt.ATTR_SPEC} attribute (the state's structure) does not match its "
+                    "checksum."
                 )
         if text is not None and is_tree_json(text):
             try:
                 return tree_from_json(text), None
             except ValueError as e:
-                raise CorruptCheckpointError(
-                    f"{self.path}: its {fmt.ATTR_SPEC} attribute (the state's structure) is "
-                    f"unreadable ({e}). {DAMAGED_FIX}"
+                raise self._damaged(
+                    f"its {fmt.ATTR_SPEC} attribute (the state's structure) is unreadable ({e})."
                 ) from e
         if text is not None:
             try:
@@ -201,6 +197,9 @@ class H5Source(Source):
         keys = list(by_key)
         return Branch("dict", keys, [Leaf(k) for k in keys]), by_key
 
+    def _damaged(self, what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{self.path}: {what} {DAMAGED_FIX}")
+
     # -- Source ------------------------------------------------------------
 
     @contextmanager
@@ -213,9 +212,7 @@ class H5Source(Source):
         except CheckpointError:
             raise
         except (OSError, RuntimeError, ValueError, TypeError, KeyError) as e:
-            raise CorruptCheckpointError(
-                f"{self.path}: cannot read key {key!r} (dataset {name!r}): {e}. {DAMAGED_FIX}"
-            ) from e
+            raise self._damaged(f"cannot read key {key!r} (dataset {name!r}): {e}.") from e
 
     def _dataset(self, name: str) -> h5py.Dataset:
         """The dataset ``name``, opened once for the calls about one key in a row.
@@ -422,10 +419,9 @@ class H5Source(Source):
         stored_dtype = dset.dtype.newbyteorder("=")
         allowed = {np_dtype} | ({np.dtype(np.int16)} if dtype == torch.bfloat16 else set())
         if fmt.stored_shape(shape, dtype) != on_disk or stored_dtype not in allowed:
-            raise CorruptCheckpointError(
-                f"{self.path}: key {key!r} (dataset {name!r}) says it is a {dtype} tensor of "
-                f"shape {list(shape)} but holds {dset.dtype} data of shape {list(on_disk)}. "
-                f"{DAMAGED_FIX}"
+            raise self._damaged(
+                f"key {key!r} (dataset {name!r}) says it is a {dtype} tensor of shape "
+                f"{list(shape)} but holds {dset.dtype} data of shape {list(on_disk)}."
             )
         out = self._map(dset, dtype, shape, stored_dtype)
         if out is not None:
@@ -471,10 +467,9 @@ class H5Source(Source):
 
     def _compare(self, key: str, name: str, actual: int, expected: int) -> None:
         if actual != expected:
-            raise CorruptCheckpointError(
-                f"{self.path}: the data of key {key!r} (dataset {name!r}) does not match its "
-                "checksum: its bytes changed after the save. The file cannot be trusted. "
-                f"{DAMAGED_FIX}"
+            raise self._damaged(
+                f"the data of key {key!r} (dataset {name!r}) does not match its checksum: its "
+                "bytes changed after the save. The file cannot be trusted."
             )
 
     def _read_into(
@@ -503,9 +498,9 @@ class H5Source(Source):
 
         sums = pieces.map_pieces(buffer, read_piece)  # Note [parallel pieces]
         if any(s is None for s in sums):
-            raise CorruptCheckpointError(
-                f"{self.path}: key {key!r} (dataset {name!r}) ends past the end of "
-                f"the file: the file is truncated. {DAMAGED_FIX}"
+            raise self._damaged(
+                f"key {key!r} (dataset {name!r}) ends past the end of the file: the file is "
+                "truncated."
             )
         if expected is not None:
             self._compare(key, name, pieces.combine(sums), expected)
