@@ -181,10 +181,7 @@ class LazyStateDict(dict, TreeView):
         return copy.deepcopy(self.to_dict(), memo)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        # Pickling (and torch.save) stores the data, never the open file. A
-        # dict subclass cannot pickle as a plain dict, and the only dict type
-        # torch.load(weights_only=True) rebuilds is OrderedDict: so every node
-        # pickles as an OrderedDict (Note [lazy state dict]).
+        # The data, never the open file; every node as an OrderedDict (Note [lazy state dict]).
         value = self.to_dict()
         state = getattr(value, "__dict__", None) or None
         return OrderedDict, (), state, None, iter(value.items())

@@ -94,8 +94,7 @@ LIBVER = ("v108", "v110")
 
 COMPRESSIONS = (None, "gzip", "lz4")
 
-# Data blocks of 4 KiB or more start on a 4 KiB boundary, so that load(mmap=True)
-# can map tensors in place (aligned); the padding is at most 4 KiB per tensor.
+# Data blocks of 4 KiB or more are aligned (Note [checkpoint layout]): padding <= 4 KiB each.
 ALIGNMENT = 4096
 
 
