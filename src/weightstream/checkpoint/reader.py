@@ -234,28 +234,25 @@ class H5Source(Source):
 
     def describe(self, key: str) -> LeafInfo:
         with self._reading(key) as (_, dset):
-            return self._describe(key, dset)
-
-    def _describe(self, key: str, dset: h5py.Dataset) -> LeafInfo:
-        attrs = read_attributes(dset)
-        kind = self._kind(dset, attrs)
-        shape = None if dset.shape is None else tuple(dset.shape)
-        dtype: str | None = None
-        if kind == "tensor":
-            torch_dtype = self._tensor_dtype(key, dset, attrs)
-            dtype = str(torch_dtype)
-            if fmt.ATTR_SHAPE in attrs:
-                shape = tuple(int(d) for d in attrs[fmt.ATTR_SHAPE])
-            elif fmt.tensor_encoding(torch_dtype)[0] == fmt.ENCODING_BYTES and shape:
-                shape = shape[:-1]
-        elif kind == "numpy":
-            dtype = f"numpy.{dset.dtype}"
-        elif kind == "object":
-            dtype = as_text(attrs.get(fmt.ATTR_PYTHON_TYPE))
-        elif kind == "scalar" and dset.shape is not None:
-            dtype = str(dset.dtype)
-        nbytes = 0 if dset.shape is None else int(dset.size * dset.dtype.itemsize)
-        return LeafInfo(key, kind, shape, dtype, nbytes, storage_kind(dset))
+            attrs = read_attributes(dset)
+            kind = self._kind(dset, attrs)
+            shape = None if dset.shape is None else tuple(dset.shape)
+            dtype: str | None = None
+            if kind == "tensor":
+                torch_dtype = self._tensor_dtype(key, dset, attrs)
+                dtype = str(torch_dtype)
+                if fmt.ATTR_SHAPE in attrs:
+                    shape = tuple(int(d) for d in attrs[fmt.ATTR_SHAPE])
+                elif fmt.tensor_encoding(torch_dtype)[0] == fmt.ENCODING_BYTES and shape:
+                    shape = shape[:-1]
+            elif kind == "numpy":
+                dtype = f"numpy.{dset.dtype}"
+            elif kind == "object":
+                dtype = as_text(attrs.get(fmt.ATTR_PYTHON_TYPE))
+            elif kind == "scalar" and dset.shape is not None:
+                dtype = str(dset.dtype)
+            nbytes = 0 if dset.shape is None else int(dset.size * dset.dtype.itemsize)
+            return LeafInfo(key, kind, shape, dtype, nbytes, storage_kind(dset))
 
     def properties(self) -> dict[str, Any]:
         library = self._attrs.get(fmt.ATTR_LIBRARY_VERSION)
