@@ -120,7 +120,8 @@ class LazyStateDict(dict, TreeView):
 
     # -- reading -----------------------------------------------------------
 
-    def _resolve(self, key: Any, node: Node) -> Any:
+    def __getitem__(self, key: Any) -> Any:
+        node = dict.__getitem__(self, key)
         if isinstance(node, Leaf):
             return self._loader.read(node.key)
         if key in self._views:
@@ -133,9 +134,6 @@ class LazyStateDict(dict, TreeView):
                 return value  # lazy mode: a fresh list per access
         self._views[key] = value
         return value
-
-    def __getitem__(self, key: Any) -> Any:
-        return self._resolve(key, dict.__getitem__(self, key))
 
     def describe(self, key: Any):
         """Facts of leaf ``key`` (shape, dtype, ...: a ``LeafInfo``) without reading its data."""
