@@ -109,11 +109,6 @@ def read_attributes(dset: h5py.Dataset) -> dict[str, Any]:
     return values
 
 
-def register_filters() -> None:
-    """Make HDF5 filters from hdf5plugin (LZ4 = 32004, ...) available, once."""
-    import hdf5plugin  # noqa: F401  (importing registers the filters)
-
-
 def raw_offset(dset: h5py.Dataset) -> int | None:
     """File offset of the data if it is one plain byte range, else None."""
     plist = dset.id.get_create_plist()

@@ -59,7 +59,6 @@ from weightstream.checkpoint.h5file import (
     open_h5,
     raw_offset,
     read_attributes,
-    register_filters,
     storage_kind,
 )
 from weightstream.checkpoint.refspec import decode_reference_spec
@@ -477,7 +476,8 @@ class H5Source(Source):
         expected = self._expected(attrs)
         offset = raw_offset(dset)
         if offset is None or dset.dtype != target.dtype or self._fd is None:
-            register_filters()
+            import hdf5plugin  # noqa: F401  (importing registers its HDF5 filters: LZ4, ...)
+
             dset.read_direct(target)
             if expected is not None:
                 self._compare(key, name, pieces.parallel_checksum(target), expected)

@@ -41,7 +41,6 @@ from weightstream.checkpoint.source import (
     SAFETENSORS_SINGLE,
     LeafInfo,
     Source,
-    read_json,
 )
 from weightstream.checkpoint.tree import (
     Branch,
@@ -134,7 +133,12 @@ class SafetensorsSource(Source):
             self._entries = {name: (self.path, handle) for name in handle.offset_keys()}
             return (handle.metadata() or {}).get(METADATA_KEY)
         self.format = "safetensors-sharded"
-        doc = read_json(index, "sharded checkpoint index")
+        try:
+            doc = json.loads(index.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise CheckpointError(
+                f"{index}: cannot read the sharded checkpoint index ({e})."
+            ) from e
         weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: not a safetensors index (no weight_map).")

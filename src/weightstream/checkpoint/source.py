@@ -8,7 +8,6 @@ safetensors (single file or Hugging Face sharded) and torch pickles alike.
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 from collections.abc import Hashable, Mapping
@@ -138,11 +137,3 @@ def read_exact(fd: int, buffer: memoryview, offset: int) -> bool:
             return False
         done += n
     return True
-
-
-def read_json(path: Path, what: str) -> Any:
-    """Parse a small JSON file, with an error naming the file."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: cannot read the {what} ({e}).") from e
