@@ -231,7 +231,8 @@ def _plan(state: Any) -> tuple[Any, list, dict[str, Any], dict[str, str]]:
     for key, value in flat.leaves:
         info = value.info() if isinstance(value, Deferred) else None
         if info is not None and info.kind == "tensor":
-            shape, dtype = tuple(info.shape), _dtype(info.dtype)
+            shape, dtype = tuple(info.shape), torch_dtype_from_name(info.dtype or "")
+            assert dtype is not None, f"tensor leaf without a dtype: {info.dtype!r}"
             source_tie = value.tie()
             identity: Hashable = ("key", key) if source_tie is None else ("source", source_tie)
         else:
@@ -259,12 +260,6 @@ def _plan(state: Any) -> tuple[Any, list, dict[str, Any], dict[str, str]]:
             first[identity] = key
         tensors.append((key, shape, dtype, value))
     return flat.tree, tensors, values, ties
-
-
-def _dtype(name: str | None) -> torch.dtype:
-    dtype = torch_dtype_from_name(name or "")
-    assert dtype is not None, f"tensor leaf without a dtype: {name!r}"
-    return dtype
 
 
 def _nbytes(shape: tuple, dtype: torch.dtype) -> int:

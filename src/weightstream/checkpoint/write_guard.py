@@ -60,16 +60,12 @@ class WriteGuard:
                         done += put(view, done)
                 except OSError as e:
                     self.error = e  # the first failure: later writes are skipped
-                else:
-                    self._wrote(len(view))
+                else:  # start writeback every so often (Note [early writeback])
+                    self._unflushed += len(view)
+                    if self._durable and self._unflushed >= kernel.WRITEBACK_BYTES:
+                        self._unflushed = 0
+                        kernel.start_writeback(self._raw.fileno())
         return len(view)
-
-    def _wrote(self, nbytes: int) -> None:
-        """Count written bytes; start writeback every so often (Note [early writeback])."""
-        self._unflushed += nbytes
-        if self._durable and self._unflushed >= kernel.WRITEBACK_BYTES:
-            self._unflushed = 0
-            kernel.start_writeback(self._raw.fileno())
 
     def truncate(self, size: int | None = None) -> int:
         if self.error is None:
