@@ -78,8 +78,17 @@ class WriteGuard:
     def flush(self) -> None:
         pass  # unbuffered: nothing is held back
 
-    def __getattr__(self, name: str):
-        return getattr(self._raw, name)  # read, readinto, seek, tell: straight to the file
+    def read(self, size: int = -1) -> bytes:
+        return self._raw.read(size)
+
+    def readinto(self, buffer) -> int:
+        return self._raw.readinto(buffer)
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self._raw.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._raw.tell()
 
     def check(self) -> None:
         """Raise the first failed write, if there was one."""
