@@ -13,7 +13,9 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 
+from weightstream.checkpoint.convert import convert
 from weightstream.checkpoint.errors import CheckpointError
+from weightstream.checkpoint.report import diff, format_diff, format_info, info
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -77,8 +79,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "info":
-            from weightstream.checkpoint.report import format_info, info
-
             result = info(args.path, allow_pickle=args.allow_pickle)
             if args.json:
                 result = {**result, "entries": [asdict(e) for e in result["entries"]]}
@@ -87,8 +87,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(format_info(result))
             return 0
         if args.command == "convert":
-            from weightstream.checkpoint.convert import convert
-
             written = convert(
                 args.src,
                 args.dst,
@@ -103,8 +101,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             for path in written:
                 print(path)
             return 0
-        from weightstream.checkpoint.report import diff, format_diff
-
         result = diff(
             args.a, args.b, allow_pickle=args.allow_pickle, rtol=args.rtol, atol=args.atol
         )

@@ -9,15 +9,18 @@ whole state in memory (see :mod:`.torchfile`).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Hashable
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from weightstream.checkpoint.lazy import load
 from weightstream.checkpoint.opener import open_source
+from weightstream.checkpoint.safetensors_io import write_safetensors
 from weightstream.checkpoint.source import Source
-from weightstream.checkpoint.tree import Branch, Leaf, Node, TreeView, find_subtree
+from weightstream.checkpoint.torchfile import write_torch
+from weightstream.checkpoint.tree import Branch, Leaf, Node, Subtree, TreeView, find_subtree
+from weightstream.checkpoint.writer import atomic_path, save
+from weightstream.common.hf_config import load_config
 
 FORMATS = ("h5", "safetensors", "torch", "hf")
 
@@ -49,9 +52,7 @@ class SourceView(TreeView):
             )
         self.node: Node = node
 
-    def _ws_subtree(
-        self,
-    ) -> tuple[Node, Callable[[str], Any], Callable[[str], Hashable | None], Callable]:
+    def _ws_subtree(self) -> Subtree:
         node = self.node
         if self.names and isinstance(node, Branch):
             keys = [self.names.get(k, k) if isinstance(k, str) else k for k in node.keys]
@@ -129,23 +130,14 @@ def convert(
         raise ValueError("convert(): max_shard_size applies only to safetensors output.")
     if fmt != "h5" and compression is not None:
         raise ValueError("convert(): compression applies only to H5 output.")
-    source = open_source(src, allow_pickle=allow_pickle)
-    try:
+    with open_source(src, allow_pickle=allow_pickle) as source:
         view = SourceView(source, key)
         if fmt == "h5":
-            from weightstream.checkpoint.writer import save
-
             save(view, dst_path, compression=compression, fsync=fsync)
             return [dst_path]
         if fmt == "safetensors":
-            from weightstream.checkpoint.safetensors_io import write_safetensors
-
             return write_safetensors(view, dst_path, max_shard_size=max_shard_size, fsync=fsync)
-        from weightstream.checkpoint.torchfile import write_torch
-
         return [write_torch(view, dst_path, fsync=fsync)]
-    finally:
-        source.close()
 
 
 # Note [export to hf]
@@ -169,13 +161,9 @@ def convert(
 def _to_hf(
     src, dst: Path, config, allow_pickle: bool, max_shard_size: int | None, fsync: bool
 ) -> list[Path]:
-    from weightstream.checkpoint.safetensors_io import write_safetensors
-    from weightstream.checkpoint.writer import atomic_path
-
     if dst.exists() and not dst.is_dir():
         raise ValueError(f"convert(): --to hf writes a folder, but {dst} is a file.")
-    source = open_source(src, allow_pickle=allow_pickle)
-    try:
+    with open_source(src, allow_pickle=allow_pickle) as source:
         top = list(getattr(source.tree, "keys", []))
         key = "model" if "model" in top else None
         cfg = _hf_config(source, config)
@@ -186,8 +174,6 @@ def _to_hf(
         with atomic_path(target, fsync=fsync) as tmp:
             tmp.write_text(cfg.to_json_string(), encoding="utf-8")
         return [*written, target]
-    finally:
-        source.close()
 
 
 def _saved_names(cfg, view: SourceView) -> dict[str, str]:
@@ -222,13 +208,9 @@ def _saved_names(cfg, view: SourceView) -> dict[str, str]:
 
 def _hf_config(source: Source, config):
     """The configuration to export (Note [export to hf])."""
-    from weightstream.common.hf_config import load_config
-
     if config is not None:
         cfg = load_config(config)
     else:
-        from weightstream.checkpoint.lazy import load
-
         with load(source.path) as state:
             metadata = state.get("metadata") if isinstance(state, dict) else None
             params = metadata.get("params") if isinstance(metadata, dict) else None

@@ -158,13 +158,8 @@ ENCODING_BFLOAT16 = "bfloat16"  # uint16 bit patterns, flagged
 ENCODING_BYTES = "bytes"  # raw bytes, uint8 with a trailing axis of the element size
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``"torch.float32"`` for torch.float32."""
-    return str(dtype)
-
-
 def torch_dtype_from_name(name: str) -> torch.dtype | None:
-    """Inverse of :func:`dtype_name` (also accepts "float32"); None if unknown."""
+    """Inverse of ``str(dtype)`` ("torch.float32", also "float32"); None if unknown."""
     short = name[len("torch.") :] if name.startswith("torch.") else name
     value = getattr(torch, short, None)
     return value if isinstance(value, torch.dtype) else None

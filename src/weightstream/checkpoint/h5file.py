@@ -109,11 +109,6 @@ def read_attributes(dset: h5py.Dataset) -> dict[str, Any]:
     return values
 
 
-def register_filters() -> None:
-    """Make HDF5 filters from hdf5plugin (LZ4 = 32004, ...) available, once."""
-    import hdf5plugin  # noqa: F401  (importing registers the filters)
-
-
 def raw_offset(dset: h5py.Dataset) -> int | None:
     """File offset of the data if it is one plain byte range, else None."""
     plist = dset.id.get_create_plist()
@@ -128,15 +123,9 @@ def map_file_range(
     fd: int, offset: int, dtype: torch.dtype, shape: tuple[int, ...], file_size: int
 ) -> torch.Tensor | None:
     """A tensor viewing bytes ``offset ..`` of the open file ``fd`` through a
-    copy-on-write mapping of just those pages (Note [fast reads]).
-
-    No copy: pages are read from the file when touched. One mapping per tensor,
-    never the whole file: the kernel refuses a writable private mapping larger
-    than the memory it could ever back (its overcommit heuristic), which a
-    checkpoint of a model larger than RAM is. None when the data is empty, not
-    64-byte aligned, or past the end of the file (the caller copies instead, and
-    reports a truncation).
-    """
+    copy-on-write mapping of just those pages (Note [fast reads]); None when the data
+    is empty, not 64-byte aligned, or past the end of the file (the caller copies
+    instead, and reports a truncation)."""
     numel = math.prod(shape)
     nbytes = numel * dtype.itemsize
     if numel == 0 or offset % 64 or offset + nbytes > file_size:

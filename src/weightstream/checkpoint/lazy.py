@@ -36,7 +36,7 @@ import copy
 import os
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, ItemsView, Mapping, ValuesView
+from collections.abc import Hashable, ItemsView, Mapping, ValuesView
 from typing import Any
 
 import torch
@@ -47,9 +47,11 @@ from weightstream.checkpoint.tree import (
     Branch,
     Leaf,
     Node,
+    Subtree,
     TreeView,
     iter_leaves,
     join_key,
+    read_once,
     restore_metadata,
     unflatten,
 )
@@ -60,7 +62,8 @@ class _Loader:
 
     def __init__(self, source: Source, cache: bool) -> None:
         self.source = source
-        self.cache: dict[Hashable, Any] | None = {} if cache else None
+        # Cache mode: each value read once (tied keys share it); None: read on every access.
+        self.cache = read_once(source.read, lambda k: _slot(source.tie(k), k)) if cache else None
         self.closed = False
         # Close the file when the last view is garbage collected.
         self._finalizer = weakref.finalize(self, source.close)
@@ -70,23 +73,21 @@ class _Loader:
             raise ValueError(
                 f"the checkpoint {self.source.path} was closed; load() it again to read {key!r}."
             )
-        if self.cache is None:
-            return self.source.read(key)
-        tie = self.source.tie(key)
-        slot = ("key", key) if tie is None else tie
-        if slot not in self.cache:
-            self.cache[slot] = self.source.read(key)
-        return self.cache[slot]
+        return self.source.read(key) if self.cache is None else self.cache(key)
 
     def materialize(self, node: Node) -> Any:
         """The real nested value of ``node``, tied leaves read once."""
         if self.cache is not None:
             return unflatten(node, self.read)
-        return _read_tree(node, self.read, self.source.tie)
+        return unflatten(node, read_once(self.read, self.source.tie))
 
     def close(self) -> None:
         self.closed = True
         self._finalizer()
+
+
+def _slot(tie: Hashable | None, key: str) -> Hashable:
+    return ("key", key) if tie is None else tie
 
 
 def _read_only(*_: Any, **__: Any) -> None:
@@ -119,7 +120,8 @@ class LazyStateDict(dict, TreeView):
 
     # -- reading -----------------------------------------------------------
 
-    def _resolve(self, key: Any, node: Node) -> Any:
+    def __getitem__(self, key: Any) -> Any:
+        node = dict.__getitem__(self, key)
         if isinstance(node, Leaf):
             return self._loader.read(node.key)
         if key in self._views:
@@ -133,9 +135,6 @@ class LazyStateDict(dict, TreeView):
         self._views[key] = value
         return value
 
-    def __getitem__(self, key: Any) -> Any:
-        return self._resolve(key, dict.__getitem__(self, key))
-
     def describe(self, key: Any):
         """Facts of leaf ``key`` (shape, dtype, ...: a ``LeafInfo``) without reading its data."""
         node = dict.__getitem__(self, key)
@@ -144,9 +143,7 @@ class LazyStateDict(dict, TreeView):
         return self._loader.source.describe(node.key)
 
     def get(self, key: Any, default: Any = None) -> Any:
-        if not dict.__contains__(self, key):
-            return default
-        return self[key]
+        return self[key] if dict.__contains__(self, key) else default
 
     def __iter__(self):
         # Defined in Python on purpose: dict(x) and {**x} then use keys() and
@@ -182,10 +179,7 @@ class LazyStateDict(dict, TreeView):
         return copy.deepcopy(self.to_dict(), memo)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        # Pickling (and torch.save) stores the data, never the open file. A
-        # dict subclass cannot pickle as a plain dict, and the only dict type
-        # torch.load(weights_only=True) rebuilds is OrderedDict: so every node
-        # pickles as an OrderedDict (Note [lazy state dict]).
+        # The data, never the open file; every node as an OrderedDict (Note [lazy state dict]).
         value = self.to_dict()
         state = getattr(value, "__dict__", None) or None
         return OrderedDict, (), state, None, iter(value.items())
@@ -230,7 +224,7 @@ class LazyStateDict(dict, TreeView):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _ws_subtree(self):
+    def _ws_subtree(self) -> Subtree:
         source = self._loader.source
         return self._node, self._loader.read, source.tie, source.describe
 
@@ -287,10 +281,8 @@ def load(
         verify=verify,
     )
     if mode == "eager":
-        try:
+        with source:
             return _materialize_on(source, device)
-        finally:
-            source.close()
     loader = _Loader(source, cache=mode == "cache")
     tree = source.tree
     if isinstance(tree, Branch) and tree.kind in ("dict", "odict"):
@@ -320,36 +312,16 @@ def _parse_map_location(map_location: Any) -> tuple[str, torch.device | None]:
     )
 
 
-def _read_tree(
-    node: Node,
-    read: Callable[[str], Any],
-    tie: Callable[[str], Hashable | None],
-    place: Callable[[Any], Any] | None = None,
-) -> Any:
-    """``node`` rebuilt from ``read(key)`` of each leaf (then ``place``d), tied leaves read once."""
-    seen: dict[Hashable, Any] = {}
-
-    def value_of(key: str) -> Any:
-        slot = tie(key)
-        if slot is not None and slot in seen:
-            return seen[slot]
-        value = read(key) if place is None else place(read(key))
-        if slot is not None:
-            seen[slot] = value
-        return value
-
-    return unflatten(node, value_of)
-
-
 def _materialize_on(source: Source, device: torch.device) -> Any:
     """Read every leaf (tied ones once) and place tensors on ``device``, one at a time."""
 
-    def place(value: Any) -> Any:
+    def read(key: str) -> Any:
+        value = source.read(key)
         if isinstance(value, torch.Tensor) and value.device != device:
             return _to_device(value, device)
         return value
 
-    return _read_tree(source.tree, source.read, source.tie, place)
+    return unflatten(source.tree, read_once(read, source.tie))
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

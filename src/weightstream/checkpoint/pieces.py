@@ -4,12 +4,13 @@
 
 Saving and loading a large tensor is a loop over pieces of its bytes: read a
 piece from the file (or write it), sum it for the checksum while it is in the
-CPU cache. Every step of a piece releases the GIL (``os.preadv``,
-``os.pwrite``, numpy's sum, ``madvise``), and the pieces are independent:
-each lands at its own offset, and :class:`~weightstream.checkpoint.format.Sum64`
-of the whole is the sum of the pieces' sums when every piece but the last is
-a whole number of 8-byte words. So the pieces of one tensor are shared out
-among up to :data:`MAX_THREADS` threads (the caller's thread is one of them).
+CPU cache (so checksums cost no second pass over memory). Every step of a
+piece releases the GIL (``os.preadv``, ``os.pwrite``, numpy's sum,
+``madvise``), and the pieces are independent: each lands at its own offset,
+and :class:`~weightstream.checkpoint.format.Sum64` of the whole is the sum of
+the pieces' sums when every piece but the last is a whole number of 8-byte
+words. So the pieces of one tensor are shared out among up to
+:data:`MAX_THREADS` threads (the caller's thread is one of them).
 
 On a load most of the time goes to the kernel (mapping fresh memory, copying
 from the page cache), which runs in parallel on several threads. On a save,
@@ -33,7 +34,7 @@ import itertools
 import os
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -60,11 +61,6 @@ def io_threads() -> int:
     except (AttributeError, OSError):  # not Linux
         cpus = os.cpu_count() or 1
     return max(1, min(MAX_THREADS, cpus))
-
-
-def piece_count(nbytes: int, piece: int) -> int:
-    """Pieces of ``piece`` bytes (the last one shorter) that cover ``nbytes``."""
-    return -(-nbytes // piece)
 
 
 def for_each_piece(count: int, work: Callable[[int], T], threads: int | None = None) -> list[T]:
@@ -119,11 +115,14 @@ def combine(sums: list[int]) -> int:
     return sum(sums) % (1 << 64)
 
 
+def map_pieces(data: Any, work: Callable[[int, Any], T]) -> list[T]:
+    """``[work(start, data[start : start + PIECE_BYTES]), ...]`` over the flat buffer
+    ``data`` (a memoryview or 1-d array), the calls shared out among threads."""
+    size = PIECE_BYTES
+    count = -(-len(data) // size)  # the last piece may be shorter
+    return for_each_piece(count, lambda i: work(i * size, data[i * size : (i + 1) * size]))
+
+
 def parallel_checksum(data: np.ndarray) -> int:
     """:func:`~weightstream.checkpoint.format.checksum` of a C-contiguous array, on threads."""
-    flat = data.reshape(-1).view(np.uint8)
-    size = PIECE_BYTES
-    count = piece_count(len(flat), size)
-    if count <= 1:
-        return checksum(flat)
-    return combine(for_each_piece(count, lambda i: checksum(flat[i * size : (i + 1) * size])))
+    return combine(map_pieces(data.reshape(-1).view(np.uint8), lambda _, piece: checksum(piece)))

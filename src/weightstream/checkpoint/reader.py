@@ -17,14 +17,15 @@ With ``mmap=True`` (the default of a lazy ``load``) such a plain byte range is
 not copied at all: the tensor is a view of a copy-on-write mapping of its own
 pages of the file (writable, changes stay in memory), as safetensors and
 ``torch.load(mmap=True)`` do. One mapping per tensor, not per file: the kernel
-refuses a writable private mapping larger than the memory it could back, as a
-checkpoint of a model larger than RAM is. The checksum is still verified
-(reading the pages once through the page cache), and the verified pages are
-given back at once (``common.pages.release_pages``), so reading every tensor
-of a large checkpoint costs address space until they are used (Note [bounded
-loads]). The mapping lives as long as the tensor; a file replaced by a later
-save (a rename) does not affect it, but a file truncated in place by another
-program would (SIGBUS on access), which is why the eager modes copy.
+refuses a writable private mapping larger than the memory it could back (its
+overcommit heuristic), as a checkpoint of a model larger than RAM is. The
+checksum is still verified (reading the pages once through the page cache),
+and the verified pages are given back at once
+(``common.pages.release_pages``), so reading every tensor of a large
+checkpoint costs address space until they are used (Note [bounded loads]). The
+mapping lives as long as the tensor; a file replaced by a later save (a
+rename) does not affect it, but a file truncated in place by another program
+would (SIGBUS on access), which is why the eager modes copy.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import os
 import pickle
 import warnings
 from collections.abc import Hashable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -58,7 +59,6 @@ from weightstream.checkpoint.h5file import (
     open_h5,
     raw_offset,
     read_attributes,
-    register_filters,
     storage_kind,
 )
 from weightstream.checkpoint.refspec import decode_reference_spec
@@ -126,9 +126,7 @@ class H5Source(Source):
             attrs = dict(self._f.attrs)
             names = set(self._f.keys())  # link names only: no object is opened
         except (OSError, RuntimeError, KeyError, ValueError) as e:
-            raise CorruptCheckpointError(
-                f"{self.path}: cannot read the file's index ({e}). {DAMAGED_FIX}"
-            ) from e
+            raise self._damaged(f"cannot read the file's index ({e}).") from e
         if not bool(attrs.get(fmt.ATTR_SUCCESS, False)) and not allow_incomplete:
             raise IncompleteCheckpointError(
                 f"{self.path} is incomplete: it has no {fmt.ATTR_SUCCESS} marker, which a save "
@@ -153,10 +151,9 @@ class H5Source(Source):
         if missing:
             shown = ", ".join(repr(k) for k in missing[:5])
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-            raise CorruptCheckpointError(
-                f"{self.path}: {len(missing)} value(s) listed in its spec have no dataset: "
-                f"{shown}{more}. Datasets were deleted or renamed after the save. "
-                f"{DAMAGED_FIX}"
+            raise self._damaged(
+                f"{len(missing)} value(s) listed in its spec have no dataset: {shown}{more}. "
+                "Datasets were deleted or renamed after the save."
             )
         self._fd = os.open(self.path, os.O_RDONLY)
 
@@ -166,25 +163,24 @@ class H5Source(Source):
         if text is None and fmt.ATTR_LIBRARY_VERSION in self._attrs:
             # Every file weightstream writes has a spec: without it the nesting of the
             # state is lost, and a flat dict of dataset names is not what was saved.
-            raise CorruptCheckpointError(
-                f"{self.path}: its {fmt.ATTR_SPEC} attribute (the state's structure), which "
-                f"weightstream always writes, is missing. {DAMAGED_FIX}"
+            raise self._damaged(
+                f"its {fmt.ATTR_SPEC} attribute (the state's structure), which weightstream always "
+                "writes, is missing."
             )
         stored = self._attrs.get(fmt.ATTR_SPEC_CHECKSUM)
         if text is not None and stored is not None and self._verify:
             actual = fmt.checksum(np.frombuffer(text.encode("utf-8", "surrogatepass"), np.uint8))
             if actual != int(np.asarray(stored).reshape(-1)[0]):
-                raise CorruptCheckpointError(
-                    f"{self.path}: its {fmt.ATTR_SPEC} attribute (the state's structure) does not "
-                    f"match its checksum. {DAMAGED_FIX}"
+                raise self._damaged(
+                    f"its {fmt.ATTR_SPEC} attribute (the state's structure) does not match its "
+                    "checksum."
                 )
         if text is not None and is_tree_json(text):
             try:
                 return tree_from_json(text), None
             except ValueError as e:
-                raise CorruptCheckpointError(
-                    f"{self.path}: its {fmt.ATTR_SPEC} attribute (the state's structure) is "
-                    f"unreadable ({e}). {DAMAGED_FIX}"
+                raise self._damaged(
+                    f"its {fmt.ATTR_SPEC} attribute (the state's structure) is unreadable ({e})."
                 ) from e
         if text is not None:
             try:
@@ -200,25 +196,22 @@ class H5Source(Source):
         keys = list(by_key)
         return Branch("dict", keys, [Leaf(k) for k in keys]), by_key
 
+    def _damaged(self, what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{self.path}: {what} {DAMAGED_FIX}")
+
     # -- Source ------------------------------------------------------------
 
-    def _name(self, key: str) -> str:
-        try:
-            return self._names[key]
-        except KeyError:
-            raise KeyError(f"{self.path} has no key {key!r}") from None
-
     @contextmanager
-    def _reading(self, key: str, name: str) -> Iterator[None]:
-        """Turn h5py's errors on a damaged file into one that names file, key and fix."""
+    def _reading(self, key: str) -> Iterator[tuple[str, h5py.Dataset]]:
+        """The dataset name and dataset of ``key``; h5py's errors on a damaged file
+        become one that names file, key and fix."""
+        name = self._lookup(self._names, key)
         try:
-            yield
+            yield name, self._dataset(name)
         except CheckpointError:
             raise
         except (OSError, RuntimeError, ValueError, TypeError, KeyError) as e:
-            raise CorruptCheckpointError(
-                f"{self.path}: cannot read key {key!r} (dataset {name!r}): {e}. {DAMAGED_FIX}"
-            ) from e
+            raise self._damaged(f"cannot read key {key!r} (dataset {name!r}): {e}.") from e
 
     def _dataset(self, name: str) -> h5py.Dataset:
         """The dataset ``name``, opened once for the calls about one key in a row.
@@ -231,40 +224,34 @@ class H5Source(Source):
         return self._last[1]
 
     def read(self, key: str) -> Any:
-        name = self._name(key)
-        with self._reading(key, name):
-            return self._read_dataset(key, name, self._dataset(name))
+        with self._reading(key) as (name, dset):
+            return self._read_dataset(key, name, dset)
 
     def tie(self, key: str) -> Hashable | None:
-        name = self._name(key)
-        with self._reading(key, name):
-            return ("h5", self._uid, h5py.h5o.get_info(self._dataset(name).id).addr)
+        with self._reading(key) as (_, dset):
+            return ("h5", self._uid, h5py.h5o.get_info(dset.id).addr)
 
     def describe(self, key: str) -> LeafInfo:
-        name = self._name(key)
-        with self._reading(key, name):
-            return self._describe(key, self._dataset(name))
-
-    def _describe(self, key: str, dset: h5py.Dataset) -> LeafInfo:
-        attrs = read_attributes(dset)
-        kind = self._kind(dset, attrs)
-        shape = None if dset.shape is None else tuple(dset.shape)
-        dtype: str | None = None
-        if kind == "tensor":
-            torch_dtype = self._tensor_dtype(key, dset, attrs)
-            dtype = str(torch_dtype)
-            if fmt.ATTR_SHAPE in attrs:
-                shape = tuple(int(d) for d in attrs[fmt.ATTR_SHAPE])
-            elif fmt.tensor_encoding(torch_dtype)[0] == fmt.ENCODING_BYTES and shape:
-                shape = shape[:-1]
-        elif kind == "numpy":
-            dtype = f"numpy.{dset.dtype}"
-        elif kind == "object":
-            dtype = as_text(attrs.get(fmt.ATTR_PYTHON_TYPE))
-        elif kind == "scalar" and dset.shape is not None:
-            dtype = str(dset.dtype)
-        nbytes = 0 if dset.shape is None else int(dset.size * dset.dtype.itemsize)
-        return LeafInfo(key, kind, shape, dtype, nbytes, storage_kind(dset))
+        with self._reading(key) as (_, dset):
+            attrs = read_attributes(dset)
+            kind = self._kind(dset, attrs)
+            shape = None if dset.shape is None else tuple(dset.shape)
+            dtype: str | None = None
+            if kind == "tensor":
+                torch_dtype = self._tensor_dtype(key, dset, attrs)
+                dtype = str(torch_dtype)
+                if fmt.ATTR_SHAPE in attrs:
+                    shape = tuple(int(d) for d in attrs[fmt.ATTR_SHAPE])
+                elif fmt.tensor_encoding(torch_dtype)[0] == fmt.ENCODING_BYTES and shape:
+                    shape = shape[:-1]
+            elif kind == "numpy":
+                dtype = f"numpy.{dset.dtype}"
+            elif kind == "object":
+                dtype = as_text(attrs.get(fmt.ATTR_PYTHON_TYPE))
+            elif kind == "scalar" and dset.shape is not None:
+                dtype = str(dset.dtype)
+            nbytes = 0 if dset.shape is None else int(dset.size * dset.dtype.itemsize)
+            return LeafInfo(key, kind, shape, dtype, nbytes, storage_kind(dset))
 
     def properties(self) -> dict[str, Any]:
         library = self._attrs.get(fmt.ATTR_LIBRARY_VERSION)
@@ -285,13 +272,10 @@ class H5Source(Source):
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        f = getattr(self, "_f", None)
+        f, self._f = getattr(self, "_f", None), None
         if f is not None:
-            try:
+            with suppress(Exception):  # closing a damaged file must not mask the real error
                 f.close()
-            except Exception:  # closing a damaged file must not mask the real error
-                pass
-            self._f = None
 
     # -- values ------------------------------------------------------------
 
@@ -431,10 +415,9 @@ class H5Source(Source):
         stored_dtype = dset.dtype.newbyteorder("=")
         allowed = {np_dtype} | ({np.dtype(np.int16)} if dtype == torch.bfloat16 else set())
         if fmt.stored_shape(shape, dtype) != on_disk or stored_dtype not in allowed:
-            raise CorruptCheckpointError(
-                f"{self.path}: key {key!r} (dataset {name!r}) says it is a {dtype} tensor of "
-                f"shape {list(shape)} but holds {dset.dtype} data of shape {list(on_disk)}. "
-                f"{DAMAGED_FIX}"
+            raise self._damaged(
+                f"key {key!r} (dataset {name!r}) says it is a {dtype} tensor of shape "
+                f"{list(shape)} but holds {dset.dtype} data of shape {list(on_disk)}."
             )
         out = self._map(dset, dtype, shape, stored_dtype)
         if out is not None:
@@ -480,26 +463,21 @@ class H5Source(Source):
 
     def _compare(self, key: str, name: str, actual: int, expected: int) -> None:
         if actual != expected:
-            raise CorruptCheckpointError(
-                f"{self.path}: the data of key {key!r} (dataset {name!r}) does not match its "
-                "checksum: its bytes changed after the save. The file cannot be trusted. "
-                f"{DAMAGED_FIX}"
+            raise self._damaged(
+                f"the data of key {key!r} (dataset {name!r}) does not match its checksum: its "
+                "bytes changed after the save. The file cannot be trusted."
             )
 
     def _read_into(
         self, key: str, name: str, dset: h5py.Dataset, attrs: dict, target: np.ndarray
     ) -> None:
-        """Fill ``target`` (C-contiguous, native order) and verify it (Note [fast reads]).
-
-        The plain byte range is read in pieces of PIECE_BYTES, each summed for
-        the checksum right after it arrives, while it is still in the CPU
-        cache: verifying then costs no second pass over memory. The pieces are
-        shared out among a few threads (Note [parallel pieces]).
-        """
+        """Fill ``target`` (C-contiguous, native order) and verify it (Note [fast reads]);
+        a plain byte range in pieces, each summed as it arrives (Note [parallel pieces])."""
         expected = self._expected(attrs)
         offset = raw_offset(dset)
         if offset is None or dset.dtype != target.dtype or self._fd is None:
-            register_filters()
+            import hdf5plugin  # noqa: F401  (importing registers its HDF5 filters: LZ4, ...)
+
             dset.read_direct(target)
             if expected is not None:
                 self._compare(key, name, pieces.parallel_checksum(target), expected)
@@ -508,22 +486,18 @@ class H5Source(Source):
         address = target.ctypes.data
         verify = expected is not None
         fd = self._fd
-        size = pieces.PIECE_BYTES
 
-        def read_piece(i: int) -> int | None:
-            start = i * size
-            piece = buffer[start : start + size]
+        def read_piece(start: int, piece: memoryview) -> int | None:
             kernel.populate(address + start, len(piece))  # Note [populate before read]
             if not read_exact(fd, piece, offset + start):
                 return None  # past the end of the file
             return fmt.checksum(np.frombuffer(piece, dtype=np.uint8)) if verify else 0
 
-        # Note [parallel pieces]
-        sums = pieces.for_each_piece(pieces.piece_count(len(buffer), size), read_piece)
+        sums = pieces.map_pieces(buffer, read_piece)  # Note [parallel pieces]
         if any(s is None for s in sums):
-            raise CorruptCheckpointError(
-                f"{self.path}: key {key!r} (dataset {name!r}) ends past the end of "
-                f"the file: the file is truncated. {DAMAGED_FIX}"
+            raise self._damaged(
+                f"key {key!r} (dataset {name!r}) ends past the end of the file: the file is "
+                "truncated."
             )
         if expected is not None:
             self._compare(key, name, pieces.combine(sums), expected)

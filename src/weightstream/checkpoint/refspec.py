@@ -77,14 +77,10 @@ def _reconstructor(cls: type, base: type, state: Any) -> Any:
 _ALLOWED = {
     ("torch.utils._pytree", "TreeSpec"): _SpecStub,
     ("torch.utils._pytree", "LeafSpec"): _LeafStub,
-    ("builtins", "dict"): dict,
-    ("builtins", "list"): list,
-    ("builtins", "tuple"): tuple,
-    ("builtins", "object"): object,
-    ("__builtin__", "dict"): dict,
-    ("__builtin__", "list"): list,
-    ("__builtin__", "tuple"): tuple,
-    ("__builtin__", "object"): object,
+    # builtins; __builtin__ in protocol 0-2 pickles
+    **{
+        (m, t.__name__): t for m in ("builtins", "__builtin__") for t in (dict, list, tuple, object)
+    },
     ("collections", "OrderedDict"): OrderedDict,
     ("collections", "defaultdict"): defaultdict,
     ("dill._dill", "_load_type"): _dill_load_type,

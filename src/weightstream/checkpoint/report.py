@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -90,15 +90,7 @@ class DiffResult:
 
     @property
     def identical(self) -> bool:
-        return not (
-            self.only_in_a
-            or self.only_in_b
-            or self.kind
-            or self.shape
-            or self.dtype
-            or self.values
-            or self.not_compared
-        )
+        return not any(getattr(self, f.name) for f in fields(self) if f.name != "same")
 
 
 def diff(

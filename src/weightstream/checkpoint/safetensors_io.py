@@ -41,7 +41,6 @@ from weightstream.checkpoint.source import (
     SAFETENSORS_SINGLE,
     LeafInfo,
     Source,
-    read_json,
 )
 from weightstream.checkpoint.tree import (
     Branch,
@@ -134,7 +133,12 @@ class SafetensorsSource(Source):
             self._entries = {name: (self.path, handle) for name in handle.offset_keys()}
             return (handle.metadata() or {}).get(METADATA_KEY)
         self.format = "safetensors-sharded"
-        doc = read_json(index, "sharded checkpoint index")
+        try:
+            doc = json.loads(index.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise CheckpointError(
+                f"{index}: cannot read the sharded checkpoint index ({e})."
+            ) from e
         weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: not a safetensors index (no weight_map).")
@@ -175,16 +179,10 @@ class SafetensorsSource(Source):
         names = [n for _, handle in files for n in handle.offset_keys() if n in self._entries]
         return Branch("dict", names, [Leaf(n) for n in names])
 
-    def _entry(self, key: str) -> tuple[Path, Any]:
-        try:
-            return self._entries[key]
-        except KeyError:
-            raise KeyError(f"{self.path} has no key {key!r}") from None
-
     def read(self, key: str) -> Any:
         if key in self._values:
             return self._values[key]
-        file, handle = self._entry(key)
+        file, handle = self._lookup(self._entries, key)
         try:
             return handle.get_tensor(key)
         except SafetensorError as e:  # e.g. the file was truncated since it was opened
@@ -198,7 +196,7 @@ class SafetensorsSource(Source):
             value = self._values[key]
             kind = {type(None): "none", str: "string"}.get(type(value), "scalar")
             return LeafInfo(key, kind, None, type(value).__name__, 0, "metadata")
-        file, handle = self._entry(key)
+        file, handle = self._lookup(self._entries, key)
         spec = handle.get_slice(key)  # the header's entry; reads no data
         shape, code = tuple(spec.get_shape()), spec.get_dtype()
         if code not in DTYPES:
@@ -233,7 +231,8 @@ def _plan(state: Any) -> tuple[Any, list, dict[str, Any], dict[str, str]]:
     for key, value in flat.leaves:
         info = value.info() if isinstance(value, Deferred) else None
         if info is not None and info.kind == "tensor":
-            shape, dtype = tuple(info.shape), _dtype(info.dtype)
+            shape, dtype = tuple(info.shape), torch_dtype_from_name(info.dtype or "")
+            assert dtype is not None, f"tensor leaf without a dtype: {info.dtype!r}"
             source_tie = value.tie()
             identity: Hashable = ("key", key) if source_tie is None else ("source", source_tie)
         else:
@@ -261,12 +260,6 @@ def _plan(state: Any) -> tuple[Any, list, dict[str, Any], dict[str, str]]:
             first[identity] = key
         tensors.append((key, shape, dtype, value))
     return flat.tree, tensors, values, ties
-
-
-def _dtype(name: str | None) -> torch.dtype:
-    dtype = torch_dtype_from_name(name or "")
-    assert dtype is not None, f"tensor leaf without a dtype: {name!r}"
-    return dtype
 
 
 def _nbytes(shape: tuple, dtype: torch.dtype) -> int:
@@ -298,13 +291,9 @@ def write_safetensors(
             f"{target}: a .safetensors path is one file."
         )
     shards = _shards(tensors, max_shard_size)
-    if single_file:
-        _write_file(target, shards[0], {METADATA_KEY: record}, fsync)
-        return [target]
     index = target if target.name.endswith(".index.json") else target / SAFETENSORS_INDEX
-    index.parent.mkdir(parents=True, exist_ok=True)
-    if len(shards) == 1:
-        out = index.parent / SAFETENSORS_SINGLE
+    if single_file or len(shards) == 1:
+        out = target if single_file else index.parent / SAFETENSORS_SINGLE
         _write_file(out, shards[0], {METADATA_KEY: record}, fsync)
         return [out]
     written, weight_map = [], {}
@@ -352,7 +341,6 @@ def _write_file(target: Path, tensors: list, metadata: dict[str, str], fsync: bo
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
-    target.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(target, fsync=fsync) as tmp, open(tmp, "wb") as fh:
         fh.write(struct.pack("<Q", len(raw)))
         fh.write(raw)

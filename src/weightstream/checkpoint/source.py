@@ -8,13 +8,12 @@ safetensors (single file or Hugging Face sharded) and torch pickles alike.
 
 from __future__ import annotations
 
-import json
 import os
 import struct
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from weightstream.checkpoint.errors import CheckpointError
 from weightstream.checkpoint.tree import Node, iter_leaves
@@ -22,6 +21,8 @@ from weightstream.checkpoint.tree import Node, iter_leaves
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,13 @@ class Source:
     path: Path
     format: str
     tree: Node
+
+    def _lookup(self, table: Mapping[str, T], key: str) -> T:
+        """``table[key]``, or a KeyError naming the file."""
+        try:
+            return table[key]
+        except KeyError:
+            raise KeyError(f"{self.path} has no key {key!r}") from None
 
     def keys(self) -> list[str]:
         """Flattened keys of every leaf, in order."""
@@ -129,11 +137,3 @@ def read_exact(fd: int, buffer: memoryview, offset: int) -> bool:
             return False
         done += n
     return True
-
-
-def read_json(path: Path, what: str) -> Any:
-    """Parse a small JSON file, with an error naming the file."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: cannot read the {what} ({e}).") from e

@@ -48,10 +48,7 @@ class TorchSource(Source):
         self._values = dict(flat.leaves)
 
     def read(self, key: str) -> Any:
-        try:
-            return self._values[key]
-        except KeyError:
-            raise KeyError(f"{self.path} has no key {key!r}") from None
+        return self._lookup(self._values, key)
 
     def tie(self, key: str) -> Hashable | None:
         value = self.read(key)
@@ -82,7 +79,6 @@ def write_torch(state: Any, path: str | os.PathLike, *, fsync: bool = True) -> P
     target = Path(os.fspath(path))
     flat = flatten(state)
     value = unflatten(flat.tree, resolve_leaves(flat))
-    target.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(target, fsync=fsync) as tmp:
         torch.save(value, tmp)
     return target

@@ -15,6 +15,9 @@ import warnings
 from pathlib import Path
 
 from weightstream.checkpoint.format import ATTR_SUCCESS
+from weightstream.checkpoint.h5file import open_h5
+from weightstream.checkpoint.lazy import load
+from weightstream.checkpoint.source import sniff_format
 
 _NAME = re.compile(r"^checkpoint_(\d+)\.mdl$")
 
@@ -44,8 +47,6 @@ def list_checkpoints(model_dir: str | os.PathLike) -> list[tuple[int, Path]]:
 
 def is_complete_checkpoint(path: str | os.PathLike) -> bool:
     """True when ``path`` opens as HDF5 and has ``__SUCCESS__`` (no data is read)."""
-    from weightstream.checkpoint.h5file import open_h5
-
     try:
         with open_h5(path) as f:
             return bool(f.attrs.get(ATTR_SUCCESS, False))
@@ -55,9 +56,6 @@ def is_complete_checkpoint(path: str | os.PathLike) -> bool:
 
 def is_trainer_checkpoint(path: str | os.PathLike) -> bool:
     """True when ``path`` is one of our checkpoints with a ``model`` entry (read lazily)."""
-    from weightstream.checkpoint.lazy import load
-    from weightstream.checkpoint.source import sniff_format
-
     try:
         if sniff_format(Path(path)) != "h5":
             return False

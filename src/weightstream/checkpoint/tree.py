@@ -187,53 +187,32 @@ def restore_metadata(pairs: Any) -> Any:
 # --------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
 class Deferred:
     """A leaf whose value is read on demand (streaming a checkpoint into another).
 
-    ``tie()`` gives a hashable identity of the stored object (equal for keys
-    linked to one dataset) or None; ``info()`` describes the value without
-    reading it (a :class:`~weightstream.checkpoint.source.LeafInfo`).
+    ``get()`` reads it; ``tie()`` gives a hashable identity of the stored object
+    (equal for keys linked to one dataset) or None; ``info()`` describes the
+    value without reading it (a :class:`~weightstream.checkpoint.source.LeafInfo`).
     """
 
-    __slots__ = ("_info", "_read", "_tie")
+    get: Callable[[], Any]
+    tie: Callable[[], Hashable | None]
+    info: Callable[[], Any]
 
-    def __init__(
-        self,
-        read: Callable[[], Any],
-        tie: Callable[[], Hashable | None] | None = None,
-        info: Callable[[], Any] | None = None,
-    ):
-        self._read = read
-        self._tie = tie
-        self._info = info
 
-    def get(self) -> Any:
-        return self._read()
-
-    def tie(self) -> Hashable | None:
-        return None if self._tie is None else self._tie()
-
-    def info(self) -> Any:
-        return None if self._info is None else self._info()
+# A stored tree's node and, for a leaf key of it: how to read it, its tie, its description.
+Subtree = tuple[Node, Callable[[str], Any], Callable[[str], Hashable | None], Callable[[str], Any]]
 
 
 class TreeView:
     """Mixin for objects that are a view of a stored tree (the lazy state dict).
 
-    :func:`flatten` grafts such a view as :class:`Deferred` leaves instead of
-    reading it, so ``save(load(path), other)`` streams tensor by tensor.
-    ``_ws_subtree`` returns the node and, for a leaf key of that node, how to
-    read it, its tie identity and its description.
+    :func:`flatten` grafts such a view (its ``_ws_subtree``) as :class:`Deferred`
+    leaves instead of reading it, so ``save(load(path), other)`` streams tensor by tensor.
     """
 
-    def _ws_subtree(
-        self,
-    ) -> tuple[
-        Node,
-        Callable[[str], Any],
-        Callable[[str], Hashable | None],
-        Callable[[str], Any],
-    ]:
+    def _ws_subtree(self) -> Subtree:
         raise NotImplementedError
 
 
@@ -311,24 +290,32 @@ def _container_kind(x: Any) -> str | None:
     return None
 
 
+def read_once(
+    read: Callable[[str], Any], tie: Callable[[str], Hashable | None]
+) -> Callable[[str], Any]:
+    """``read`` for :func:`unflatten`, keys of one ``tie`` identity read once (tied tensors)."""
+    seen: dict[Hashable, Any] = {}
+
+    def value_of(key: str) -> Any:
+        slot = tie(key)
+        if slot is None:
+            return read(key)
+        if slot not in seen:
+            seen[slot] = read(key)
+        return seen[slot]
+
+    return value_of
+
+
 def resolve_leaves(flat: Flattened) -> Callable[[str], Any]:
     """``value_of(key)`` for :func:`unflatten` of ``flat``: reads deferred leaves,
     tied ones once."""
     values = dict(flat.leaves)
-    seen: dict[Hashable, Any] = {}
-
-    def value_of(key: str) -> Any:
-        value = values[key]
-        if not isinstance(value, Deferred):
-            return value
-        tie = value.tie()
-        if tie is None:
-            return value.get()
-        if tie not in seen:
-            seen[tie] = value.get()
-        return seen[tie]
-
-    return value_of
+    deferred = {k: v for k, v in flat.leaves if isinstance(v, Deferred)}
+    return read_once(
+        lambda k: deferred[k].get() if k in deferred else values[k],
+        lambda k: deferred[k].tie() if k in deferred else None,
+    )
 
 
 def unflatten(node: Node, value_of: Callable[[str], Any]) -> Any:

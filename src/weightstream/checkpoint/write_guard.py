@@ -50,11 +50,7 @@ class WriteGuard:
     def _write_all(self, data, put) -> int:
         """Write all of ``data`` with ``put(view, bytes_done)`` (a write may be partial),
         unless a write failed before; keep the first failure. Returns the length.
-
-        One writer at a time: concurrent writes into one file contend for its
-        inode lock in the kernel, which costs CPU and gains little (Note
-        [parallel pieces]); the other threads sum their next piece meanwhile.
-        """
+        One writer at a time (Note [parallel pieces])."""
         view = memoryview(data).cast("B")
         with self._lock:
             if self.error is None:
@@ -64,16 +60,12 @@ class WriteGuard:
                         done += put(view, done)
                 except OSError as e:
                     self.error = e  # the first failure: later writes are skipped
-                else:
-                    self._wrote(len(view))
+                else:  # start writeback every so often (Note [early writeback])
+                    self._unflushed += len(view)
+                    if self._durable and self._unflushed >= kernel.WRITEBACK_BYTES:
+                        self._unflushed = 0
+                        kernel.start_writeback(self._raw.fileno())
         return len(view)
-
-    def _wrote(self, nbytes: int) -> None:
-        """Count written bytes; start writeback every so often (Note [early writeback])."""
-        self._unflushed += nbytes
-        if self._durable and self._unflushed >= kernel.WRITEBACK_BYTES:
-            self._unflushed = 0
-            kernel.start_writeback(self._raw.fileno())
 
     def truncate(self, size: int | None = None) -> int:
         if self.error is None:

@@ -94,8 +94,7 @@ LIBVER = ("v108", "v110")
 
 COMPRESSIONS = (None, "gzip", "lz4")
 
-# Data blocks of 4 KiB or more start on a 4 KiB boundary, so that load(mmap=True)
-# can map tensors in place (aligned); the padding is at most 4 KiB per tensor.
+# Data blocks of 4 KiB or more are aligned (Note [checkpoint layout]): padding <= 4 KiB each.
 ALIGNMENT = 4096
 
 
@@ -141,7 +140,6 @@ def save(
     names = _dataset_names([key for key, _ in flat.leaves])
     spec = tree_to_json(flat.tree)
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
         with (
             atomic_path(target, fsync=fsync) as tmp,
             open(tmp, "w+b", buffering=0) as raw,
@@ -164,7 +162,7 @@ def save(
                     fmt.checksum(np.frombuffer(spec.encode(), np.uint8))
                 )
                 f.attrs[fmt.ATTR_VERSION] = fmt.FORMAT_VERSION
-                set_text(f.attrs, fmt.ATTR_LIBRARY_VERSION, __version__)
+                writer._text(f, fmt.ATTR_LIBRARY_VERSION, __version__)
                 f.attrs[fmt.ATTR_SUCCESS] = True  # last: Note [atomic save]
             guard.check()  # closing flushes the metadata: that may fail too
     except (OSError, RuntimeError) as e:
@@ -179,11 +177,12 @@ def save(
 
 
 def atomic_path(target: Path, *, fsync: bool = True):
-    """Yield a temporary path next to ``target``; rename it over ``target`` on success.
+    """Yield a temporary path beside ``target`` (its directory made), renamed over it on success.
 
     See Note [atomic save]; ``common.files.atomic_path`` with the crash point
     after the rename. Also used for safetensors and torch outputs.
     """
+    target.parent.mkdir(parents=True, exist_ok=True)
     return files.atomic_path(target, fsync=fsync, renamed=lambda: crash_point("save.renamed"))
 
 
@@ -204,10 +203,8 @@ def _target_path(path: Any, what: str) -> Path:
 
 
 def _compression_options(compression: str | None, level: int | None) -> dict:
-    if isinstance(compression, str) and compression.lower() == "none":
-        compression = None
     if isinstance(compression, str):
-        compression = compression.lower()
+        compression = None if compression.lower() == "none" else compression.lower()
     if compression not in COMPRESSIONS:
         raise ValueError(
             f"save(): compression={compression!r} is not supported; use None (default, "
@@ -284,8 +281,8 @@ class LeafWriter:
         self._fresh = 0  # bytes this save allocated since the heap was last trimmed
         self._attribute_types: dict[tuple, h5py.h5t.TypeID] = {}
 
-    def _put(self, dset: h5py.Dataset, name: str, value: np.ndarray | np.generic) -> None:
-        """``dset.attrs[name] = value`` for a dataset this save just created.
+    def _put(self, obj: h5py.HLObject, name: str, value: np.ndarray | np.generic) -> None:
+        """``obj.attrs[name] = value`` for a dataset (or file) this save just created.
 
         The same HDF5 attribute (type and space made as h5py makes them), minus
         what h5py redoes on every assignment: looking for an existing attribute
@@ -299,12 +296,13 @@ class LeafWriter:
             tid = self._attribute_types[key] = h5py.h5t.py_create(array.dtype, logical=True)
         space = h5py.h5s.create_simple(array.shape)  # () gives a scalar space
         # The memory type is the file type: the bytes go in as they are, no conversion.
-        h5py.h5a.create(dset.id, name.encode("utf-8"), tid, space).write(array, mtype=tid)
+        h5py.h5a.create(obj.id, name.encode("utf-8"), tid, space).write(array, mtype=tid)
 
-    def _text(self, dset: h5py.Dataset, name: str, value: str) -> None:
-        """:func:`set_text` for a dataset this save just created (see :meth:`_put`)."""
+    def _text(self, obj: h5py.HLObject, name: str, value: str) -> None:
+        """A string attribute, fixed-length UTF-8 in the object header (Note [checkpoint
+        layout]: HDF5 checksums that, not the heap of variable-length strings)."""
         data = value.encode("utf-8")
-        self._put(dset, name, np.array(data, dtype=h5py.string_dtype("utf-8", max(1, len(data)))))
+        self._put(obj, name, np.array(data, dtype=h5py.string_dtype("utf-8", max(1, len(data)))))
 
     def write(self, key: str, name: str, value: Any) -> None:
         if self._fresh >= TRIM_BYTES:
@@ -331,13 +329,13 @@ class LeafWriter:
         if is_plain_tensor(value):
             self._write_tensor(name, value)
         elif value is None:
-            self._empty(name, fmt.TYPE_NONE)
+            self._data(name, None, fmt.TYPE_NONE)
         elif type(value) in (bool, float, complex) or (
             type(value) is int and -(2**63) <= value < 2**63
         ):
             self._data(name, np.asarray(value), fmt.TYPE_SCALAR)
         elif type(value) is int:
-            self._empty(name, fmt.TYPE_BIGINT, {fmt.ATTR_VALUE: str(value)})
+            self._data(name, None, fmt.TYPE_BIGINT, {fmt.ATTR_VALUE: str(value)})
         elif type(value) is str:
             self._write_string(name, value)
         elif type(value) in (bytes, bytearray):
@@ -350,40 +348,36 @@ class LeafWriter:
             if scalar:
                 self._put(dset, fmt.ATTR_NUMPY_SCALAR, np.bool_(True))
         elif isinstance(value, torch.dtype):
-            self._empty(name, fmt.TYPE_TORCH_DTYPE, {fmt.ATTR_VALUE: fmt.dtype_name(value)})
+            self._data(name, None, fmt.TYPE_TORCH_DTYPE, {fmt.ATTR_VALUE: str(value)})
         elif isinstance(value, torch.device):
-            self._empty(name, fmt.TYPE_TORCH_DEVICE, {fmt.ATTR_VALUE: str(value)})
+            self._data(name, None, fmt.TYPE_TORCH_DEVICE, {fmt.ATTR_VALUE: str(value)})
         elif type(value) is torch.Size:
             self._data(name, np.asarray(list(value), dtype=np.int64), fmt.TYPE_TORCH_SIZE)
         else:
             self._write_pickle(key, name, value)
 
-    def _empty(self, name: str, tag: str, text: dict[str, str] | None = None) -> h5py.Dataset:
-        """A dataset without data: the value lives in its (checksummed) attributes."""
-        dset = self._f.create_dataset(name, data=h5py.Empty("f"))
-        self._text(dset, fmt.ATTR_TYPE, tag)
-        for attr, value in (text or {}).items():
-            self._text(dset, attr, value)
-        return dset
-
     def _data(
         self,
         name: str,
-        array: np.ndarray,
+        array: np.ndarray | None,
         tag: str,
         text: dict[str, str] | None = None,
         *,
         compress: bool = False,
     ) -> h5py.Dataset:
-        """A dataset holding ``array``, with its checksum (any data can be damaged)."""
-        options = self._options_for(array.shape) if compress else {}
-        if not array.flags.c_contiguous:
-            array = array.copy(order="C")  # (np.ascontiguousarray would make 0-d 1-d)
-        dset = self._f.create_dataset(name, data=array, **options)
-        self._text(dset, fmt.ATTR_TYPE, tag)
-        for attr, value in (text or {}).items():
+        """A dataset holding ``array``, with its checksum (any data can be damaged); for
+        None, a dataset without data: the value lives in its (checksummed) attributes."""
+        if array is None:
+            dset = self._f.create_dataset(name, data=h5py.Empty("f"))
+        else:
+            options = self._options_for(array.shape) if compress else {}
+            if not array.flags.c_contiguous:
+                array = array.copy(order="C")  # (np.ascontiguousarray would make 0-d 1-d)
+            dset = self._f.create_dataset(name, data=array, **options)
+        for attr, value in {fmt.ATTR_TYPE: tag, **(text or {})}.items():
             self._text(dset, attr, value)
-        self._put(dset, fmt.ATTR_CHECKSUM, np.uint64(fmt.checksum(array)))
+        if array is not None:
+            self._put(dset, fmt.ATTR_CHECKSUM, np.uint64(fmt.checksum(array)))
         return dset
 
     def _options_for(self, shape: tuple[int, ...]) -> dict:
@@ -415,19 +409,16 @@ class LeafWriter:
             dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
             options["dcpl"] = dcpl
         dset = self._f.create_dataset(name, shape=shape, dtype=np_dtype, **options)
-        digest = fmt.Sum64()
         offset = dset.id.get_offset() if direct and t.numel() > 0 else None
         if offset is not None and t.is_contiguous():
             total = self._write_flat_at(offset, fmt.storage_array(t))
         else:
-            if t.numel() > 0:
-                self._write_pieces(dset, offset, t, digest)
-            total = digest.digest()
+            total = self._write_pieces(dset, offset, t) if t.numel() > 0 else 0
         # A tensor of the disk store: its pages go back once written, so a save
         # never holds more than one tensor of it (Note [disk tier]).
         release_pages([t])
         self._text(dset, fmt.ATTR_TYPE, fmt.TYPE_TENSOR)
-        self._text(dset, fmt.ATTR_DTYPE, fmt.dtype_name(value.dtype))
+        self._text(dset, fmt.ATTR_DTYPE, str(value.dtype))
         self._put(dset, fmt.ATTR_SHAPE, np.asarray(tuple(value.shape), dtype=np.int64))
         self._put(dset, fmt.ATTR_BFLOAT16, np.bool_(encoding == fmt.ENCODING_BFLOAT16))
         self._put(dset, fmt.ATTR_CHECKSUM, np.uint64(total))
@@ -435,21 +426,15 @@ class LeafWriter:
             self._put(dset, fmt.ATTR_IS_PARAMETER, np.bool_(True))
             self._put(dset, fmt.ATTR_REQUIRES_GRAD, np.bool_(requires_grad))
 
-    def _write_pieces(
-        self, dset: h5py.Dataset, offset: int | None, t: torch.Tensor, digest: fmt.Sum64
-    ) -> None:
-        """Write ``t`` in pieces of about SLAB_BYTES along dim 0 (Note [save memory]):
-        through HDF5, or straight to the file at ``offset`` (Note [direct data writes]).
-
-        Each piece is summed for the checksum and then written while it is still
-        in the CPU cache (one pass over memory, not two); a piece of a strided
-        tensor is first copied contiguous, so a save holds at most one piece.
-        """
+    def _write_pieces(self, dset: h5py.Dataset, offset: int | None, t: torch.Tensor) -> int:
+        """Write ``t`` in pieces of about SLAB_BYTES along dim 0 (Note [save memory]),
+        through HDF5 or straight to the file at ``offset`` (Note [direct data writes]);
+        its Sum64. Each piece is summed, then written while it is in the CPU cache."""
         if t.dim() == 0:
             array = fmt.storage_array(t)
             dset.write_direct(array)
-            digest.update(array)
-            return
+            return fmt.checksum(array)
+        digest = fmt.Sum64()
         row_bytes = max(1, t[0].numel() * t.element_size())
         rows = max(1, SLAB_BYTES // row_bytes)
         for start in range(0, t.shape[0], rows):
@@ -462,26 +447,18 @@ class LeafWriter:
             else:
                 self._guard.pwrite(array.reshape(-1).view(np.uint8), offset + start * row_bytes)
             del piece, array  # before the next piece exists: one piece at a time
+        return digest.digest()
 
     def _write_flat_at(self, offset: int, array: np.ndarray) -> int:
-        """Write a C-contiguous array's bytes to the file at ``offset``; its Sum64.
+        """Write a C-contiguous array's bytes to the file at ``offset``, straight from its
+        memory (Note [direct data writes]), in pieces (Note [parallel pieces]); its Sum64."""
 
-        Straight from the tensor's memory (Note [direct data writes]), in
-        pieces summed and written by a few threads (Note [parallel pieces]).
-        """
-        data = array.reshape(-1).view(np.uint8)
-        guard = self._guard
-
-        size = pieces.PIECE_BYTES
-
-        def write_piece(i: int) -> int:
-            piece = data[i * size : (i + 1) * size]
+        def write_piece(start: int, piece: np.ndarray) -> int:
             total = fmt.checksum(piece)  # then written while it is in the CPU cache
-            guard.pwrite(piece, offset + i * size)
+            self._guard.pwrite(piece, offset + start)
             return total
 
-        count = pieces.piece_count(len(data), size)
-        return pieces.combine(pieces.for_each_piece(count, write_piece))
+        return pieces.combine(pieces.map_pieces(array.reshape(-1).view(np.uint8), write_piece))
 
     def _write_string(self, name: str, value: str) -> None:
         try:
@@ -493,7 +470,7 @@ class LeafWriter:
             and len(encoded) <= fmt.MAX_STRING_ATTR_BYTES
             and b"\0" not in encoded
         ):
-            self._empty(name, fmt.TYPE_STRING, {fmt.ATTR_STRING: value})
+            self._data(name, None, fmt.TYPE_STRING, {fmt.ATTR_STRING: value})
         else:
             data = value.encode("utf-8", errors="surrogatepass")
             self._data(name, np.frombuffer(data, dtype=np.uint8), fmt.TYPE_STRING)
@@ -510,14 +487,3 @@ class LeafWriter:
         python_type = f"{type(value).__module__}.{type(value).__qualname__}"
         array = np.frombuffer(data, dtype=np.uint8)
         self._data(name, array, fmt.TYPE_PICKLE, {fmt.ATTR_PYTHON_TYPE: python_type})
-
-
-def set_text(attrs: h5py.AttributeManager, name: str, value: str) -> None:
-    """A string attribute stored fixed-length, inside the dataset's object header.
-
-    HDF5 checksums object headers (format 1.8+) but not the global heap where
-    variable-length strings live, so a flipped byte in a variable-length
-    string would go unnoticed; in the header it is caught when the file is read.
-    """
-    data = value.encode("utf-8")
-    attrs.create(name, data=np.bytes_(data), dtype=h5py.string_dtype("utf-8", max(1, len(data))))
