@@ -148,3 +148,35 @@ def test_coalesce_merges_neighbours_of_one_owner_up_to_the_cap():
     buckets, owners, taken = coalesce(units, [0, 0, 1, 1, 1, 1], cap=100)
     assert taken == [[0, 1], [2, 3, 4, 5]] and owners == [0, 1]
     assert coalesce(units, None, cap=0)[2] == [[i] for i in range(6)]
+
+
+def _join_and_exit(rank: int, port: int, out: str) -> None:
+    """A rank started as torchrun starts it: the engine's join, then the exit handlers."""
+    import atexit
+
+    import torch.distributed as dist
+
+    from weightstream.runtime import swarm
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2"
+    )
+    joined = swarm.init_from_env(torch.device("cpu"))
+    swarm.barrier()
+    atexit._run_exitfuncs()  # what the interpreter runs first at exit
+    Path(out, f"{rank}.json").write_text(json.dumps([joined, dist.is_initialized()]))
+
+
+def test_a_process_group_the_api_joined_is_left_before_the_interpreter_shuts_down(tmp_path):
+    # gloo's threads outliving the group at interpreter shutdown abort a rank now and
+    # then ("terminate called without an active exception", pytorch#190489).
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_join_and_exit, args=(port, str(tmp_path)), nprocs=2, start_method="spawn")
+    for rank in range(2):
+        assert json.loads((tmp_path / f"{rank}.json").read_text()) == [True, False], rank

@@ -17,6 +17,7 @@ next collective fail (gloo reports the closed connection) or time out after
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -45,6 +46,11 @@ def init_from_env(device: torch.device) -> bool:
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=timeout())
+    # Joined here, so left here: a group still alive when the interpreter shuts down
+    # can abort the process ("terminate called without an active exception": gloo's
+    # threads outlive it, pytorch#190489). A user's own destroy_process_group first
+    # makes this a no-op.
+    atexit.register(shutdown)
     return True
 
 
