@@ -12,18 +12,21 @@ Per entry (a streaming unit, or everything outside the units) and pass
   attention throughput at n, plus any other counted FLOPs / the peak;
 * memory: for each non-matmul operator, the bytes it reads and writes / the
   measured throughput of its class at its size
-  (``MachineProfile.op_throughput``; Note [operator bytes] in ``operators.py``);
+  (``MachineProfile.op_throughput``; Note [operator bytes] in ``operators.py``),
+  at most the simple operators' throughput on operands larger than the caches
+  (``MachineProfile.cold_op_throughput``: a step's operands are cold, Note [in situ]);
 * overhead: operators run x the fixed cost of one operator in that pass
   (``op_overhead_fwd_s`` / ``op_overhead_bwd_s``; Note [fixed costs] in
   ``software.py``).
 
-work = (compute + memory + overhead) x ``in_situ_factor``: the profile's figures
-time each kind of work alone, and a training step runs slower than the sum of
-its parts (cold operands, outputs on fresh memory, the prefetch thread beside
-the compute); the factor is measured on a proxy training step (Note [in situ]
-in ``software.py``). The streaming bookkeeping and a measured update below are
-scaled by it too. Compute in a dtype slower than float32 takes a diluted factor
-(``MachineProfile.in_situ_compute_factor``).
+work = (compute + memory) x ``in_situ_factor`` + overhead: the profile's figures
+time each kind of work alone, and a training step runs its work on data slower
+than the sum of its parts (cold operands, outputs on fresh memory, the prefetch
+thread beside the compute); the factor is measured on a proxy training step
+(Note [in situ] in ``software.py``). A measured update below is scaled by it
+too; the fixed costs (operators, streaming bookkeeping) are not: they are
+measured as they occur in a step. Compute in a dtype slower than float32 takes
+a diluted factor (``MachineProfile.in_situ_compute_factor``).
 
 Weight streaming adds, per unit:
 
@@ -267,12 +270,14 @@ def pass_work(
         rest -= f
     compute += max(rest, 0) / machine.peak_flops(dtype)
     memory = 0.0
+    cold = machine.cold_op_throughput()  # a step's operands are not in cache (Note [in situ])
     for cls, by_size in mem.items():
         for nbytes, total in by_size.items():
-            memory += total / machine.op_throughput(cls, int(nbytes))
-    f = machine.in_situ_factor
+            memory += total / min(machine.op_throughput(cls, int(nbytes)), cold)
     return PassWork(
-        machine.in_situ_compute_factor(dtype) * compute, f * memory, f * ops * op_overhead_s
+        machine.in_situ_compute_factor(dtype) * compute,
+        machine.in_situ_factor * memory,
+        ops * op_overhead_s,
     )
 
 
@@ -366,17 +371,14 @@ def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettin
                 fwd_overhead_s=fwd.overhead_s,
                 bwd_overhead_s=bwd.overhead_s,
                 stream_s=(
-                    machine.in_situ_factor
-                    * (machine.unit_overhead_s + u.tensors * machine.param_overhead_s)
-                    if ws
-                    else 0.0
+                    machine.unit_overhead_s + u.tensors * machine.param_overhead_s if ws else 0.0
                 ),
             )
         )
     out_fwd, out_bwd = _entry_work(costs.outside, machine, dtype)
     fixed = upd.fixed_s * machine.in_situ_factor if upd is not None else 0.0
     update = sum(e.update_s for e in units) + fixed
-    call = machine.in_situ_factor * machine.stream_call_s if ws and units else 0.0
+    call = machine.stream_call_s if ws and units else 0.0
     step = (
         sum(e.share_s for e in units)
         + call

@@ -151,6 +151,14 @@ class MachineProfile:
             return self.host_memory_bandwidth
         return _interp(curve, nbytes)
 
+    def cold_op_throughput(self) -> float:
+        """Bytes per second of a simple operator on operands larger than the caches: the
+        "simple" curve at its largest size (the host memory bandwidth without one)."""
+        simple = self.op_bandwidth.get("simple")
+        if not simple:
+            return self.host_memory_bandwidth
+        return simple[max(simple, key=float)]
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -310,7 +310,7 @@ def _report_text(data: dict) -> str:
         f"{m['stream_call_s'] * 1e6:.0f} us, streaming "
         f"{_si(m['stream_bandwidth'], 'B/s')}; loop bookkeeping "
         f"{m['step_overhead_s'] * 1e6:.0f} us per step",
-        f"  in a training step work runs {m['in_situ_factor']:.2f} x slower than timed alone "
+        f"  in a training step work on data runs {m['in_situ_factor']:.2f} x slower than timed alone "
         "(measured on a proxy step)",
     ]
     if m["disk_read_bandwidth"] is not None:
