@@ -67,12 +67,13 @@ two small decoder blocks with the operator mix of the model zoo's (a GPT-2
 block: LayerNorm, fused qkv, causal attention, GELU MLP; a Llama block: RMS
 norm, rotary positions, SwiGLU), streamed through the runtime for a few
 training steps: their typical time over the estimate of the same step from
-the other figures (``estimate.py``). Typical is the mean of 30 steps without
+the other figures (``estimate.py``). Typical is the mean of 90 steps without
 the slowest tenth, not the first quartile of Note [quiet timings]: with
 nothing else running, the proxy's steps on a 2-vCPU VM alternate between
-phases of ~35 ms and of ~50 ms lasting a few steps each, a run's samples/sec
-is the mean over both, and a first quartile of 10 steps (one phase) put the
-factor anywhere between 0.84 and 1.48 from one measurement to the next. The
+phases of ~33 ms and of ~42-50 ms lasting from a few steps to a whole second, a
+run's samples/sec is the mean over both, and a first quartile of 10 steps (one
+phase) put the factor anywhere between 0.84 and 1.48 from one measurement to
+the next; 30 steps (one second) still gave 1.46 to 1.91 within ten minutes. The
 estimate multiplies each pass's work on data (compute, memory) and the
 optimizer update by it (an update measured alone, cold tensors and all, runs
 1.6-1.8x faster than the same update inside a run). The fixed costs (per

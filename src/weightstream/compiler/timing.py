@@ -101,7 +101,7 @@ class Sizes:
     update_sets: int = 4  # models updated in turn (updates.py)
     update_numel: int | None = None  # elements of the update's large tensor (None: the model's)
     proxy: tuple[int, int, int, int] = (8, 128, 128, 4)  # (batch, seq_len, d_model, heads)
-    proxy_steps: int = 30  # timed training steps of the in-situ proxy (after 2 untimed ones)
+    proxy_steps: int = 90  # timed training steps of the in-situ proxy (after 2 untimed ones)
     patience: Patience = Patience(retries=3, pause_s=0.25, wait_s=30.0, judged=True)
 
 
