@@ -1292,3 +1292,16 @@ def test_the_heap_is_trimmed_after_large_reads_not_after_every_leaf(tmp_path, mo
     assert len(trims) == 7  # before each leaf after the first
     for name, value in load(tmp_path / "copy.mdl", map_location="cpu").items():
         assert torch.equal(value, large[name])
+
+
+@pytest.mark.parametrize("value", [None, "abc"])
+def test_a_warm_start_from_a_non_tensor_names_the_key(tmp_path, value):
+    from weightstream.checkpoint.weights import load_weights
+
+    path = tmp_path / "weights.mdl"
+    weightstream.save({"weight": value, "bias": torch.zeros(2)}, path)
+    model = torch.nn.Linear(2, 2)
+    before = model.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"'weight' is a \w+ in the file, not a tensor"):
+        load_weights(model, path)
+    assert torch.equal(model.weight, before)  # nothing loaded

@@ -128,6 +128,9 @@ def load_weights(
         for _, name, flip, target in plan:
             file_name = file_key[name]
             info = weights.describe(file_name) if hasattr(weights, "describe") else None
+            if info is not None and info.shape is None:
+                wrong.append(f"{file_name!r} is a {info.kind} in the file, not a tensor")
+                continue
             shape = tuple(info.shape) if info is not None else None
             if shape is not None and flip:
                 shape = shape[::-1]
