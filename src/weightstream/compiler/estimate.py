@@ -48,7 +48,7 @@ Weight streaming adds, per unit:
 
 and once per step, whatever the units, ``stream_call_s`` (the streamed call:
 the input moved to the device, the pass opened and closed, the first unit's
-prefetch handed to the background thread), scaled like the rest.
+prefetch handed to the background thread), a fixed cost like the stream term.
 
 Layer pipelined runs (``weight_streaming=False``) have no transfer and no
 stream term: a unit's share is its work.

@@ -31,8 +31,8 @@ PyTorch, which dominate small models (Note [fixed costs]), and the in-situ facto
   trainer's loss function on labels, the loss summed and read back, a loss-log
   line, 4 TensorBoard scalars and their writer thread's interference): a
   trainer-like step of the eager chain minus a bare one;
-* ``in_situ_factor``: how much slower a training step runs than the sum of
-  its parts timed alone (Note [in situ]).
+* ``in_situ_factor``: how much slower a training step runs its work on data
+  (compute, memory) than the sum of its parts timed alone (Note [in situ]).
 
 A figure that is the difference of two timings is the median of its
 repetitions' differences; a direct timing the fastest repetition.
