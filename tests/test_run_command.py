@@ -84,6 +84,16 @@ def test_train_writes_every_artifact(tmp_path):
     assert [s for s, _ in losses] == list(range(1, 9))
     assert len(_scalars(model_dir / "train", "lr")) == 8
     assert len(_scalars(model_dir / "train", "samples_per_sec")) == 8
+    # one event per step holds them all (Note [one event per step])
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    (events,) = (model_dir / "train").glob("events.out.tfevents.*")
+    tags = [
+        (e.step, sorted(v.tag for v in e.summary.value))
+        for e in EventFileLoader(str(events)).Load()
+        if e.HasField("summary")
+    ]
+    assert tags == [(s, ["loss", "loss_scale", "lr", "samples_per_sec"]) for s in range(1, 9)]
     # the run's params
     saved = yaml.safe_load((model_dir / "train" / "params_train.yaml").read_text())
     assert saved["runconfig"]["max_steps"] == 8 and saved["model"]["name"] == "gpt2"

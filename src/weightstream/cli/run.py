@@ -28,6 +28,7 @@ import weightstream as cstorch
 from weightstream import checkpoint as ckpt
 from weightstream.cli.params import Params, save_params
 from weightstream.cli.run_args import build_run_parser, params_from_args
+from weightstream.common.scalars import NoScalarWriter, ScalarWriter
 from weightstream.config import run_configuration
 from weightstream.data.streaming import batch_size_of
 from weightstream.models import hf
@@ -352,15 +353,13 @@ class Run:
         # compile directory, and that only once everything compiled.
         self.compile(compiled, p.train_input)
         self._write_params("train")
-        from torch.utils.tensorboard import SummaryWriter
-
         # purge_step: TensorBoard hides the events of steps after the checkpoint this
         # run starts from, logged by an earlier run that was killed before its next
         # checkpoint (this run logs those steps again).
         writer = trainer.writer = (
-            SummaryWriter(str(self.model_dir / "train"), purge_step=trainer.global_step + 1)
+            ScalarWriter(self.model_dir / "train", purge_step=trainer.global_step + 1)
             if swarm.is_main()
-            else _NoWriter()
+            else NoScalarWriter()
         )
         steps = dataloader.num_steps
         log.info("Training %d steps from global step %d", steps, trainer.global_step)
@@ -469,10 +468,8 @@ class Run:
             loader = self._input_fn(p.eval_input, False)()
         # Checked: the checkpoint and the eval data. Now model_dir may be written.
         self._write_params("eval")
-        from torch.utils.tensorboard import SummaryWriter
-
         writer = trainer.eval_writer = (
-            SummaryWriter(str(self.model_dir / "eval")) if swarm.is_main() else _NoWriter()
+            ScalarWriter(self.model_dir / "eval") if swarm.is_main() else NoScalarWriter()
         )
         try:
             return trainer.evaluate(loader, steps)
@@ -499,15 +496,6 @@ class _Autocast:
 
     def no_sync(self):
         return self.compiled.no_sync()
-
-
-class _NoWriter:
-    """Stands in for TensorBoard's writer on ranks other than 0."""
-
-    def add_scalar(self, *args, **kwargs) -> None:
-        pass
-
-    flush = close = add_scalar
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -105,6 +105,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weightstream.backend import compile as ws_compile
+from weightstream.common.scalars import ScalarWriter
 from weightstream.compiler.cost import function_costs, unit_costs
 from weightstream.compiler.estimate import EstimateSettings, estimate
 from weightstream.compiler.profile import MachineProfile
@@ -175,7 +176,8 @@ def _fwd_bwd_split(model, x, device: torch.device, budget: float) -> tuple[float
     return first_quartile(fwd), first_quartile(bwd)
 
 
-SCALARS_PER_STEP = 4  # Trainer._log: loss, lr, loss_scale, samples_per_sec
+# What Trainer._log writes each step, as one event (Note [one event per step]).
+_SCALARS = ("loss", "lr", "loss_scale", "samples_per_sec")
 
 
 @contextlib.contextmanager
@@ -186,17 +188,15 @@ def tiny_training_steps(device: torch.device | str = "cpu"):
     small in-memory dataset on a CPU): inside a run each fetch follows a
     training step, which leaves the caches and the thread pool in another
     state, and TensorBoard's writer thread competes with it. Each call is a
-    forward + backward of the tiny chain and the SCALARS_PER_STEP scalars of a
+    forward + backward of the tiny chain and the scalars of a
     step, logged to a temporary directory removed on exit.
     """
-    from torch.utils.tensorboard import SummaryWriter  # slow to import: only when used
-
     device = torch.device(device)
     model = _tiny_chain().to(device)
     x = torch.randn(4, 16, device=device)
     step = 0
     with tempfile.TemporaryDirectory(prefix="weightstream-logprobe-") as tmp:
-        writer = SummaryWriter(tmp)
+        writer = ScalarWriter(tmp)
 
         def training_step() -> None:
             nonlocal step
@@ -204,8 +204,7 @@ def tiny_training_steps(device: torch.device | str = "cpu"):
             loss.backward()
             model.zero_grad(set_to_none=True)
             step += 1
-            for i in range(SCALARS_PER_STEP):
-                writer.add_scalar(f"s{i}", loss.item(), step)
+            writer.add(step, dict.fromkeys(_SCALARS, loss.item()))
 
         try:
             yield training_step
@@ -222,11 +221,9 @@ def _step_overhead(model, x, device: torch.device, budget: float) -> float:
     ``task_loss``'s cross-entropy on labels moved to the device and cast to
     float32, the loss divided by the micro-batch count, summed on the host, read
     with ``.item()``, a line of the loss log written and flushed, and
-    SCALARS_PER_STEP TensorBoard scalars (whose writer thread competes with the
+    the step's TensorBoard scalars (whose writer thread competes with the
     next step: that interference is part of the cost). A model of one small unit
     (FC-MNIST, a 4 ms step) spends a tenth of its step there."""
-    from torch.utils.tensorboard import SummaryWriter  # slow to import: only when used
-
     batch = {"inputs": x, "labels": torch.zeros(x.shape[0], dtype=torch.long)}
 
     def plain() -> None:
@@ -234,7 +231,7 @@ def _step_overhead(model, x, device: torch.device, budget: float) -> float:
 
     step = 0
     with tempfile.TemporaryDirectory(prefix="weightstream-logprobe-") as tmp:
-        writer = SummaryWriter(tmp)
+        writer = ScalarWriter(tmp)
         log = open(Path(tmp) / "losses.jsonl", "a")  # closed below
 
         def trainer_like() -> None:
@@ -246,8 +243,7 @@ def _step_overhead(model, x, device: torch.device, budget: float) -> float:
             step += 1
             log.write(json.dumps({"step": step, "loss": value}) + "\n")
             log.flush()
-            for i in range(SCALARS_PER_STEP):
-                writer.add_scalar(f"s{i}", value, step)
+            writer.add(step, dict.fromkeys(_SCALARS, value))
 
         try:
             for fn in (plain, trainer_like):

@@ -82,7 +82,8 @@ class Trainer:
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.grad_scaler = grad_scaler or GradScaler()
-        # TensorBoard writers of training and evaluation, set by the run command.
+        # TensorBoard writers of training and evaluation (common.scalars.ScalarWriter),
+        # set by the run command.
         self.writer = None
         self.eval_writer = None
         self.perf = perf or PerformanceTracker()
@@ -347,12 +348,13 @@ class Trainer:
         step = self.global_step
         if self._loss_log is not None:
             self._loss_log.append(step, loss)
-        if self.writer is not None:
-            self.writer.add_scalar("loss", loss, step)
+        if self.writer is not None:  # one event a step (Note [one event per step])
+            values = {"loss": loss}
             if self.optimizer is not None:
-                self.writer.add_scalar("lr", self.optimizer.param_groups[0]["lr"], step)
-            self.writer.add_scalar("loss_scale", self.grad_scaler.get_scale(), step)
-            self.writer.add_scalar("samples_per_sec", rate, step)
+                values["lr"] = self.optimizer.param_groups[0]["lr"]
+            values["loss_scale"] = self.grad_scaler.get_scale()
+            values["samples_per_sec"] = rate
+            self.writer.add(step, values)
         if step % self.s.log_steps == 0 or step == 1:
             if self._progress is not None:
                 self._progress.clear()
@@ -397,8 +399,7 @@ class Trainer:
         if perplexity is not None:
             results["perplexity"] = float(perplexity)
         if self.eval_writer is not None:
-            for k, v in results.items():
-                self.eval_writer.add_scalar(k, v, self.global_step)
+            self.eval_writer.add(self.global_step, results)
             self.eval_writer.flush()
         log.info(
             "Eval at global step %d over %d steps: %s",
