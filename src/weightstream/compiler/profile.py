@@ -8,7 +8,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-SCHEMA = 5  # 5: ``disturbed`` (Note [quiet timings])
+SCHEMA = 6  # 5: ``disturbed`` (Note [quiet timings]); 6: runs got faster (Note [helper
+# threads and OpenMP] in runtime/device.py, Note [one event per step] in common/scalars.py)
 
 
 @dataclass

@@ -207,6 +207,7 @@ class StreamingEngine:
                 [u.params for u in self.plan.units],
                 background=config.overlap_updates,
                 store=self.store,
+                thread_init=self.ops.helper_thread_init,
             )
             if self.store is not None and config.update_in_backward:
                 self.store.hands_over = self.updater.takes

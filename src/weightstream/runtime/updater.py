@@ -83,7 +83,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -98,6 +98,8 @@ class UnitUpdater:
         background: run the shares on a worker thread (overlapped updates);
             otherwise ``step()`` applies them before it returns.
         store: a disk store whose pages each share gives back when it is done.
+        thread_init: what the worker thread runs first (the engine's
+            ``DeviceOps.helper_thread_init``).
     """
 
     def __init__(
@@ -105,6 +107,7 @@ class UnitUpdater:
         unit_params: Sequence[Sequence[torch.nn.Parameter]],
         background: bool = True,
         store=None,
+        thread_init: Callable[[], None] | None = None,
     ):
         self._unit_params = [list(ps) for ps in unit_params]  # forward order
         self._background = background
@@ -112,6 +115,7 @@ class UnitUpdater:
         # Owner: this updater. Why: the host update of unit k must run while the
         # next forward computes units before k; one worker keeps the units in order.
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._thread_init = thread_init  # Note [helper threads and OpenMP] in device.py
         self._lock = threading.Lock()
         self._unit_futures: list[list[concurrent.futures.Future]] = []  # per unit
         self._all: list[concurrent.futures.Future] = []
@@ -186,7 +190,9 @@ class UnitUpdater:
         """Run ``fn(*args)`` on the worker as part of unit ``index``'s share (lock held)."""
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="weightstream-update"
+                max_workers=1,
+                thread_name_prefix="weightstream-update",
+                initializer=self._thread_init,
             )
         future = self._executor.submit(fn, *args)
         self._unit_futures[index].append(future)
