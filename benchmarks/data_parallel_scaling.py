@@ -109,6 +109,7 @@ for _ in range(5):
     dist.all_reduce(t)
 if dist.get_rank() == 0:
     print(5 * {nbytes} / (time.perf_counter() - start))
+dist.destroy_process_group()  # gloo left to interpreter exit may abort (pytorch#190489)
 """
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", WORLD_SIZE="2")
     procs = [
