@@ -27,8 +27,17 @@ def _batch():
     return x, torch.roll(x, -1, 1)
 
 
-def test_single_threaded_operators_changes_only_the_calling_thread():
+@pytest.fixture(params=["default", "set by the user"])
+def threads(request):
+    """The compute thread's count: PyTorch's default, or torch.set_num_threads'
+    (which every new thread then takes at its first call)."""
     threads = torch.get_num_threads()
+    if request.param != "default":
+        torch.set_num_threads(threads)
+    return threads
+
+
+def test_single_threaded_operators_changes_only_the_calling_thread(threads):
     seen = {}
 
     def helper():
@@ -48,8 +57,7 @@ def test_single_threaded_operators_changes_only_the_calling_thread():
     assert torch.get_num_threads() == threads
 
 
-def test_prefetch_and_update_threads_run_operators_on_one_thread():
-    threads = torch.get_num_threads()
+def test_prefetch_and_update_threads_run_operators_on_one_thread(threads):
     seen = []
 
     class RecordingAdamW(cstorch.optim.AdamW):

@@ -94,6 +94,9 @@ def single_threaded_operators() -> None:
     their teams (Note [helper threads and OpenMP])."""
     runtime = _openmp_runtime()
     if runtime is not None:
+        # PyTorch sizes a thread's team at its first call (a lazy per-thread init from
+        # the process-wide torch.set_num_threads), over what was set before: first that.
+        torch.get_num_threads()
         runtime.omp_set_num_threads(1)
 
 
