@@ -61,7 +61,10 @@ operator in a streamed training step on such a machine (2 threads, nothing
 else running): products at 1.2x to 2x their alone-timed figures (backward
 ones with large outputs the slowest), broadcast and reduction elementwise
 operators at 2x to 7x, attention and GELU at 1x; the whole step 25-40%
-slower than the sum. None of this is a property of one operator: it is how
+slower than the sum. (Part of that was the prefetch thread's own OpenMP team
+waking the compute's workers through the kernel at every operator, since gone:
+Note [helper threads and OpenMP] in runtime/device.py. The factor measured on a
+2-vCPU EPYC went from 1.46-1.91 to 1.11-1.23.) None of this is a property of one operator: it is how
 the machine runs a training step. ``in_situ_factor`` measures it on a proxy,
 two small decoder blocks with the operator mix of the model zoo's (a GPT-2
 block: LayerNorm, fused qkv, causal attention, GELU MLP; a Llama block: RMS
