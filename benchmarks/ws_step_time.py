@@ -58,7 +58,9 @@ def make_runner(mode: str, model_kind: str = "gpt"):
 
 
 def logits_of(runner, x: torch.Tensor) -> torch.Tensor:
-    out = runner(x) if isinstance(runner, GPT) else runner(input_ids=x)
+    # input_ids is also the first positional argument of a transformers causal LM; a
+    # compiled GPT (not a GPT instance) takes only positional ones.
+    out = runner(x)
     return getattr(out, "logits", out)
 
 
