@@ -69,29 +69,39 @@ from weightstream.runtime.placement import total_memory
 STATE_BYTES_PER_PARAM = 16  # fp32 master, gradient, exp_avg, exp_avg_sq
 
 
+def probe_file(path: Path, nbytes: int) -> StoreFile:
+    """A file of ``nbytes`` allocated at ``path`` and opened as the store opens its files
+    (O_DIRECT where allowed); unlinked at once, so closing it removes it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    finally:
+        os.close(fd)
+    try:
+        fd, direct = open_for_io(path, None)
+    finally:
+        path.unlink()
+    return StoreFile(fd, nbytes, direct, "probe")
+
+
 def disk_bandwidths(directory: Path, nbytes: int = 2 * 2**30, repeats: int = 3):
     """Best write and cold read bandwidth of ``directory``, bytes/s, moved the way the
     store moves its tensors (Note [explicit disk I/O]): its reader and writer
     threads, O_DIRECT where the file system allows it, a 2 GiB tensor a time."""
-    path = directory / "bandwidth.probe"
     pool = BufferPool(nbytes)
     io = DiskIO(pool)
     buf = pool.take(nbytes)
     buf.fill_(1)
     best_w = best_r = 0.0
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.posix_fallocate(fd, 0, nbytes)
-        os.close(fd)
-        fd, direct = open_for_io(path, None)
-        f = StoreFile(fd, nbytes, direct, "probe")
+        f = probe_file(directory / "bandwidth.probe", nbytes)
         try:
             for _ in range(repeats):
                 t = time.perf_counter()
                 io.write(f, buf, give_back=False).wait()
-                os.fsync(fd)
+                os.fsync(f.fd)
                 best_w = max(best_w, nbytes / (time.perf_counter() - t))
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the read must hit the disk
+                os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the read must hit the disk
                 t = time.perf_counter()
                 io.read(f, buf).wait()
                 best_r = max(best_r, nbytes / (time.perf_counter() - t))
@@ -99,7 +109,6 @@ def disk_bandwidths(directory: Path, nbytes: int = 2 * 2**30, repeats: int = 3):
             f.close()
     finally:
         io.close()
-        path.unlink(missing_ok=True)
     return best_r, best_w
 
 
@@ -124,21 +133,11 @@ def step_traffic_seconds(
     in_flight = 4
     pool = BufferPool(2 * in_flight * piece)
     io = DiskIO(pool)
-    files = []
-
-    def new_file(i: int) -> StoreFile:
-        path = directory / f"traffic.probe.{i}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.posix_fallocate(fd, 0, piece)
-        os.close(fd)
-        fd, direct = open_for_io(path, None)
-        path.unlink()  # the descriptor keeps it until closed
-        files.append(StoreFile(fd, piece, direct, "probe"))
-        return files[-1]
-
+    files: list[StoreFile] = []
     try:
-        sources = [new_file(i) for i in range(n_read)]
-        targets = [new_file(n_read + i) for i in range(n_write)]
+        for i in range(n_read + n_write):
+            files.append(probe_file(directory / f"traffic.probe.{i}", piece))
+        sources, targets = files[:n_read], files[n_read:]
         buf = pool.take(piece)
         buf.fill_(1)
         for f in sources:  # data to read back; then off the page cache and the queue

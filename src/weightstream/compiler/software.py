@@ -29,7 +29,7 @@ PyTorch, which dominate small models (Note [fixed costs]), and the in-situ facto
   copy does not see;
 * ``step_overhead_s``: seconds per step of the run loop's bookkeeping (the
   trainer's loss function on labels, the loss summed and read back, a loss-log
-  line, 4 TensorBoard scalars and their writer thread's interference): a
+  line, one TensorBoard event of 4 scalars and its writer thread's interference): a
   trainer-like step of the eager chain minus a bare one;
 * ``in_situ_factor``: how much slower a training step runs its work on data
   (compute, memory) than the sum of its parts timed alone (Note [in situ]).
@@ -64,8 +64,8 @@ operators at 2x to 7x, attention and GELU at 1x; the whole step 25-40%
 slower than the sum. (Part of that was the prefetch thread's own OpenMP team
 waking the compute's workers through the kernel at every operator, since gone:
 Note [helper threads and OpenMP] in runtime/device.py. The factor measured on a
-2-vCPU EPYC went from 1.46-1.91 to 1.11-1.23.) None of this is a property of one operator: it is how
-the machine runs a training step. ``in_situ_factor`` measures it on a proxy,
+2-vCPU EPYC went from 1.46-1.91 to 1.11-1.23.) None of this is a property of
+one operator: it is how the machine runs a training step. ``in_situ_factor`` measures it on a proxy,
 two small decoder blocks with the operator mix of the model zoo's (a GPT-2
 block: LayerNorm, fused qkv, causal attention, GELU MLP; a Llama block: RMS
 norm, rotary positions, SwiGLU), streamed through the runtime for a few
