@@ -293,12 +293,17 @@ def activation_bytes(cfg: LlamaConfig, tokens: int, dtype: torch.dtype) -> int:
 # ---- one training step --------------------------------------------------------------------
 
 
-def train_step(model, opt, x, y, device: torch.device, autocast_dtype) -> tuple[float, list]:
+def train_step(
+    model, opt, x, y, device: torch.device, autocast_dtype, in_backward: bool = False
+) -> tuple[float, list]:
     """One step: forward, backward, update; the loss and the seconds of each phase.
 
     The device is synchronized at each phase's end (host sync points) so that the
     phases are timed apart; the kernels of a phase are queued long before its end,
-    so this costs the device one launch latency per phase.
+    so this costs the device one launch latency per phase. ``in_backward``: the
+    backward runs in the step's backward context, where a weightstream engine may
+    start each unit's update as soon as its gradient is final (Note [updates in
+    backward]); the optimizer phase is then what is left of the update.
     """
     ctx = (
         torch.autocast(device.type, dtype=autocast_dtype)
@@ -310,7 +315,13 @@ def train_step(model, opt, x, y, device: torch.device, autocast_dtype) -> tuple[
         loss = lm_loss(model(x), y)
     sync(device)
     t1 = time.perf_counter()
-    loss.backward()
+    backward_ctx = (
+        cstorch.amp.step_helper.backward_context(opt, None)
+        if in_backward
+        else contextlib.nullcontext()
+    )
+    with backward_ctx:
+        loss.backward()
     sync(device)
     t2 = time.perf_counter()
     opt.step()
@@ -342,14 +353,25 @@ class Timing:
         }
 
 
-def run_steps(model, opt, x, y, device, autocast_dtype, warmup: int, steps: int, on_timed=None):
+def run_steps(
+    model,
+    opt,
+    x,
+    y,
+    device,
+    autocast_dtype,
+    warmup: int,
+    steps: int,
+    on_timed=None,
+    in_backward: bool = False,
+):
     """``warmup`` untimed steps, then ``steps`` timed ones; ``on_timed()`` runs just before
     the first timed step (to read counters and reset peaks)."""
     timing = Timing()
     for i in range(warmup + steps):
         if i == warmup and on_timed is not None:
             on_timed()
-        loss, phases = train_step(model, opt, x, y, device, autocast_dtype)
+        loss, phases = train_step(model, opt, x, y, device, autocast_dtype, in_backward)
         timing.losses.append(loss)
         if i >= warmup:
             timing.phases.append(phases)
@@ -406,6 +428,7 @@ def run_ws(cfg, x, y, device, dtype, args) -> dict:
         unit_classes=(LlamaBlock,),
         prefetch_depth=args.prefetch_depth,
         overlap_updates=args.overlap_updates,
+        update_in_backward=args.update_in_backward,
         # This process's model alone, even if a process group exists (FSDP2's is
         # destroyed after each size, but a launcher's environment must not join it).
         data_parallel=False,
@@ -418,9 +441,15 @@ def run_ws(cfg, x, y, device, dtype, args) -> dict:
         start.append(_fetched_bytes(runner))
 
     try:
-        timing = run_steps(runner, opt, x, y, device, None, args.warmup, args.steps, on_timed)
+        timing = run_steps(
+            runner, opt, x, y, device, None, args.warmup, args.steps, on_timed,
+            in_backward=args.update_in_backward,
+        )  # fmt: skip
         fetch, grads, bound = _transfer_bytes(runner)
         end = _fetched_bytes(runner)
+        peak_bytes = _device_peak(device)
+        if args.profile:
+            profile_step(runner, opt, x, y, device, args.update_in_backward)
         counted = None if end is None or start[0] is None else (end - start[0]) / args.steps
         plan = runner.engine.plan
         return {
@@ -431,10 +460,28 @@ def run_ws(cfg, x, y, device, dtype, args) -> dict:
             "h2d_bytes_counted": counted,
             "h2d_bytes_plan": 2 * fetch,  # Note [roofline]: a forward and a backward fetch
             "d2h_bytes_plan": grads,
-            "device_peak_bytes": _device_peak(device),
+            "device_peak_bytes": peak_bytes,
         }
     finally:
         runner.close()  # its tensors go with this frame; run_size frees the memory
+
+
+def profile_step(model, opt, x, y, device: torch.device, in_backward: bool) -> None:
+    """One more step under torch.profiler: the operators that took the most host and
+    device time, printed (where a streamed step spends what the roofline does not)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        train_step(model, opt, x, y, device, None, in_backward)
+    averages = prof.key_averages()
+    print("  profile of one WS step, by host time:")
+    print(averages.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=50))
+    if device.type == "cuda":
+        print("  by device time:")
+        print(averages.table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=50))
 
 
 # ---- the peers ------------------------------------------------------------------------------
@@ -746,6 +793,14 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prefetch-depth", type=int, default=1, help="WS units fetched ahead")
     ap.add_argument(
         "--overlap-updates", action="store_true", help="WS: updates behind the next forward"
+    )
+    ap.add_argument(
+        "--update-in-backward",
+        action="store_true",
+        help="WS: each unit's update starts as soon as its gradient is final",
+    )
+    ap.add_argument(
+        "--profile", action="store_true", help="WS: one more step under torch.profiler, printed"
     )
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():

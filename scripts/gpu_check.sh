@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The checks of a session with a CUDA machine, in one call (its device time is scarce):
+# the environment, the CUDA tests, then benchmarks/gpu_stream.py. Logs go to $OUT
+# (the device tool brings that folder back) or to /tmp/gpu_check elsewhere.
+#
+#   bash scripts/gpu_check.sh                      # tests, then the 1b benchmark
+#   TESTS=0 BENCH="--sizes 1b --profile" bash scripts/gpu_check.sh
+#
+# Uses the machine's own python3 with PYTHONPATH=src (no set-up: the GPU machine
+# has torch, h5py, safetensors, transformers, tensorboard, tqdm and pytest).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+TESTS=${TESTS:-1}
+TEST_S=${TEST_S:-240}
+BENCH=${BENCH:---sizes 1b}
+BENCH_S=${BENCH_S:-300}
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+  python3 -c "import sys, torch; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+  nproc
+  free -g | head -2
+} 2>&1 | tee "$OUT/env.txt"
+
+if [ "$TESTS" = 1 ]; then
+  timeout "$TEST_S" python3 -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider \
+    -o addopts="" -ra --timeout 120 2>&1 | tee "$OUT/cuda_tests.txt"
+fi
+
+# shellcheck disable=SC2086  # BENCH is a list of arguments
+timeout "$BENCH_S" python3 benchmarks/gpu_stream.py $BENCH 2>&1 | tee "$OUT/gpu_stream.txt"
