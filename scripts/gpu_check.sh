@@ -5,6 +5,7 @@
 #
 #   bash scripts/gpu_check.sh                      # tests, then the 1b benchmark
 #   TESTS=0 BENCH="--sizes 1b --profile" bash scripts/gpu_check.sh
+#   BENCH2="--sizes 1b --peers '' --update-in-backward" bash scripts/gpu_check.sh  # a second run
 #
 # Uses the machine's own python3 with PYTHONPATH=src (no set-up: the GPU machine
 # has torch, h5py, safetensors, transformers, tensorboard, tqdm and pytest).
@@ -32,3 +33,7 @@ fi
 
 # shellcheck disable=SC2086  # BENCH is a list of arguments
 timeout "$BENCH_S" python3 benchmarks/gpu_stream.py $BENCH 2>&1 | tee "$OUT/gpu_stream.txt"
+if [ -n "${BENCH2:-}" ]; then
+  eval "set -- $BENCH2"  # quoted arguments (an empty --peers '') survive
+  timeout "${BENCH2_S:-$BENCH_S}" python3 benchmarks/gpu_stream.py "$@" 2>&1 | tee "$OUT/gpu_stream2.txt"
+fi

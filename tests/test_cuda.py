@@ -1,14 +1,23 @@
-"""Weight streaming on a CUDA device against the same model resident on it.
+"""Weight streaming on a CUDA device against eager PyTorch on it.
 
 Every test here carries the ``cuda`` marker and is skipped where no CUDA device
-exists (CI has none; sessions with a GPU run ``pytest -m cuda``). In fp32 the
-streamed run computes the same kernels on the same values as the resident one,
-so losses and weights are compared bit for bit; cuBLAS picks its algorithms by
-shape, not by where a weight came from, and TF32 is switched off so that both
-runs use full fp32 products.
+exists (CI has none; sessions with a GPU run ``pytest -m cuda``, or
+``scripts/gpu_check.sh``). The reference is eager PyTorch with the model resident
+on the device and its optimizer on fp32 host copies of the weights (what a
+streamed run does: the forward and backward on the device, the update on the
+host), built from torch parts only. In fp32 the streamed run then computes the
+same kernels on the same values, so losses and weights are compared bit for bit:
+TF32 is off so that both runs use full fp32 products, and deterministic
+algorithms are asked for (cuBLAS picks its algorithms by shape, not by where a
+weight came from). A resident run whose optimizer also runs on the device is not
+such a reference: CPU and CUDA kernels of AdamW round differently (measured: the
+same losses to 4 digits, different weights after 4 steps).
 """
 
 from __future__ import annotations
+
+import copy
+import os
 
 import pytest
 import torch
@@ -16,6 +25,10 @@ import torch.nn.functional as F
 
 import weightstream as cstorch
 from weightstream.models import GPT, GPTConfig, Llama, LlamaConfig
+from weightstream.runtime.device import DeviceOps
+
+# Deterministic cuBLAS needs this before its first handle (read once per process).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 pytestmark = [
     pytest.mark.cuda,
@@ -31,9 +44,12 @@ DEVICE = torch.device("cuda")
 @pytest.fixture(autouse=True)
 def _full_fp32_products():
     matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    deterministic = torch.are_deterministic_algorithms_enabled()
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+    torch.use_deterministic_algorithms(deterministic)
 
 
 def _batch(step: int, vocab: int):
@@ -42,20 +58,48 @@ def _batch(step: int, vocab: int):
     return x.to(DEVICE), torch.roll(x, -1, 1).to(DEVICE)
 
 
+def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _reference(make, cfg, steps: int, make_opt=None):
+    """(host model, losses): eager PyTorch, the model resident on the device and the
+    optimizer on the host model's fp32 weights (the module docstring)."""
+    torch.manual_seed(0)
+    host = make(cfg)
+    resident = copy.deepcopy(host).to(DEVICE)
+    pairs = list(zip(host.parameters(), resident.parameters()))  # a tied weight once
+    opt = (make_opt or _adamw)(host.parameters())
+    losses = []
+    for step in range(steps):
+        with torch.no_grad():
+            for h, d in pairs:
+                d.copy_(h)
+        x, y = _batch(step, cfg.vocab_size)
+        loss = _loss(resident(x), y)
+        loss.backward()
+        for h, d in pairs:
+            h.grad, d.grad = (None if d.grad is None else d.grad.cpu()), None
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().cpu())
+    return host, torch.stack(losses)
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3, foreach=False)
+
+
 def _train(make, cfg, steps: int, **compile_kw):
-    """(model, runner, losses): AdamW on the model, resident on the device (no
-    ``compile_kw``) or streamed from host masters."""
+    """(model, runner, losses): AdamW on the host masters of the streamed model."""
     torch.manual_seed(0)
     model = make(cfg)
-    if compile_kw:
-        runner = cstorch.compile(model, backend="ws", device=DEVICE, **compile_kw)
-    else:
-        runner = model.to(DEVICE)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    runner = cstorch.compile(model, backend="ws", device=DEVICE, **compile_kw)
+    opt = _adamw(model.parameters())
     losses = []
     for step in range(steps):
         x, y = _batch(step, cfg.vocab_size)
-        loss = F.cross_entropy(runner(x).flatten(0, 1), y.flatten())
+        loss = _loss(runner(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -65,21 +109,130 @@ def _train(make, cfg, steps: int, **compile_kw):
 
 def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
-        assert torch.equal(p.detach().cpu(), q.detach().cpu()), name
+        p, q = p.detach().cpu(), q.detach().cpu()
+        assert torch.equal(p, q), f"{name}: max |difference| {(p - q).abs().max().item():.3g}"
+
+
+def _same_losses(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert torch.equal(a, b), f"losses {a.tolist()} against {b.tolist()}"
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize("host_mirror", [False, True])
-def test_streamed_fp32_training_equals_resident(name, host_mirror):
+def test_streamed_fp32_training_equals_eager(name, host_mirror):
     make, cfg = MODELS[name]
-    ref, _, ref_losses = _train(make, cfg, 4)
+    ref, ref_losses = _reference(make, cfg, 4)
     model, runner, losses = _train(
         make, cfg, 4, granularity="module", prefetch_depth=1, host_mirror=host_mirror
     )
-    assert torch.equal(losses, ref_losses)
+    _same_losses(losses, ref_losses)
     _same_weights(model, ref)
     assert all(p.device.type == "cpu" for p in model.parameters())  # the masters stay home
     assert runner.engine.streamer.resident_bytes() == 0
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_updates_in_the_backward_equal_eager(name):
+    """Each unit's host update starts as its gradient arrives (Note [updates in
+    backward]); weightstream's AdamW against torch's with the same hyperparameters."""
+    make, cfg = MODELS[name]
+    torch_adamw = lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1, eps=1e-6)  # noqa: E731
+    ref, ref_losses = _reference(make, cfg, 4, torch_adamw)
+    torch.manual_seed(0)
+    model = make(cfg)
+    runner = cstorch.compile(
+        model, backend="ws", device=DEVICE, granularity="module", update_in_backward=True
+    )
+    opt = cstorch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    losses = []
+    for step in range(4):
+        x, y = _batch(step, cfg.vocab_size)
+        losses.append(_loss(runner(x), y))
+        cstorch.amp.optimizer_step(losses[-1], opt, None)
+    _same_losses(torch.stack([loss.detach().cpu() for loss in losses]), ref_losses)
+    _same_weights(model, ref)
+
+
+def test_gradients_leave_the_device_from_pinned_memory_on_their_own_stream():
+    """Note [gradients out]: the backward copies into pinned staging buffers (never
+    pageable memory) and the gradients reach the masters exactly."""
+    make, cfg = MODELS["llama"]
+    torch.manual_seed(0)
+    model = make(cfg)
+    runner = cstorch.compile(model, backend="ws", device=DEVICE, granularity="module")
+    x, y = _batch(0, cfg.vocab_size)
+    _loss(runner(x), y).backward()  # warm-up: plan, streams, staging buffers
+    model.zero_grad()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        _loss(runner(x), y).backward()
+        torch.cuda.synchronize()
+    names = {e.key for e in prof.key_averages()}
+    assert any("DtoH (Device -> Pinned)" in n for n in names), sorted(names)
+    assert not any("DtoH (Device -> Pageable)" in n for n in names)
+    torch.manual_seed(0)
+    ref = make(cfg).to(DEVICE)  # the same initial weights
+    _loss(ref(x), y).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad.cpu()), name
+
+
+def _busy(ms_worth: int = 40) -> None:
+    """Queue about ``ms_worth`` milliseconds of fp32 products on the current stream."""
+    a = torch.randn(4096, 4096, device=DEVICE)
+    out = torch.empty_like(a)
+    for _ in range(ms_worth // 2):
+        torch.mm(a, a, out=out)
+
+
+def test_a_prefetch_copy_overlaps_the_compute_before_it():
+    """Event timing: a background copy from pinned memory, issued before a long run
+    of kernels on the compute stream, is done before they are."""
+    ops = DeviceOps(DEVICE)
+    host = torch.randn(64 << 20).pin_memory()  # 256 MiB: about 5 ms at PCIe Gen5 speed
+    _busy(2)
+    torch.cuda.synchronize()
+    compute_done = torch.cuda.Event(enable_timing=True)
+    copy_done = torch.cuda.Event(enable_timing=True)
+    start = torch.cuda.Event(enable_timing=True)
+    start.record()
+    transfer = ops.submit(lambda: [ops.copy_buffer(host)], background=True)
+    _busy()
+    compute_done.record()
+    (buf,) = transfer.wait()
+    copy_done.record(ops._copy_stream)
+    torch.cuda.synchronize()
+    assert start.elapsed_time(copy_done) < start.elapsed_time(compute_done)
+    assert torch.equal(buf.cpu(), host)
+    ops.close()
+
+
+def test_gradients_copy_out_while_the_backward_computes():
+    """Event timing: gradients handed to the host are copied on the gradient stream
+    while later kernels run on the compute stream (Note [gradients out])."""
+    ops = DeviceOps(DEVICE)
+    grads = [torch.randn(16 << 20, device=DEVICE, dtype=torch.bfloat16), None]
+    grads.append(torch.randn(3, 5, device=DEVICE, dtype=torch.bfloat16))
+    expected = [None if g is None else g.float().cpu() for g in grads]
+    _busy(2)
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    compute_done = torch.cuda.Event(enable_timing=True)
+    copy_done = torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = ops.grads_to_host(grads)
+    copy_done.record(ops._grad_stream)
+    del grads  # autograd drops its gradients: the copies must still read them
+    _busy()
+    compute_done.record()
+    host = out.take([torch.float32] * 3, ops.host_grads, key=0)
+    torch.cuda.synchronize()
+    assert start.elapsed_time(copy_done) < start.elapsed_time(compute_done)
+    assert host[1] is None
+    for h, e in zip(host, expected):
+        assert h is None or (h.dtype == torch.float32 and torch.equal(h, e))
+    ops.close()
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2])
@@ -142,6 +295,21 @@ def test_bf16_host_mirror_streams_two_bytes_a_parameter_and_trains_as_without_it
     b, rb, lb = train(True)
     assert torch.equal(la, lb)
     _same_weights(a, b)
-    params = sum(p.numel() for p in b.parameters())
+    # Each unit's mirror holds its weights, a tied one in both of its units.
+    params = sum(p.numel() for u in rb.engine.plan.units for p in u.params)
+    assert params > sum(p.numel() for p in b.parameters())  # GPT's head is tied
     assert rb.engine.streamer.mirror_bytes() == 2 * params
     assert all(m.flat.is_pinned() for g in rb.engine.streamer._mirrors.values() for m in g.values())
+
+
+def test_gradients_never_taken_give_their_staging_buffer_back():
+    """A backward that fails between a unit's device node and its host node drops the
+    gradients on their way: their pinned buffer must come back to the pool, or the
+    next backward would wait for it forever (Note [gradients out])."""
+    ops = DeviceOps(DEVICE)
+    grad = torch.randn(1 << 20, device=DEVICE, dtype=torch.bfloat16)
+    for _ in range(3 * ops._staging.count):
+        ops.grads_to_host([grad])  # dropped at once
+    (host,) = ops.grads_to_host([grad]).take([torch.float32], ops.host_grads, key=0)
+    assert torch.equal(host, grad.float().cpu())
+    ops.close()

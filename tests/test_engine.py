@@ -153,6 +153,51 @@ def test_tied_weights_get_one_summed_gradient():
     assert torch.equal(model.wte.weight.grad, ref.wte.weight.grad)
 
 
+class _WithUnusedWeight(torch.nn.Module):
+    """Each block holds a Linear that its forward never calls."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = torch.nn.Linear(8, 8)
+            self.unused = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.tanh(self.used(x))
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(20, 8)
+        self.blocks = torch.nn.ModuleList([self.Block(), self.Block()])
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_a_weight_the_loss_does_not_use_gets_no_gradient_and_is_not_stepped():
+    """Eager PyTorch leaves such a weight's .grad None and AdamW skips it; a zero
+    gradient would decay it and move its moments."""
+
+    def make():
+        torch.manual_seed(0)
+        return _WithUnusedWeight()
+
+    ref, _, ref_losses = _run(make, "vec", None, OPTIMIZERS["adamw"], steps=3)
+    model, runner, losses = _run(
+        make, "vec", "ws", OPTIMIZERS["adamw"], steps=3, unit_classes=(_WithUnusedWeight.Block,)
+    )
+    assert torch.equal(losses, ref_losses)
+    _assert_same_state(model, ref)
+    x, y = _batch("vec", 0)
+    _loss(runner(x), y).backward()
+    assert all(b.unused.weight.grad is None for b in model.blocks)
+    assert all(b.used.weight.grad is not None for b in model.blocks)
+
+
 def test_state_dict_reads_and_writes_the_store():
     torch.manual_seed(0)
     model = zoo.gpt_tied()

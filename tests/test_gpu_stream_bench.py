@@ -96,3 +96,19 @@ def test_tiny_cpu_run_reports_every_field():
             assert s[ratio] is None
         else:
             assert _positive(s[ratio])
+
+
+def test_tiny_cpu_run_with_updates_in_the_backward_and_a_profile():
+    """The options of a GPU session's runs (scripts/gpu_check.sh) work anywhere: the
+    update in the backward behind the next forward, and the profiled step."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
+    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--steps", "2"]
+    cmd += ["--warmup", "1", "--peers", "", "--update-in-backward", "--overlap-updates"]
+    cmd += ["--profile"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "profile of one WS step" in done.stdout
+    r = json.loads(done.stdout.strip().splitlines()[-1][len("RESULT ") :])
+    s = r["sizes"]["tiny"]
+    assert s["loss"]["last"] < s["loss"]["first"]  # it trains
+    assert s["peer"]["eager"] == {"reason": "not run (--peers)"}

@@ -16,7 +16,14 @@ def flatten(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) ->
 
     Into ``out`` when given (1-D, as many elements as ``tensors`` together; a
     dtype other than theirs casts), else a new tensor of their common dtype.
+    A cast is one ``copy_`` per tensor: ``torch.cat`` into an output of another
+    dtype runs on one thread, several times slower (measured: 62M float32 elements
+    to bfloat16 in 168 ms by ``cat``, 38 ms by copies, on 2 cores).
     """
+    if out is not None and any(t.dtype != out.dtype for t in tensors):
+        for view, t in zip(unflatten_views(out, tensors), tensors):
+            view.copy_(t.detach())
+        return out
     return torch.cat([t.detach().reshape(-1) for t in tensors], out=out)
 
 

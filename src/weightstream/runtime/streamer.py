@@ -24,6 +24,16 @@ the same unit, whose buffer has the identical layout. Tensors derived from a
 weight by a real computation (a dtype cast, ``.contiguous()``) are ordinary
 activations and stay saved as they are.
 
+On an accelerator the gradients' way back is two nodes instead of one, so that
+their copy to the host overlaps the rest of the backward (``_WeightsOut`` and
+``_GradsIn``: Note [gradients out] in device.py); autograd still routes and sums
+them into the masters' ``.grad``.
+
+A device copy whose gradient is undefined (a weight the loss does not depend on)
+gives its master no gradient, as eager PyTorch leaves such a weight's ``.grad``
+None; it is not made a tensor of zeros (``set_materialize_grads(False)``), which
+an optimizer would step.
+
 With activation checkpointing a unit's call saves nothing of its own: its forward
 is recomputed in the backward inside a window of its own (Note [activation
 checkpointing] in recompute.py).
@@ -31,7 +41,9 @@ checkpointing] in recompute.py).
 
 from __future__ import annotations
 
+import collections
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -82,7 +94,8 @@ class _Link:
 
 
 class _StreamIn(torch.autograd.Function):
-    """masters (host) -> device copies; backward returns gradients to the masters."""
+    """masters (host) -> device copies; backward returns gradients to the masters (the
+    CPU as the compute device; accelerators hand over in two nodes, below)."""
 
     @staticmethod
     def forward(ctx, link: _Link, *masters: torch.Tensor):
@@ -92,6 +105,7 @@ class _StreamIn(torch.autograd.Function):
         ctx.name = link.name
         ctx.note = link.note
         ctx.masters = [(m.device, m.dtype) for m in masters]
+        ctx.set_materialize_grads(False)  # no gradient stays None (see the Note)
         frozen = [o for o, m in zip(outs, masters) if not m.requires_grad]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
@@ -105,14 +119,70 @@ class _StreamIn(torch.autograd.Function):
                 out.append(None)
             elif g.device == device and g.dtype == dtype:
                 out.append(g)
-            else:
-                # Host sync point on accelerators (gradient leaves the device).
+            else:  # a compute dtype other than the master's (accelerators: _WeightsOut)
                 out.append(g.to(device=device, dtype=dtype))
         if ctx.note is not None:
             # The unit's weight gradients are complete: its backward is done
             # (SwarmX reduces them once autograd accumulated them; Note [swarm reduce]).
             ctx.note("unit_backward_end", ctx.name)
         return tuple(out)
+
+
+class _Handoff:
+    """What a unit's ``_WeightsOut`` passes to its ``_GradsIn``: the gradients of each
+    backward through them, on their way to the host, in order (Note [gradients out])."""
+
+    __slots__ = ("dtypes", "key", "link", "pending")
+
+    def __init__(self, link: _Link, masters: Sequence[torch.Tensor], key: int):
+        self.link = link
+        self.key = key  # the unit's index: its gradients' host memory is kept by it
+        self.dtypes = [m.dtype for m in masters]
+        self.pending: collections.deque = collections.deque()
+
+
+class _GradsIn(torch.autograd.Function):
+    """Host side of an accelerator's hand-over: masters -> an empty token; its backward
+    waits for the unit's gradients to arrive and returns them to the masters."""
+
+    @staticmethod
+    def forward(ctx, handoff: _Handoff, *masters: torch.Tensor):
+        ctx.handoff = handoff
+        return torch.empty(0)
+
+    @staticmethod
+    def backward(ctx, _token):
+        handoff = ctx.handoff
+        link = handoff.link
+        grads = handoff.pending.popleft().take(handoff.dtypes, link.ops.host_grads, handoff.key)
+        if link.note is not None:
+            # The unit's weight gradients are on the host: its backward is done
+            # (Note [swarm reduce]).
+            link.note("unit_backward_end", link.name)
+        return (None, *grads)
+
+
+class _WeightsOut(torch.autograd.Function):
+    """Device side of an accelerator's hand-over: the token -> the unit's device copies;
+    its backward starts their gradients' copy to the host and returns at once."""
+
+    @staticmethod
+    def forward(ctx, handoff: _Handoff, requires: tuple[bool, ...], token: torch.Tensor):
+        link = handoff.link
+        outs = tuple(link.tensors)
+        link.tensors = []  # the graph must not keep the device buffers alive
+        ctx.handoff = handoff
+        ctx.set_materialize_grads(False)  # no gradient stays None (Note [streaming and autograd])
+        frozen = [o for o, r in zip(outs, requires) if not r]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        handoff = ctx.handoff
+        handoff.pending.append(handoff.link.ops.grads_to_host(grads))
+        return None, None, torch.empty(0)
 
 
 @dataclass
@@ -381,7 +451,13 @@ class Streamer:
         masters = unit.params
         if torch.is_grad_enabled() and any(p.requires_grad for p in masters):
             link = _Link(self.ops, list(tensors), unit.spec.display_name, note)
-            tensors = list(_StreamIn.apply(link, *masters))
+            if self.ops.is_cpu:
+                tensors = list(_StreamIn.apply(link, *masters))
+            else:  # Note [gradients out] in device.py
+                handoff = _Handoff(link, masters, unit.index)
+                token = _GradsIn.apply(handoff, *masters)
+                requires = tuple(m.requires_grad for m in masters)
+                tensors = list(_WeightsOut.apply(handoff, requires, token))
         by_param = {id(p): t for p, t in zip(masters, tensors)}
         previous = []
         for slot in unit.spec.slots:

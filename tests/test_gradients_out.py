@@ -1,0 +1,92 @@
+"""The host side of an accelerator's gradient hand-over, on the CPU (Note [gradients
+out] in runtime/device.py): the cast of staged gradients into recycled host memory,
+and autograd taking those tensors as ``.grad`` without a copy. The device side (the
+copy stream, pinned staging) is tested in test_cuda.py."""
+
+from __future__ import annotations
+
+import torch
+
+from weightstream.runtime.device import HostGradBuffers, HostGrads
+
+
+def _staged(*grads):
+    """Staged gradients as the device side leaves them (views; no event on the CPU)."""
+    return HostGrads([None if g is None else g.clone() for g in grads], None, None, None)
+
+
+def test_the_cast_is_exact_and_keeps_missing_gradients_missing():
+    pool = HostGradBuffers()
+    bf16 = torch.randn(7, 3).to(torch.bfloat16)
+    fp32 = torch.randn(5)
+    out = _staged(bf16, None, fp32).take([torch.float32] * 3, pool, key=0)
+    assert out[1] is None
+    assert out[0].dtype == torch.float32 and torch.equal(out[0], bf16.float())
+    assert torch.equal(out[2], fp32)
+    assert out[0].is_contiguous() and out[2].is_contiguous()
+    # Both in one kept storage, each view aligned for its dtype.
+    assert out[0].untyped_storage().data_ptr() == out[2].untyped_storage().data_ptr()
+    assert out[2].data_ptr() % 64 == 0
+
+
+def test_memory_is_handed_out_again_only_when_nothing_shares_it():
+    pool = HostGradBuffers(per_key=2)
+    first = pool.empty("unit", 1024)
+    ptr = first.data_ptr()
+    alias = first[100:200].detach()  # as autograd's AccumulateGrad keeps a .grad
+    del first
+    second = pool.empty("unit", 1024)
+    assert second.data_ptr() != ptr  # the alias still shares the first storage
+    del alias
+    third = pool.empty("unit", 1024)
+    assert third.data_ptr() == ptr  # nothing shares it now
+    assert pool.empty("other unit", 1024).data_ptr() not in (ptr, second.data_ptr())
+    assert pool.kept_bytes() == 3 * 1024
+    # Past per_key busy storages the allocator serves, and nothing more is kept.
+    extra = pool.empty("unit", 1024)
+    assert extra.data_ptr() not in (ptr, second.data_ptr())
+    assert pool.kept_bytes() == 3 * 1024
+    # A larger request replaces an idle smaller storage.
+    del second, third, extra
+    big = pool.empty("unit", 4096)
+    assert pool.kept_bytes() == 4096 + 1024 + 1024
+    assert big.numel() == 4096
+
+
+class _HandBack(torch.autograd.Function):
+    """Gives ``w`` the gradient of its output, cast through a HostGrads as the host
+    node of the hand-over does."""
+
+    @staticmethod
+    def forward(ctx, pool, w):
+        ctx.pool = pool
+        return w.detach().to(torch.bfloat16)
+
+    @staticmethod
+    def backward(ctx, g):
+        (grad,) = _staged(g).take([torch.float32], ctx.pool, key="w")
+        return None, grad
+
+
+def test_autograd_takes_the_tensors_as_grad_and_the_memory_comes_back_each_step():
+    pool = HostGradBuffers()
+    w = torch.nn.Parameter(torch.randn(64, 32))
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+
+    def backward():
+        (x @ _HandBack.apply(pool, w)).float().sum().backward()
+
+    backward()
+    first = w.grad.untyped_storage().data_ptr()
+    expected = w.grad.clone()
+    # Taken as it is: .grad lives in the pool's storage (no copy by AccumulateGrad).
+    assert pool.kept_bytes() == w.grad.untyped_storage().nbytes()
+    w.grad = None  # zero_grad(set_to_none=True)
+    backward()
+    assert w.grad.untyped_storage().data_ptr() == first  # the same memory again
+    assert torch.equal(w.grad, expected)
+    # Accumulation: the second gradient is added into .grad, then its memory is free.
+    backward()
+    assert torch.equal(w.grad, expected + expected)
+    assert w.grad.untyped_storage().data_ptr() == first
+    assert pool.kept_bytes() == 2 * w.grad.untyped_storage().nbytes()
