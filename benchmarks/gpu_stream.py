@@ -69,6 +69,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 from _common import fmt, lm_loss, print_result, summary
 
 import weightstream as cstorch
@@ -269,9 +270,25 @@ def count_params(cfg: LlamaConfig) -> int:
         return sum(p.numel() for p in Llama(cfg).parameters())
 
 
-def build(cfg: LlamaConfig) -> Llama:
+def build(cfg: LlamaConfig, checkpointed: bool = False) -> Llama:
+    """The model from seed 0; ``checkpointed``: each block's forward recomputed in the
+    backward by ``torch.utils.checkpoint`` (the peers' activation checkpointing)."""
     torch.manual_seed(0)
-    return Llama(cfg)
+    model = Llama(cfg)
+    if checkpointed:
+        model.blocks = torch.nn.ModuleList(Checkpointed(b) for b in model.blocks)
+    return model
+
+
+class Checkpointed(torch.nn.Module):
+    """A block whose activations are recomputed in the backward (non-reentrant)."""
+
+    def __init__(self, block: torch.nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False, **kwargs)
 
 
 def activation_bytes(cfg: LlamaConfig, tokens: int, dtype: torch.dtype) -> int:
@@ -429,6 +446,7 @@ def run_ws(cfg, x, y, device, dtype, args) -> dict:
         prefetch_depth=args.prefetch_depth,
         overlap_updates=args.overlap_updates,
         update_in_backward=args.update_in_backward,
+        activation_checkpointing=args.activation_checkpointing,
         # This process's model alone, even if a process group exists (FSDP2's is
         # destroyed after each size, but a launcher's environment must not join it).
         data_parallel=False,
@@ -526,7 +544,7 @@ def run_eager(cfg, x, y, device, dtype, args, params: int, act_bytes: int) -> di
         }
     model = None
     try:
-        model = build(cfg).to(device)
+        model = build(cfg, args.activation_checkpointing).to(device)
         timing, optimizer = steps_with_adamw(model, x, y, device, autocast, args)
         return {"timing": timing, "device_peak_bytes": _device_peak(device), "optimizer": optimizer}
     except Exception as exc:  # the peer is reported unavailable, with why
@@ -570,7 +588,7 @@ def run_fsdp2(cfg, x, y, device, dtype, args, params: int) -> dict:
         # Pinned shards let the copies to the device run asynchronously; there is
         # no pinned memory without an accelerator.
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-        model = build(cfg)
+        model = build(cfg, args.activation_checkpointing)
         for block in model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload)
         fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
@@ -662,9 +680,11 @@ def run_size(name: str, size: Size, device, dtype, peak: float, limits: dict, ar
     roof = roofline(params, tokens, peak, h2d, d2h, limits, device)
 
     # Eager needs about what WS keeps on the device besides its streamed weights.
+    # (The estimate counts every activation: with checkpointing only the measured peak.)
     act = ACTIVATION_MARGIN * activation_bytes(cfg, tokens, dtype)
     if ws["device_peak_bytes"] is not None:
-        act = max(act, ws["device_peak_bytes"] - ws["weight_bound_bytes"])
+        measured = ws["device_peak_bytes"] - ws["weight_bound_bytes"]
+        act = measured if args.activation_checkpointing else max(act, measured)
     peers = {}
     if "eager" in args.peers:
         peers["eager"] = run_eager(cfg, x, y, device, dtype, args, params, int(act))
@@ -802,6 +822,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--profile", action="store_true", help="WS: one more step under torch.profiler, printed"
     )
+    ap.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="every mode recomputes each block's forward in the backward (WS: its "
+        "activation_checkpointing; the peers: torch.utils.checkpoint around each block)",
+    )
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch.cuda.is_available() is False; use --device cpu")
@@ -859,6 +885,15 @@ def main() -> None:
         device_name=device_name(device),
         dtype=dtype_name(dtype),
         dtype_reason=why,
+        options={
+            k: getattr(args, k)
+            for k in (
+                "prefetch_depth",
+                "update_in_backward",
+                "overlap_updates",
+                "activation_checkpointing",
+            )
+        },
         torch=torch.__version__,
         threads=torch.get_num_threads(),
         steps=args.steps,

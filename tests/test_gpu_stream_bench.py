@@ -100,11 +100,12 @@ def test_tiny_cpu_run_reports_every_field():
 
 def test_tiny_cpu_run_with_updates_in_the_backward_and_a_profile():
     """The options of a GPU session's runs (scripts/gpu_check.sh) work anywhere: the
-    update in the backward behind the next forward, and the profiled step."""
+    update in the backward behind the next forward, activation checkpointing, and the
+    profiled step."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
     cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--steps", "2"]
     cmd += ["--warmup", "1", "--peers", "", "--update-in-backward", "--overlap-updates"]
-    cmd += ["--profile"]
+    cmd += ["--profile", "--activation-checkpointing"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "profile of one WS step" in done.stdout
@@ -112,3 +113,4 @@ def test_tiny_cpu_run_with_updates_in_the_backward_and_a_profile():
     s = r["sizes"]["tiny"]
     assert s["loss"]["last"] < s["loss"]["first"]  # it trains
     assert s["peer"]["eager"] == {"reason": "not run (--peers)"}
+    assert r["options"]["activation_checkpointing"] and r["options"]["update_in_backward"]
