@@ -186,49 +186,56 @@ def _busy(ms_worth: int = 40) -> None:
         torch.mm(a, a, out=out)
 
 
-def test_a_prefetch_copy_overlaps_the_compute_before_it():
-    """Event timing: a background copy from pinned memory, issued before a long run
-    of kernels on the compute stream, is done before they are."""
-    ops = DeviceOps(DEVICE)
-    host = torch.randn(64 << 20).pin_memory()  # 256 MiB: about 5 ms at PCIe Gen5 speed
+def _copy_ends_before_the_compute(issue, settle, stream):
+    """Event timing: ``issue()`` starts a copy on ``stream``, about 40 ms of products
+    are queued behind it on the compute stream, ``settle`` takes what ``issue``
+    returned; the copy must be done before the products are. Returns ``settle``'s."""
     _busy(2)
     torch.cuda.synchronize()
-    compute_done = torch.cuda.Event(enable_timing=True)
-    copy_done = torch.cuda.Event(enable_timing=True)
-    start = torch.cuda.Event(enable_timing=True)
+    start, compute_done, copy_done = (torch.cuda.Event(enable_timing=True) for _ in range(3))
     start.record()
-    transfer = ops.submit(lambda: [ops.copy_buffer(host)], background=True)
+    pending = issue()
     _busy()
     compute_done.record()
-    (buf,) = transfer.wait()
-    copy_done.record(ops._copy_stream)
+    value = settle(pending)
+    copy_done.record(stream)  # behind the copy in the side stream's queue
     torch.cuda.synchronize()
     assert start.elapsed_time(copy_done) < start.elapsed_time(compute_done)
+    return value
+
+
+def test_a_prefetch_copy_overlaps_the_compute_before_it():
+    """A background copy from pinned memory, issued before a long run of kernels on
+    the compute stream, is done before they are."""
+    ops = DeviceOps(DEVICE)
+    host = torch.randn(64 << 20).pin_memory()  # 256 MiB: about 5 ms at PCIe Gen5 speed
+    (buf,) = _copy_ends_before_the_compute(
+        lambda: ops.submit(lambda: [ops.copy_buffer(host)], background=True),
+        lambda transfer: transfer.wait(),
+        ops._copy_stream,
+    )
     assert torch.equal(buf.cpu(), host)
     ops.close()
 
 
 def test_gradients_copy_out_while_the_backward_computes():
-    """Event timing: gradients handed to the host are copied on the gradient stream
-    while later kernels run on the compute stream (Note [gradients out])."""
+    """Gradients handed to the host are copied on the gradient stream while later
+    kernels run on the compute stream (Note [gradients out])."""
     ops = DeviceOps(DEVICE)
     grads = [torch.randn(16 << 20, device=DEVICE, dtype=torch.bfloat16), None]
     grads.append(torch.randn(3, 5, device=DEVICE, dtype=torch.bfloat16))
     expected = [None if g is None else g.float().cpu() for g in grads]
-    _busy(2)
-    torch.cuda.synchronize()
-    start = torch.cuda.Event(enable_timing=True)
-    compute_done = torch.cuda.Event(enable_timing=True)
-    copy_done = torch.cuda.Event(enable_timing=True)
-    start.record()
-    out = ops.grads_to_host(grads)
-    copy_done.record(ops._grad_stream)
-    del grads  # autograd drops its gradients: the copies must still read them
-    _busy()
-    compute_done.record()
-    host = out.take([torch.float32] * 3, ops.host_grads, key=0)
-    torch.cuda.synchronize()
-    assert start.elapsed_time(copy_done) < start.elapsed_time(compute_done)
+
+    def issue():
+        out = ops.grads_to_host(grads)
+        grads.clear()  # autograd drops its gradients: the copies must still read them
+        return out
+
+    host = _copy_ends_before_the_compute(
+        issue,
+        lambda out: out.take([torch.float32] * 3, ops.host_grads, key=0),
+        ops._grad_stream,
+    )
     assert host[1] is None
     for h, e in zip(host, expected):
         assert h is None or (h.dtype == torch.float32 and torch.equal(h, e))
