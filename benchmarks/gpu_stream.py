@@ -44,9 +44,15 @@ The physical limit of one WS step is the largest of
   bandwidth of each direction. PCIe is full duplex, so on CUDA the two
   directions overlap (max); on the CPU the "link" is a host memory copy and the
   two share the memory bus (sum);
-* host: the optimizer's host memory traffic, 28 bytes per trainable parameter
-  (AdamW in fp32 reads param, grad, exp_avg, exp_avg_sq and writes param,
-  exp_avg, exp_avg_sq), over the measured host memory bandwidth.
+* host: the step's host memory traffic over the measured host memory bandwidth.
+  Per trainable parameter: the optimizer's 28 bytes (AdamW in fp32 reads param,
+  grad, exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq); on an
+  accelerator also the host mirror's write (the fp32 master read, the
+  transfer-dtype copy written: Note [host mirror]) and the gradients' arrival
+  (written into pinned staging by the copy engine, read by the cast, written in
+  fp32: Note [gradients out]); and every byte copied to the device, which the
+  copy engine reads from host memory. On the CPU the device copies and the
+  gradients are the compute's own memory traffic and only the optimizer counts.
 
 ``fraction_of_roofline = roofline_s / measured median step``. On the CPU the
 three share the same cores and memory, so no run can overlap them and the
@@ -479,6 +485,8 @@ def run_ws(cfg, x, y, device, dtype, args) -> dict:
             "h2d_bytes_plan": 2 * fetch,  # Note [roofline]: a forward and a backward fetch
             "d2h_bytes_plan": grads,
             "device_peak_bytes": peak_bytes,
+            "mirror": runner.engine.streamer.mirror_bytes() > 0,
+            "transfer_bytes": torch.empty((), dtype=dtype).element_size(),
         }
     finally:
         runner.close()  # its tensors go with this frame; run_size frees the memory
@@ -613,12 +621,21 @@ def run_fsdp2(cfg, x, y, device, dtype, args, params: int) -> dict:
 # ---- one size -------------------------------------------------------------------------------
 
 
-def roofline(params, tokens, peak, h2d, d2h, limits, device) -> dict:
+def host_bytes(params: int, h2d: float, transfer_bytes: int, mirror: bool, device) -> float:
+    """Host memory bytes one WS step moves (Note [roofline])."""
+    if device.type != "cuda":
+        return ADAMW_BYTES_PER_PARAM * params
+    mirror_write = 4 + transfer_bytes if mirror else 0
+    grads_in = 2 * transfer_bytes + 4
+    return (ADAMW_BYTES_PER_PARAM + mirror_write + grads_in) * params + h2d
+
+
+def roofline(params, tokens, peak, h2d, d2h, host_bytes, limits, device) -> dict:
     """Note [roofline]."""
     compute = 6 * params * tokens / peak
     to_dev, from_dev = h2d / limits["pinned_h2d"], d2h / limits["pinned_d2h"]
     link = max(to_dev, from_dev) if device.type == "cuda" else to_dev + from_dev
-    host = ADAMW_BYTES_PER_PARAM * params / limits["host"]
+    host = host_bytes / limits["host"]
     parts = {"compute_s": compute, "link_s": link, "host_s": host}
     bound = max(parts, key=parts.get)
     return {**parts, "roofline_s": parts[bound], "bound": bound[: -len("_s")]}
@@ -677,7 +694,8 @@ def run_size(name: str, size: Size, device, dtype, peak: float, limits: dict, ar
     med = fig["step_s"]["median"]
     h2d = ws["h2d_bytes_counted"] if ws["h2d_bytes_counted"] is not None else ws["h2d_bytes_plan"]
     d2h = ws["d2h_bytes_plan"]
-    roof = roofline(params, tokens, peak, h2d, d2h, limits, device)
+    moved = host_bytes(params, h2d, ws["transfer_bytes"], ws["mirror"], device)
+    roof = roofline(params, tokens, peak, h2d, d2h, moved, limits, device)
 
     # Eager needs about what WS keeps on the device besides its streamed weights.
     # (The estimate counts every activation: with checkpointing only the measured peak.)
@@ -701,6 +719,7 @@ def run_size(name: str, size: Size, device, dtype, peak: float, limits: dict, ar
         **base,
         **fig,
         "h2d_bytes_per_step": h2d,
+        "host_bytes_per_step": moved,
         "h2d_bytes_plan": ws["h2d_bytes_plan"],
         "d2h_bytes_per_step": d2h,
         "h2d_gbps": h2d / med / 1e9,
@@ -770,7 +789,8 @@ def report_size(r: dict) -> None:
     roof = r["roofline"]
     print(
         f"  roofline: compute {roof['compute_s']:.4f} s, link {roof['link_s']:.4f} s, host "
-        f"optimizer {roof['host_s']:.4f} s -> {roof['roofline_s']:.4f} s ({roof['bound']}); "
+        f"memory {r['host_bytes_per_step'] / 1e9:.1f} GB {roof['host_s']:.4f} s -> "
+        f"{roof['roofline_s']:.4f} s ({roof['bound']}); "
         f"WS at {r['fraction_of_roofline']:.0%} of it"
     )
     ratios = []
