@@ -268,10 +268,6 @@ class PinnedStaging:
                 self._idle.append(buf)
             self._cond.notify()
 
-    @property
-    def idle_bytes(self) -> int:
-        return sum(b.numel() for b in self._idle)
-
 
 class HostGrads:
     """A unit's gradients on their way into pinned host memory (Note [gradients out])."""
