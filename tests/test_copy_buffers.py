@@ -131,13 +131,17 @@ def test_streamed_training_with_pooled_copies_matches_eager_bitwise(depth):
     assert pool.allocated == made
 
 
-def test_a_weight_kept_by_a_hook_is_never_overwritten():
+@pytest.mark.parametrize("how", ["as is", "detached"])
+def test_a_weight_kept_by_a_hook_is_never_overwritten(how):
+    """A hook keeps the weight, or a detached alias of it (which shares the storage
+    but not the handed-out tensor: only the storage's use count sees it)."""
     torch.manual_seed(0)
     model = _Wide()
     runner = cstorch.compile(model, backend="ws", prefetch_depth=0, granularity="module")
     kept = []
+    keep = (lambda w: w) if how == "as is" else (lambda w: w.detach())
     for layer in model.layers:
-        layer.register_forward_hook(lambda m, _args, _out: kept.append(m.weight))
+        layer.register_forward_hook(lambda m, _args, _out: kept.append(keep(m.weight)))
     expected = [layer.weight.detach().clone() for layer in model.layers]
     loss = runner(torch.randn(2, 1024)).sum()
     loss.backward()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from weightstream.runtime.device import HostGradBuffers, HostGrads
+from weightstream.runtime.device import HostGrads, StoragePool
 
 
 def _staged(*grads):
@@ -16,7 +16,7 @@ def _staged(*grads):
 
 
 def test_the_cast_is_exact_and_keeps_missing_gradients_missing():
-    pool = HostGradBuffers()
+    pool = StoragePool(per_key=2)
     bf16 = torch.randn(7, 3).to(torch.bfloat16)
     fp32 = torch.randn(5)
     out = _staged(bf16, None, fp32).take([torch.float32] * 3, pool, key=0)
@@ -30,25 +30,25 @@ def test_the_cast_is_exact_and_keeps_missing_gradients_missing():
 
 
 def test_memory_is_handed_out_again_only_when_nothing_shares_it():
-    pool = HostGradBuffers(per_key=2)
-    first = pool.empty("unit", 1024)
+    pool = StoragePool(per_key=2)
+    first = pool.empty("unit", 1024, torch.uint8)
     ptr = first.data_ptr()
     alias = first[100:200].detach()  # as autograd's AccumulateGrad keeps a .grad
     del first
-    second = pool.empty("unit", 1024)
+    second = pool.empty("unit", 1024, torch.uint8)
     assert second.data_ptr() != ptr  # the alias still shares the first storage
     del alias
-    third = pool.empty("unit", 1024)
+    third = pool.empty("unit", 1024, torch.uint8)
     assert third.data_ptr() == ptr  # nothing shares it now
-    assert pool.empty("other unit", 1024).data_ptr() not in (ptr, second.data_ptr())
+    assert pool.empty("other unit", 1024, torch.uint8).data_ptr() not in (ptr, second.data_ptr())
     assert pool.kept_bytes() == 3 * 1024
     # Past per_key busy storages the allocator serves, and nothing more is kept.
-    extra = pool.empty("unit", 1024)
+    extra = pool.empty("unit", 1024, torch.uint8)
     assert extra.data_ptr() not in (ptr, second.data_ptr())
     assert pool.kept_bytes() == 3 * 1024
     # A larger request replaces an idle smaller storage.
     del second, third, extra
-    big = pool.empty("unit", 4096)
+    big = pool.empty("unit", 4096, torch.uint8)
     assert pool.kept_bytes() == 4096 + 1024 + 1024
     assert big.numel() == 4096
 
@@ -69,7 +69,7 @@ class _HandBack(torch.autograd.Function):
 
 
 def test_autograd_takes_the_tensors_as_grad_and_the_memory_comes_back_each_step():
-    pool = HostGradBuffers()
+    pool = StoragePool(per_key=2)
     w = torch.nn.Parameter(torch.randn(64, 32))
     x = torch.randn(8, 64, dtype=torch.bfloat16)
 

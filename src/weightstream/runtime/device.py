@@ -27,14 +27,16 @@ d_model 2560, 100 MiB units, forward + backward taking turns with eager: 2.69 s
 a step with new buffers, 1.40 s recycled, eager 0.87).
 
 So the CPU path recycles them, as an accelerator's caching allocator does:
-:class:`CopyBuffers` hands out a tensor over a storage it keeps, and takes
-the storage back when that tensor dies. "Dies" is Python's weak reference to
-the handed-out tensor: PyTorch keeps a tensor's Python object alive for as
-long as any view of it is (the unit's parameter views, a view saved by
-autograd for the backward, an activation that is a view of a weight), so
-a storage is never handed out twice while anything can still read it. Every
-pooled storage has the largest unit's size, so any copy fits any idle one, and
-the pool keeps (prefetch_depth + 1) of them, the copies invariant 2 allows in
+:class:`CopyBuffers` hands out a tensor over a storage it keeps, and hands the
+storage out again only once no tensor shares it (:class:`StoragePool`: the
+storage's use count, which every tensor over it holds one of: the unit's
+parameter views, a view saved by autograd for the backward, an activation that
+is a view of a weight, a detached alias kept by a hook). The life of the
+handed-out tensor is not enough: ``w.detach()`` shares the storage but keeps
+no reference to ``w``, and a storage given back when ``w`` died was overwritten
+under such an alias (a test keeps one from a forward hook). Every pooled
+storage has the largest unit's size, so any copy fits any idle one, and the
+pool keeps (prefetch_depth + 1) of them, the copies invariant 2 allows in
 flight: the host memory it holds is the bound the plan already states (and
 the disk store's working set counts, ``engine.disk_working_set``). Copies
 under 1 MiB are left to the allocator, which reuses those by itself.
@@ -64,7 +66,7 @@ So on an accelerator the hand-over is split in two autograd nodes (streamer.py,
   post-accumulate-grad hooks exactly as before (SwarmX, the disk store,
   updates in the backward).
 
-The cast writes into host memory kept per unit (:class:`HostGradBuffers`) and
+The cast writes into host memory kept per unit (a :class:`StoragePool`) and
 handed out again once no tensor shares it: new memory for 4 bytes a parameter
 every step would be page-faulted in by the cast and unmapped by ``zero_grad``
 (measured: ``zero_grad`` alone took 207 ms of the step above).
@@ -104,7 +106,6 @@ import ctypes
 import functools
 import os
 import threading
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -168,6 +169,67 @@ class Transfer:
         return self.result
 
 
+class StoragePool:
+    """Host storages handed out again once no tensor shares them (their use count).
+
+    Kept by key, at most ``per_key`` for each; more alive at once are left to the
+    allocator (they are freed when their last tensor dies). An idle storage too
+    small for a request is replaced by a new one.
+    """
+
+    def __init__(self, per_key: int):
+        self.per_key = per_key
+        # Owner: this pool. Why: taken on helper threads (the prefetch thread,
+        # autograd's CPU thread), read by tests.
+        self._lock = threading.Lock()
+        self._kept: dict[object, list[torch.UntypedStorage]] = {}
+        self.allocated = 0  # storages made, for tests and benchmarks
+
+    def empty(self, key: object, numel: int, dtype: torch.dtype, size: int = 0) -> torch.Tensor:
+        """``numel`` uninitialized elements of ``dtype`` over a storage kept for ``key``
+        (a new one of ``size`` bytes, at least the request's, where none is idle)."""
+        nbytes = numel * dtype.itemsize
+        with self._lock:
+            kept = self._kept.setdefault(key, [])
+            storage = next((s for s in kept if s.nbytes() >= nbytes and _unshared(s)), None)
+            if storage is None:
+                idle = [i for i, s in enumerate(kept) if _unshared(s)]
+                if idle:
+                    del kept[idle[0]]  # too small: a larger one takes its place
+                storage = torch.empty(max(size, nbytes), dtype=torch.uint8).untyped_storage()
+                self.allocated += 1
+                if len(kept) < self.per_key:
+                    kept.append(storage)
+            # Made under the lock: from here the tensor holds the storage out.
+            return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kept.clear()
+
+    def trim(self, per_key: int) -> None:
+        """Keep at most ``per_key`` storages for each key from now on."""
+        with self._lock:
+            self.per_key = per_key
+            for kept in self._kept.values():
+                del kept[per_key:]
+
+    def kept_bytes(self, idle_only: bool = False) -> int:
+        with self._lock:
+            return sum(
+                s.nbytes()
+                for kept in self._kept.values()
+                for s in kept
+                if not idle_only or _unshared(s)
+            )
+
+
+def _unshared(storage: torch.UntypedStorage) -> bool:
+    """Nothing but the pool's own reference holds ``storage``: no tensor (nor view,
+    nor detached alias) over it is alive."""
+    return torch._C._storage_Use_Count(storage._cdata) == 1
+
+
 class CopyBuffers:
     """Recycled host buffers for the CPU's device copies (Note [CPU copy buffers]).
 
@@ -181,49 +243,28 @@ class CopyBuffers:
     def __init__(self) -> None:
         self.count = 0
         self.nbytes = 0
-        # Owner: this pool. Why: buffers are taken on the prefetch thread and die
-        # on whichever thread drops the last view of them (reentrant: a garbage
-        # collection inside ``empty`` may run a dying buffer's callback).
-        self._lock = threading.RLock()
-        self._idle: list[torch.UntypedStorage] = []
-        self._out: set[weakref.ref] = set()  # one per tensor handed out; keeps its callback
-        self.allocated = 0  # storages made, for tests and benchmarks
+        self._pool = StoragePool(per_key=0)
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """``numel`` uninitialized elements of ``dtype``, over a recycled storage."""
         nbytes = numel * dtype.itemsize
         if nbytes < self.SMALL or nbytes > self.nbytes:
             return torch.empty(numel, dtype=dtype)
-        with self._lock:
-            storage = self._idle.pop() if self._idle else None
-        if storage is None:
-            storage = torch.empty(self.nbytes, dtype=torch.uint8).untyped_storage()
-            self.allocated += 1
-        out = torch.empty(0, dtype=dtype).set_(storage, 0, (numel,))
-
-        def back(ref, storage=storage):
-            with self._lock:
-                self._out.discard(ref)
-                if (
-                    storage.nbytes() == self.nbytes
-                    and len(self._idle) + len(self._out) < self.count
-                ):
-                    self._idle.append(storage)
-
-        with self._lock:
-            self._out.add(weakref.ref(out, back))
-        return out
+        return self._pool.empty(None, numel, dtype, size=self.nbytes)
 
     def keep(self, count: int, nbytes: int) -> None:
-        with self._lock:
-            if nbytes != self.nbytes:
-                self._idle.clear()
-            self.count, self.nbytes = count, nbytes
-            del self._idle[max(0, count - len(self._out)) :]
+        if nbytes != self.nbytes:
+            self._pool.clear()
+        self.count, self.nbytes = count, nbytes
+        self._pool.trim(count)
+
+    @property
+    def allocated(self) -> int:
+        return self._pool.allocated
 
     @property
     def idle_bytes(self) -> int:
-        return len(self._idle) * self.nbytes
+        return self._pool.kept_bytes(idle_only=True)
 
 
 class PinnedStaging:
@@ -278,7 +319,7 @@ class HostGrads:
         self._staging = staging
         self._buf = buf
 
-    def take(self, dtypes: Sequence[torch.dtype], into: HostGradBuffers, key: object):
+    def take(self, dtypes: Sequence[torch.dtype], into: StoragePool, key: object):
         """The gradients as host tensors of ``dtypes`` (in memory of ``into`` kept for
         ``key``), once the copy is done."""
         try:
@@ -289,7 +330,7 @@ class HostGrads:
                 0 if v is None else _aligned(v.numel() * dtype.itemsize)
                 for v, dtype in zip(self._views, dtypes)
             ]
-            flat = into.empty(key, sum(sizes)) if any(sizes) else None
+            flat = into.empty(key, sum(sizes), torch.uint8) if any(sizes) else None
             out, offset = [], 0
             for v, dtype, size in zip(self._views, dtypes, sizes):
                 if v is None:
@@ -317,49 +358,6 @@ class HostGrads:
             self._release()
 
 
-class HostGradBuffers:
-    """Host memory for the gradients an accelerator hands back, recycled per unit
-    (Note [gradients out]).
-
-    A unit's gradients of one backward are views of one storage. The storage is
-    handed out again once nothing but this pool shares it (its use count: the
-    gradients were set to None, or added into ``.grad`` and dropped), so a step
-    writes into memory whose pages are already there, and ``zero_grad`` frees
-    nothing. At most ``per_key`` storages are kept for a unit; more alive at
-    once (somebody keeps old gradients) are left to the allocator.
-    """
-
-    def __init__(self, per_key: int = 2):
-        self.per_key = per_key
-        # Owner: this pool. Why: taken on autograd's CPU thread, read by tests.
-        self._lock = threading.Lock()
-        self._kept: dict[object, list[torch.UntypedStorage]] = {}
-
-    def empty(self, key: object, nbytes: int) -> torch.Tensor:
-        """``nbytes`` uninitialized bytes (uint8) over a storage kept for ``key``."""
-        with self._lock:
-            kept = self._kept.setdefault(key, [])
-            storage = next((s for s in kept if s.nbytes() >= nbytes and _unshared(s)), None)
-            if storage is None:
-                storage = torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
-                idle = [i for i, s in enumerate(kept) if _unshared(s)]  # too small: replaced
-                if idle:
-                    del kept[idle[0]]
-                if len(kept) < self.per_key:
-                    kept.append(storage)
-        return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,))
-
-    def kept_bytes(self) -> int:
-        with self._lock:
-            return sum(s.nbytes() for kept in self._kept.values() for s in kept)
-
-
-def _unshared(storage: torch.UntypedStorage) -> bool:
-    """Nothing but the one reference the caller holds shares ``storage``: no tensor
-    (nor view, nor detached alias) over it is alive."""
-    return torch._C._storage_Use_Count(storage._cdata) == 1
-
-
 def _aligned(nbytes: int, to: int = 64) -> int:
     return (nbytes + to - 1) // to * to
 
@@ -385,7 +383,9 @@ class DeviceOps:
         # overlapping the rest of the backward (Note [gradients out]).
         self._grad_stream = None
         self._staging = None
-        self.host_grads = HostGradBuffers()
+        # Host memory of the gradients an accelerator hands back, two per unit (one
+        # in .grad, one arriving: Note [gradients out]).
+        self.host_grads = StoragePool(per_key=2)
         if not self.is_cpu:
             self._copy_stream = torch.Stream(device=self.device)
             self._grad_stream = torch.Stream(device=self.device)
@@ -491,7 +491,7 @@ class DeviceOps:
     def close(self) -> None:
         if self._buffers is not None:
             self._buffers.keep(0, 0)
-        self.host_grads = HostGradBuffers()
+        self.host_grads.clear()
         if self._staging is not None:
             self._staging = PinnedStaging()
         if self._executor is not None:
