@@ -77,6 +77,8 @@ def _status(pid: int) -> tuple[int, int, int] | None:
         fds = len(os.listdir(f"/proc/{pid}/fd"))
     except (OSError, ValueError):
         return None
+    if "VmRSS" not in fields:
+        return None  # exiting: a zombie's status has no memory lines
     rss = int(fields["VmRSS"].split()[0]) * 1024
     return rss, int(fields["Threads"]), fds
 
