@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "ws_step_time.py"
 
 
-@pytest.mark.slow  # 40 s each on 2 cores; CI runs the slow tests after the default ones
+@pytest.mark.slow  # 40 s each on 2 cores: with the slow tests (README), not the default ones
 @pytest.mark.parametrize("model", ["gpt", "hf-llama"])
 def test_one_step_of_each_mode_reports_the_ratios(model):
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
