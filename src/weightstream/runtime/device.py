@@ -326,20 +326,12 @@ class HostGrads:
             if self._event is not None:
                 # Host sync point of autograd's CPU thread; the device thread goes on.
                 self._event.synchronize()
-            sizes = [
-                0 if v is None else _aligned(v.numel() * dtype.itemsize)
-                for v, dtype in zip(self._views, dtypes)
+            like = [None if v is None else (v.shape, dt) for v, dt in zip(self._views, dtypes)]
+            flat = into.empty(key, _packed_bytes(like), torch.uint8)
+            return [
+                None if g is None else g.copy_(v)
+                for g, v in zip(_packed_views(flat, like), self._views)
             ]
-            flat = into.empty(key, sum(sizes), torch.uint8) if any(sizes) else None
-            out, offset = [], 0
-            for v, dtype, size in zip(self._views, dtypes, sizes):
-                if v is None:
-                    out.append(None)
-                    continue
-                grad = flat[offset : offset + v.numel() * dtype.itemsize].view(dtype)
-                out.append(grad.view(v.shape).copy_(v))
-                offset += size
-            return out
         finally:
             self._release()
 
@@ -360,6 +352,25 @@ class HostGrads:
 
 def _aligned(nbytes: int, to: int = 64) -> int:
     return (nbytes + to - 1) // to * to
+
+
+def _packed_bytes(like: Sequence[tuple[torch.Size, torch.dtype] | None]) -> int:
+    """Bytes of tensors of these (shape, dtype) back to back, each 64-byte aligned."""
+    return sum(0 if t is None else _aligned(t[0].numel() * t[1].itemsize) for t in like)
+
+
+def _packed_views(buf, like: Sequence[tuple[torch.Size, torch.dtype] | None]) -> list:
+    """Views of the uint8 tensor ``buf`` laid out as ``_packed_bytes`` counts (None stays)."""
+    views, offset = [], 0
+    for t in like:
+        if t is None:
+            views.append(None)
+            continue
+        shape, dtype = t
+        n = shape.numel() * dtype.itemsize
+        views.append(buf[offset : offset + n].view(dtype).view(shape))
+        offset += _aligned(n)
+    return views
 
 
 class DeviceOps:
@@ -443,26 +454,20 @@ class DeviceOps:
         """Start copying one unit's device gradients into pinned host memory; the
         result's ``take`` gives them as host tensors (Note [gradients out])."""
         assert self._grad_stream is not None, "the CPU has no gradients to move"
-        sizes = [0 if g is None else _aligned(g.numel() * g.element_size()) for g in grads]
-        if not any(sizes):
-            return HostGrads([None] * len(grads), None, None, None)
-        buf = self._staging.take(sum(sizes))
+        like = [None if g is None else (g.shape, g.dtype) for g in grads]
+        if all(t is None for t in like):
+            return HostGrads(like, None, None, None)
+        buf = self._staging.take(_packed_bytes(like))
         stream = self._grad_stream
         # The copies read what the compute stream wrote: they start after it.
         stream.wait_stream(torch.accelerator.current_stream())
-        views, offset = [], 0
+        views = _packed_views(buf, like)
         with _StreamContext(stream):
-            for g, size in zip(grads, sizes):
-                if g is None:
-                    views.append(None)
-                    continue
-                view = buf[offset : offset + g.numel() * g.element_size()].view(g.dtype)
-                view = view.view(g.shape)
-                view.copy_(g, non_blocking=True)
-                # g dies with autograd's buffers: its memory must wait for the copy.
-                g.record_stream(stream)
-                views.append(view)
-                offset += size
+            for g, view in zip(grads, views):
+                if g is not None:
+                    view.copy_(g, non_blocking=True)
+                    # g dies with autograd's buffers: its memory must wait for the copy.
+                    g.record_stream(stream)
             event = stream.record_event()
         return HostGrads(views, event, self._staging, buf)
 
