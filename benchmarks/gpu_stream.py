@@ -39,7 +39,7 @@ The physical limit of one WS step is the largest of
 * compute: 6 x params x tokens / the measured dense matmul peak of the dtype;
 * link: the bytes the runtime moved to the device in the step (its residency
   meter's count: every weight fetch, forward and backward, in the transfer
-  dtype) and back (the gradients, in the transfer dtype: computed from the
+  dtype) and back (the gradients, in the masters' dtype: computed from the
   plan, the runtime has no counter for them) over the measured pinned
   bandwidth of each direction. PCIe is full duplex, so on CUDA the two
   directions overlap (max); on the CPU the "link" is a host memory copy and the
@@ -49,9 +49,8 @@ The physical limit of one WS step is the largest of
   grad, exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq); on an
   accelerator also the host mirror's write (the fp32 master read, the
   transfer-dtype copy written: Note [host mirror]) and the gradients' arrival
-  (written into pinned staging by the copy engine, read by the cast, written in
-  fp32: Note [gradients out]); and every byte copied to the device, which the
-  copy engine reads from host memory. On the CPU the device copies and the
+  (written in fp32 by the copy engine: Note [gradients out]); and every byte
+  copied to the device, which the copy engine reads from host memory. On the CPU the device copies and the
   gradients are the compute's own memory traffic and only the optimizer counts.
 
 ``fraction_of_roofline = roofline_s / measured median step``. On the CPU the
@@ -429,15 +428,12 @@ def _fetched_bytes(runner) -> int | None:
 
 
 def _transfer_bytes(runner) -> tuple[int, int, int]:
-    """From the plan: the bytes of one fetch of every unit and of every gradient, in the
-    transfer dtype, and the device-memory bound of the streamed weights."""
+    """From the plan: the bytes of one fetch of every unit (in the transfer dtype) and of
+    every gradient (in the masters' dtype: Note [gradients out]), and the device-memory
+    bound of the streamed weights."""
     engine = runner.engine
     fetch = sum(u.device_bytes() for u in engine.streamer.units)
-    grads = sum(
-        p.numel() * torch.empty((), dtype=engine.stream_dtype(p)).element_size()
-        for p in runner.parameters()
-        if p.requires_grad
-    )
+    grads = sum(p.numel() * p.element_size() for p in runner.parameters() if p.requires_grad)
     return fetch, grads, engine.plan.weight_bound(engine.config.prefetch_depth)
 
 
@@ -626,7 +622,7 @@ def host_bytes(params: int, h2d: float, transfer_bytes: int, mirror: bool, devic
     if device.type != "cuda":
         return ADAMW_BYTES_PER_PARAM * params
     mirror_write = 4 + transfer_bytes if mirror else 0
-    grads_in = 2 * transfer_bytes + 4
+    grads_in = 4  # fp32, written by the copy engine (Note [gradients out])
     return (ADAMW_BYTES_PER_PARAM + mirror_write + grads_in) * params + h2d
 
 

@@ -154,14 +154,14 @@ def test_updates_in_the_backward_equal_eager(name):
 
 
 def test_gradients_leave_the_device_from_pinned_memory_on_their_own_stream():
-    """Note [gradients out]: the backward copies into pinned staging buffers (never
+    """Note [gradients out]: the backward copies into page-locked host memory (never
     pageable memory) and the gradients reach the masters exactly."""
     make, cfg = MODELS["llama"]
     torch.manual_seed(0)
     model = make(cfg)
     runner = cstorch.compile(model, backend="ws", device=DEVICE, granularity="module")
     x, y = _batch(0, cfg.vocab_size)
-    _loss(runner(x), y).backward()  # warm-up: plan, streams, staging buffers
+    _loss(runner(x), y).backward()  # warm-up: plan, streams, host memory
     model.zero_grad()
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -227,13 +227,13 @@ def test_gradients_copy_out_while_the_backward_computes():
     expected = [None if g is None else g.float().cpu() for g in grads]
 
     def issue():
-        out = ops.grads_to_host(grads)
+        out = ops.grads_to_host(grads, [torch.float32] * 3, key=0)
         grads.clear()  # autograd drops its gradients: the copies must still read them
         return out
 
     host = _copy_ends_before_the_compute(
         issue,
-        lambda out: out.take([torch.float32] * 3, ops.host_grads, key=0),
+        lambda out: out.take(),
         ops._grad_stream,
     )
     assert host[1] is None
@@ -309,14 +309,34 @@ def test_bf16_host_mirror_streams_two_bytes_a_parameter_and_trains_as_without_it
     assert all(m.flat.is_pinned() for g in rb.engine.streamer._mirrors.values() for m in g.values())
 
 
-def test_gradients_never_taken_give_their_staging_buffer_back():
+def test_gradients_never_taken_leave_the_later_ones_exact():
     """A backward that fails between a unit's device node and its host node drops the
-    gradients on their way: their pinned buffer must come back to the pool, or the
-    next backward would wait for it forever (Note [gradients out])."""
+    gradients on their way: the copies still land in the unit's memory, ordered before
+    any later copy, so the next gradients of that unit arrive exact, and the in-flight
+    bound holds (Note [gradients out])."""
     ops = DeviceOps(DEVICE)
     grad = torch.randn(1 << 20, device=DEVICE, dtype=torch.bfloat16)
-    for _ in range(3 * ops._staging.count):
-        ops.grads_to_host([grad])  # dropped at once
-    (host,) = ops.grads_to_host([grad]).take([torch.float32], ops.host_grads, key=0)
+    for i in range(3 * ops.GRADS_IN_FLIGHT):
+        ops.grads_to_host([grad * i], [torch.float32], key=0)  # dropped at once
+        assert len(ops._grads_in_flight) <= ops.GRADS_IN_FLIGHT
+    (host,) = ops.grads_to_host([grad], [torch.float32], key=0).take()
     assert torch.equal(host, grad.float().cpu())
+    ops.close()
+
+
+def test_gradient_and_mirror_memory_is_page_locked_at_its_exact_size():
+    """The caching host allocator rounds pinned requests up to a power of two; the
+    gradients' and the mirror's memory is registered at its size (Note [gradients out])."""
+    ops = DeviceOps(DEVICE)
+    nbytes = (3 << 20) + 64  # rounded, it would be 4 MiB
+    buf = ops.pinned_bytes(nbytes)
+    assert buf.is_pinned() and buf.untyped_storage().nbytes() < (4 << 20)
+    mirror = ops.host_empty(nbytes // 2, torch.bfloat16)
+    assert mirror.is_pinned() and mirror.untyped_storage().nbytes() < (4 << 20)
+    # A device-to-host copy into it is asynchronous and exact.
+    src = torch.randn(nbytes // 4, device=DEVICE)
+    buf.view(torch.float32).copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(buf.view(torch.float32), src.cpu())
+    del buf, mirror
     ops.close()

@@ -1,25 +1,32 @@
 """The host side of an accelerator's gradient hand-over, on the CPU (Note [gradients
-out] in runtime/device.py): the cast of staged gradients into recycled host memory,
-and autograd taking those tensors as ``.grad`` without a copy. The device side (the
-copy stream, pinned staging) is tested in test_cuda.py."""
+out] in runtime/device.py): the packed layout of a unit's gradients in recycled host
+memory, and autograd taking those tensors as ``.grad`` without a copy. The device
+side (the cast and copy on the gradient stream, page-locked memory) is tested in
+test_cuda.py."""
 
 from __future__ import annotations
 
 import torch
 
-from weightstream.runtime.device import HostGrads, StoragePool
+from weightstream.runtime.device import HostGrads, StoragePool, _packed_bytes, _packed_views
 
 
-def _staged(*grads):
-    """Staged gradients as the device side leaves them (views; no event on the CPU)."""
-    return HostGrads([None if g is None else g.clone() for g in grads], None, None, None)
+def _arrived(pool, key, *grads):
+    """A unit's gradients as the device side leaves them: cast to fp32 into the
+    unit's packed host memory (no event: the CPU copies synchronously)."""
+    like = [None if g is None else (g.shape, torch.float32) for g in grads]
+    host = _packed_views(pool.empty(key, _packed_bytes(like), torch.uint8), like)
+    for g, h in zip(grads, host):
+        if g is not None:
+            h.copy_(g)
+    return HostGrads(host, None)
 
 
-def test_the_cast_is_exact_and_keeps_missing_gradients_missing():
+def test_a_unit_s_gradients_share_one_storage_and_missing_ones_stay_missing():
     pool = StoragePool(per_key=2)
     bf16 = torch.randn(7, 3).to(torch.bfloat16)
     fp32 = torch.randn(5)
-    out = _staged(bf16, None, fp32).take([torch.float32] * 3, pool, key=0)
+    out = _arrived(pool, 0, bf16, None, fp32).take()
     assert out[1] is None
     assert out[0].dtype == torch.float32 and torch.equal(out[0], bf16.float())
     assert torch.equal(out[2], fp32)
@@ -54,8 +61,8 @@ def test_memory_is_handed_out_again_only_when_nothing_shares_it():
 
 
 class _HandBack(torch.autograd.Function):
-    """Gives ``w`` the gradient of its output, cast through a HostGrads as the host
-    node of the hand-over does."""
+    """Gives ``w`` the gradient of its output through a HostGrads, as the host node
+    of the hand-over does."""
 
     @staticmethod
     def forward(ctx, pool, w):
@@ -64,7 +71,7 @@ class _HandBack(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        (grad,) = _staged(g).take([torch.float32], ctx.pool, key="w")
+        (grad,) = _arrived(ctx.pool, "w", g).take()
         return None, grad
 
 
@@ -90,3 +97,18 @@ def test_autograd_takes_the_tensors_as_grad_and_the_memory_comes_back_each_step(
     assert torch.equal(w.grad, expected + expected)
     assert w.grad.untyped_storage().data_ptr() == first
     assert pool.kept_bytes() == 2 * w.grad.untyped_storage().nbytes()
+
+
+def test_a_pool_makes_its_memory_with_the_allocator_it_is_given():
+    made = []
+
+    def alloc(nbytes):
+        made.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    pool = StoragePool(per_key=1, alloc=alloc)
+    a = pool.empty("unit", 100, torch.float32, size=1000)
+    assert made == [1000] and a.numel() == 100
+    del a
+    pool.empty("unit", 200, torch.float32)  # fits the idle storage: nothing made
+    assert made == [1000]

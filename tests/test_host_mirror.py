@@ -125,3 +125,104 @@ def test_ignored_with_a_disk_store_says_so(tmp_path):
         runner(_batch(0)[0])
     assert not runner.engine.streamer._mirror
     runner.engine.close()
+
+
+def _updated_in_backward(make, kind, make_opt, steps, between=None):
+    """Streamed training with the mirror written by the update (updates in the
+    backward); ``between(model, step)`` runs after each step."""
+    from test_update_in_backward import _batch as batch
+    from test_update_in_backward import _loss as loss_of
+
+    torch.manual_seed(0)
+    model = make()
+    runner = cstorch.compile(
+        model, backend="ws", granularity="module", update_in_backward=True, host_mirror=True
+    )
+    opt = make_opt([p for p in model.parameters() if p.requires_grad])
+    losses = []
+    for step in range(steps):
+        x, y = batch(kind, step)
+        loss = loss_of(runner(x), y)
+        cstorch.amp.optimizer_step(loss, opt, None)
+        losses.append(loss.detach())
+        if between is not None:
+            between(model, step)
+    return model, runner, torch.stack(losses)
+
+
+@pytest.mark.parametrize("model_name", ["gpt_tied", "partly_frozen", "called_twice"])
+def test_the_update_writes_the_mirror_and_the_forward_only_copies_it(model_name, monkeypatch):
+    """With updates in the backward each share writes its masters into the mirrors
+    (a tied weight into both units'): training equals eager torch bit for bit, and
+    after the first step no forward fetch writes a mirror again."""
+    from test_update_in_backward import MODELS as UIB_MODELS
+    from test_update_in_backward import OPTIMIZERS as UIB_OPTIMIZERS
+    from test_update_in_backward import _eager
+
+    from weightstream.runtime import mirror as mirror_module
+
+    make, kind = UIB_MODELS[model_name]
+    ours, theirs = UIB_OPTIMIZERS["adamw"]
+    ref, ref_losses = _eager(make, kind, theirs, 4)
+    writes = []
+    flatten = mirror_module.flatten
+
+    def counting(tensors, out):
+        writes.append(len(tensors))
+        return flatten(tensors, out=out)
+
+    monkeypatch.setattr(mirror_module, "flatten", counting)
+    model, _, losses = _updated_in_backward(
+        make, kind, ours, 4, between=lambda m, step: writes.append("step")
+    )
+    assert torch.equal(losses, ref_losses)
+    _assert_same_state(model, ref)
+    first_step = writes.index("step")
+    assert first_step > 0  # the first forward wrote every mirror
+    assert writes[first_step:] == ["step"] * 4  # later forwards only copied them
+
+
+def test_writes_after_an_updated_step_reach_the_next_forward():
+    """The update-written mirror is trusted only while each master's version counter
+    and address are those it was written from: an in-place write under no_grad, a
+    new ``.data`` and ``load_state_dict`` after a step are all seen (Note [host
+    mirror])."""
+    from test_update_in_backward import MODELS as UIB_MODELS
+    from test_update_in_backward import OPTIMIZERS as UIB_OPTIMIZERS
+    from test_update_in_backward import _batch as batch
+
+    make, kind = UIB_MODELS["gpt_tied"]
+    ours, theirs = UIB_OPTIMIZERS["adamw"]
+    changes = {
+        0: lambda p: p.mul_(0.5),
+        1: lambda p: setattr(p, "data", p.data * 0.75),
+        2: None,  # load_state_dict, below
+    }
+    saved = {}
+
+    def between(model, step):
+        with torch.no_grad():
+            if step == 0:
+                saved.update({k: v.clone() for k, v in model.state_dict().items()})
+            if changes.get(step) is not None:
+                for p in model.parameters():
+                    changes[step](p)
+            if step == 2:
+                model.load_state_dict(saved)
+
+    torch.manual_seed(0)
+    ref = make()
+    opt = theirs(list(ref.parameters()))
+    ref_losses = []
+    for step in range(4):
+        x, y = batch(kind, step)
+        loss = F.cross_entropy(ref(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.detach())
+        between(ref, step)
+    saved.clear()
+    model, _, losses = _updated_in_backward(make, kind, ours, 4, between=between)
+    assert torch.equal(losses, torch.stack(ref_losses))
+    _assert_same_state(model, ref)

@@ -54,30 +54,41 @@ So on an accelerator the hand-over is split in two autograd nodes (streamer.py,
 ``_WeightsOut`` on the device side, ``_GradsIn`` on the host side):
 
 * the device node's backward only issues the copies: on the gradient stream,
-  after the compute stream's work so far, each gradient (in its transfer dtype,
-  2 bytes a parameter in bf16) into a slice of a pinned staging buffer
+  after the compute stream's work so far, each gradient is cast on the device to
+  its master's dtype and copied into page-locked host memory
   (:meth:`DeviceOps.grads_to_host`), with an event recorded after them; the
   device thread goes on with the backward of the units before it;
 * the host node's backward runs on autograd's CPU thread once the device node
-  is done: it waits for that event (a host sync point of that thread only),
-  casts the staged gradients to the masters' dtype, gives the staging buffer
-  back, and returns them to autograd, which accumulates them into ``.grad``
+  is done: it waits for that event (a host sync point of that thread only) and
+  returns the host tensors to autograd, which accumulates them into ``.grad``
   (taking the tensor itself where ``.grad`` was None) and runs the
   post-accumulate-grad hooks exactly as before (SwarmX, the disk store,
   updates in the backward).
 
-The cast writes into host memory kept per unit (a :class:`StoragePool`) and
-handed out again once no tensor shares it: new memory for 4 bytes a parameter
-every step would be page-faulted in by the cast and unmapped by ``zero_grad``
-(measured: ``zero_grad`` alone took 207 ms of the step above).
+The host memory is kept per unit (a :class:`StoragePool`) and handed out again
+once no tensor shares it: new memory for 4 bytes a parameter every step would
+be page-faulted in and unmapped by ``zero_grad`` (measured: ``zero_grad`` alone
+took 207 ms of the step above), and memory that is not page-locked is copied
+into synchronously. It is page-locked at its exact size (:func:`pinned_bytes`).
 
-The staging pool holds a bounded number of buffers (:class:`PinnedStaging`): when
-every one is in use, the device thread waits for the host thread to give one
-back, so a host slower than the device slows the backward instead of piling
-gradients up. The gradient tensors are recorded on the gradient stream, so the
-caching allocator does not reuse their memory before the copy has read them.
-The values are those of the synchronous copy (a cast from bf16 to fp32 is
-exact), and the sums of a weight used twice are made by autograd as before.
+Why the cast is on the device: host memory bandwidth bounds a streamed step (the
+optimizer alone reads and writes 28 bytes a parameter). The first version
+copied bf16 into bounded staging buffers and cast on the host: 8 bytes a
+parameter through host memory, on autograd's one CPU thread (measured on an
+H100, 4.9B Llama, batch 8: that thread spent 1.15 s of a 2.05 s step casting,
+and the device thread 0.88 s waiting for a staging buffer). The fp32 copy is 4
+bytes a parameter, written by the copy engine; it doubles the link's
+device-to-host bytes, which are far from the link's bound.
+
+At most ``GRADS_IN_FLIGHT`` units' copies are queued: a link slower than the
+backward then slows the backward (the device thread waits for the oldest
+copy's event) instead of piling up gradients and their device temporaries.
+The gradient tensors are recorded on the gradient stream, so the caching
+allocator does not reuse their memory before the copy has read them. A
+copy dropped by a failed backward still lands in its unit's memory, ordered
+before any later copy on the same stream. The values are those of the
+synchronous copy (a cast from bf16 to fp32 is exact), and the sums of a weight
+used twice are made by autograd as before.
 
 Note [helper threads and OpenMP]
 --------------------------------
@@ -101,9 +112,11 @@ helpers keep the full team: its host has the CPUs to itself.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import ctypes
 import functools
+import mmap
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -177,8 +190,11 @@ class StoragePool:
     small for a request is replaced by a new one.
     """
 
-    def __init__(self, per_key: int):
+    def __init__(self, per_key: int, alloc: Callable[[int], torch.Tensor] | None = None):
         self.per_key = per_key
+        # Makes a uint8 tensor of so many bytes (page-locked for an accelerator's
+        # gradients); by default the CPU allocator's.
+        self._alloc = alloc or functools.partial(torch.empty, dtype=torch.uint8)
         # Owner: this pool. Why: taken on helper threads (the prefetch thread,
         # autograd's CPU thread), read by tests.
         self._lock = threading.Lock()
@@ -196,7 +212,7 @@ class StoragePool:
                 idle = [i for i, s in enumerate(kept) if _unshared(s)]
                 if idle:
                     del kept[idle[0]]  # too small: a larger one takes its place
-                storage = torch.empty(max(size, nbytes), dtype=torch.uint8).untyped_storage()
+                storage = self._alloc(max(size, nbytes)).untyped_storage()
                 self.allocated += 1
                 if len(kept) < self.per_key:
                     kept.append(storage)
@@ -267,87 +283,64 @@ class CopyBuffers:
         return self._pool.kept_bytes(idle_only=True)
 
 
-class PinnedStaging:
-    """At most ``count`` pinned host buffers that gradients land in (Note [gradients out]).
-
-    ``take`` waits while every buffer is out; a buffer smaller than asked for is
-    replaced by a larger one.
-    """
-
-    def __init__(self, count: int = 2):
-        self.count = count
-        # Owner: this pool. Why: buffers are taken on autograd's device thread and
-        # given back on its CPU thread.
-        self._cond = threading.Condition()
-        self._idle: list[torch.Tensor] = []
-        self._out = 0
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A pinned uint8 buffer of at least ``nbytes``."""
-        with self._cond:
-            while not self._idle and self._out >= self.count:
-                # Host sync point of autograd's device thread: the host thread has
-                # not taken the gradients of the last ``count`` units yet.
-                self._cond.wait()
-            fit = [i for i, b in enumerate(self._idle) if b.numel() >= nbytes]
-            buf = self._idle.pop(fit[0]) if fit else None
-            if buf is None and self._idle:
-                self._idle.pop()  # too small: a larger one takes its place
-            self._out += 1
-        if buf is None:
-            try:
-                buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            except BaseException:
-                self.give(None)
-                raise
-        return buf
-
-    def give(self, buf: torch.Tensor | None) -> None:
-        with self._cond:
-            self._out -= 1
-            if buf is not None:
-                self._idle.append(buf)
-            self._cond.notify()
-
-
 class HostGrads:
-    """A unit's gradients on their way into pinned host memory (Note [gradients out])."""
+    """A unit's gradients on their way into host memory (Note [gradients out])."""
 
-    def __init__(self, views: list, event: torch.Event | None, staging, buf):
-        self._views = views  # per gradient: a view of the staging buffer, or None
+    def __init__(self, grads: list, event: torch.Event | None):
+        self._grads = grads  # per gradient: the host tensor the copy writes, or None
         self._event = event  # recorded on the gradient stream after the copies
-        self._staging = staging
-        self._buf = buf
 
-    def take(self, dtypes: Sequence[torch.dtype], into: StoragePool, key: object):
-        """The gradients as host tensors of ``dtypes`` (in memory of ``into`` kept for
-        ``key``), once the copy is done."""
-        try:
-            if self._event is not None:
-                # Host sync point of autograd's CPU thread; the device thread goes on.
-                self._event.synchronize()
-            like = [None if v is None else (v.shape, dt) for v, dt in zip(self._views, dtypes)]
-            flat = into.empty(key, _packed_bytes(like), torch.uint8)
-            return [
-                None if g is None else g.copy_(v)
-                for g, v in zip(_packed_views(flat, like), self._views)
-            ]
-        finally:
-            self._release()
+    def take(self) -> list:
+        """The host gradients, once the copies into them are done."""
+        if self._event is not None:
+            # Host sync point of autograd's CPU thread; the device thread goes on.
+            self._event.synchronize()
+        grads, self._grads = self._grads, []
+        return grads
 
-    def _release(self) -> None:
-        self._views = []
-        if self._buf is not None:
-            self._staging.give(self._buf)
-            self._buf = None
+
+class _Registered(mmap.mmap):
+    """An anonymous mapping, registered with the CUDA driver (page-locked) while it
+    lives; the tensors over it hold it through the buffer protocol."""
+
+    _ptr: int | None = None
+
+    def __new__(cls, nbytes: int):
+        return super().__new__(cls, -1, nbytes)
+
+    def register(self, ptr: int) -> None:
+        check = torch.cuda.cudart().cudaHostRegister(ptr, len(self), 0)
+        if int(check) != 0:
+            raise RuntimeError(f"cudaHostRegister of {len(self)} bytes failed ({check})")
+        self._ptr = ptr
 
     def __del__(self):
-        # Never taken (the backward failed before the host node ran): the buffer
-        # goes back once the copy into it is done, or the pool would run dry.
-        if self._buf is not None:
-            if self._event is not None:
-                self._event.synchronize()
-            self._release()
+        ptr, self._ptr = self._ptr, None
+        if ptr is not None:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(ptr)  # before the memory is unmapped
+            except Exception:  # interpreter shutdown: the process's mappings go anyway
+                pass
+
+
+def pinned_bytes(nbytes: int, device_type: str) -> torch.Tensor:
+    """A uint8 host tensor of ``nbytes`` that ``device_type`` copies to and from
+    asynchronously (page-locked).
+
+    On CUDA it is a mapping of exactly that size registered with the driver: the
+    caching host allocator behind ``pin_memory=True`` rounds each request up to a
+    power of two (a 1.35 GB unit would take 2 GiB). Elsewhere, or where the
+    registration fails, that allocator serves it.
+    """
+    if device_type == "cuda":
+        mapping = _Registered(max(nbytes, 1))
+        tensor = torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]
+        try:
+            mapping.register(tensor.data_ptr())
+            return tensor
+        except (RuntimeError, AttributeError):
+            pass
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 def _aligned(nbytes: int, to: int = 64) -> int:
@@ -393,14 +386,14 @@ class DeviceOps:
         # Owner: this object. Why: gradients leave the device on their own stream,
         # overlapping the rest of the backward (Note [gradients out]).
         self._grad_stream = None
-        self._staging = None
+        # Events of the gradient copies in flight, oldest first (their bound: the Note).
+        self._grads_in_flight: collections.deque = collections.deque()
         # Host memory of the gradients an accelerator hands back, two per unit (one
-        # in .grad, one arriving: Note [gradients out]).
-        self.host_grads = StoragePool(per_key=2)
+        # in .grad, one arriving), page-locked: Note [gradients out].
+        self.host_grads = StoragePool(per_key=2, alloc=None if self.is_cpu else self.pinned_bytes)
         if not self.is_cpu:
             self._copy_stream = torch.Stream(device=self.device)
             self._grad_stream = torch.Stream(device=self.device)
-            self._staging = PinnedStaging()
 
     @property
     def helper_thread_init(self) -> Callable[[], None] | None:
@@ -450,26 +443,42 @@ class DeviceOps:
                 view.copy_(m.detach(), non_blocking=True)
         return flat
 
-    def grads_to_host(self, grads: Sequence[torch.Tensor | None]) -> HostGrads:
-        """Start copying one unit's device gradients into pinned host memory; the
-        result's ``take`` gives them as host tensors (Note [gradients out])."""
+    GRADS_IN_FLIGHT = 2  # units whose gradient copies may be queued at once
+
+    def grads_to_host(
+        self, grads: Sequence[torch.Tensor | None], dtypes: Sequence[torch.dtype], key: object
+    ) -> HostGrads:
+        """Start copying one unit's device gradients, cast to ``dtypes``, into host
+        memory kept for ``key``; the result's ``take`` gives them once they are there
+        (Note [gradients out])."""
         assert self._grad_stream is not None, "the CPU has no gradients to move"
-        like = [None if g is None else (g.shape, g.dtype) for g in grads]
+        like = [None if g is None else (g.shape, dt) for g, dt in zip(grads, dtypes)]
         if all(t is None for t in like):
-            return HostGrads(like, None, None, None)
-        buf = self._staging.take(_packed_bytes(like))
+            return HostGrads([None] * len(like), None)
+        in_flight = self._grads_in_flight
+        while len(in_flight) >= self.GRADS_IN_FLIGHT:
+            # Host sync point of autograd's device thread, reached only when the link
+            # is behind the backward: it waits instead of piling gradients up.
+            in_flight.popleft().synchronize()
+        host = _packed_views(self.host_grads.empty(key, _packed_bytes(like), torch.uint8), like)
         stream = self._grad_stream
         # The copies read what the compute stream wrote: they start after it.
         stream.wait_stream(torch.accelerator.current_stream())
-        views = _packed_views(buf, like)
         with _StreamContext(stream):
-            for g, view in zip(grads, views):
+            for g, h in zip(grads, host):
                 if g is not None:
-                    view.copy_(g, non_blocking=True)
+                    # Cast on the device, on this stream (the temporary's memory is
+                    # reused only by this stream's later work).
+                    h.copy_(g if g.dtype == h.dtype else g.to(h.dtype), non_blocking=True)
                     # g dies with autograd's buffers: its memory must wait for the copy.
                     g.record_stream(stream)
             event = stream.record_event()
-        return HostGrads(views, event, self._staging, buf)
+        in_flight.append(event)
+        return HostGrads(host, event)
+
+    def pinned_bytes(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of host memory this device copies to and from asynchronously."""
+        return pinned_bytes(nbytes, self.device.type)
 
     def keep(self, count: int, nbytes: int) -> None:
         """Recycle up to ``count`` copy buffers of ``nbytes`` (Note [CPU copy buffers])."""
@@ -484,7 +493,9 @@ class DeviceOps:
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A host buffer the device can read asynchronously (pinned for accelerators)."""
-        return torch.empty(numel, dtype=dtype, pin_memory=not self.is_cpu)
+        if self.is_cpu:
+            return torch.empty(numel, dtype=dtype)
+        return self.pinned_bytes(numel * dtype.itemsize).view(dtype)
 
     def copy_buffer(self, src: torch.Tensor) -> torch.Tensor:
         """A device copy of the flat host buffer ``src`` (asynchronous from pinned memory
@@ -496,9 +507,9 @@ class DeviceOps:
     def close(self) -> None:
         if self._buffers is not None:
             self._buffers.keep(0, 0)
+        while self._grads_in_flight:
+            self._grads_in_flight.popleft().synchronize()
         self.host_grads.clear()
-        if self._staging is not None:
-            self._staging = PinnedStaging()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None

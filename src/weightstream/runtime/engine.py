@@ -424,6 +424,7 @@ class StreamingEngine:
         if self.updater is not None:
             self.updater.set_units([u.params for u in plan.units])
         recompute = self._recomputed_units(plan, trace)
+        mirror = self._host_mirror()
         self.streamer = Streamer(
             plan,
             self.ops,
@@ -435,8 +436,12 @@ class StreamingEngine:
             shards=self.shards,
             note=self.events,
             recompute=recompute,
-            mirror=self._host_mirror(),
+            mirror=mirror,
+            mirror_by_update=self.updater is not None,
         )
+        if mirror and self.updater is not None:
+            # The update writes what it changed into the mirrors (Note [host mirror]).
+            self.updater.on_updated = self.streamer.mirror_updated
         self.streamer.install()
 
     def _host_mirror(self) -> bool:
@@ -536,6 +541,7 @@ class StreamingEngine:
         hosts.discard(self)
         if self.updater is not None:
             self.updater.close()
+            self.updater.on_updated = None  # the mirrors go with the streamer
         if self.reducer is not None:
             self.reducer.close()
             self.reducer = None

@@ -154,7 +154,7 @@ class _GradsIn(torch.autograd.Function):
     def backward(ctx, _token):
         handoff = ctx.handoff
         link = handoff.link
-        grads = handoff.pending.popleft().take(handoff.dtypes, link.ops.host_grads, handoff.key)
+        grads = handoff.pending.popleft().take()
         if link.note is not None:
             # The unit's weight gradients are on the host: its backward is done
             # (Note [swarm reduce]).
@@ -181,7 +181,8 @@ class _WeightsOut(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         handoff = ctx.handoff
-        handoff.pending.append(handoff.link.ops.grads_to_host(grads))
+        ops = handoff.link.ops
+        handoff.pending.append(ops.grads_to_host(grads, handoff.dtypes, handoff.key))
         return None, None, torch.empty(0)
 
 
@@ -241,6 +242,7 @@ class Streamer:
         note=None,
         recompute: set[int] | frozenset[int] = frozenset(),
         mirror: bool = False,
+        mirror_by_update: bool = False,
     ):
         self.plan = plan
         # Indices of the units whose forward is recomputed in the backward
@@ -258,11 +260,15 @@ class Streamer:
         self._before_fetch = before_fetch
         self._postprocess = postprocess  # applied to each flat buffer after the copy
         # Fetches copy each unit's compute-dtype mirror, written once per forward
-        # pass (Note [host mirror] in mirror.py); the engine asks for it only where
-        # the masters are read directly and nothing is applied to the copy.
+        # pass or by the update (Note [host mirror] in mirror.py); the engine asks
+        # for it only where the masters are read directly and nothing is applied
+        # to the copy.
         assert not mirror or (store is None and shards is None and postprocess is None)
         self._mirror = mirror
+        self._mirror_by_update = mirror_by_update  # the updater calls mirror_updated
         self._mirrors: dict[int, dict[torch.dtype, HostMirror]] = {}  # unit index -> groups
+        # id(master) -> every (mirror, position in it) holding it (a tied weight: two).
+        self._mirror_slots: dict[int, list[tuple[HostMirror, int]]] = {}
         self._generation = 0  # the forward pass in progress (mirrors written in it are fresh)
         self.ops = ops
         self.depth = prefetch_depth
@@ -384,12 +390,23 @@ class Streamer:
     def _mirrors_of(self, unit: StreamingUnit) -> dict[torch.dtype, HostMirror]:
         mirrors = self._mirrors.get(unit.index)
         if mirrors is None:
-            mirrors = {
-                dt: HostMirror(self.ops.host_empty(sum(unit.params[i].numel() for i in idx), dt))
-                for dt, idx in unit.groups.items()
-            }
+            mirrors = {}
+            for dt, idx in unit.groups.items():
+                masters = [unit.params[i] for i in idx]
+                numel = sum(m.numel() for m in masters)
+                buf = self.ops.host_empty(numel, dt)
+                mirrors[dt] = mirror = HostMirror(buf, masters, self._mirror_by_update)
+                for i, m in enumerate(masters):
+                    self._mirror_slots.setdefault(id(m), []).append((mirror, i))
             self._mirrors[unit.index] = mirrors
         return mirrors
+
+    def mirror_updated(self, params: Sequence[torch.Tensor]) -> None:
+        """``params`` were just updated: write them into every mirror holding them
+        (the updater calls this after each share; Note [host mirror])."""
+        for p in params:
+            for mirror, i in self._mirror_slots.get(id(p), ()):
+                mirror.updated(i, p)
 
     def mirror_bytes(self) -> int:
         """Host bytes the mirrors hold (Note [host mirror])."""

@@ -122,6 +122,9 @@ class UnitUpdater:
         self._early: _Early | None = (
             None  # a step armed for the backward (Note [updates in backward])
         )
+        # Called with each share's parameters once they are updated, on the thread
+        # that updated them (the streamer's mirrors: Note [host mirror] in mirror.py).
+        self.on_updated: Callable[[list[torch.nn.Parameter]], None] | None = None
 
     def set_units(self, unit_params: Sequence[Sequence[torch.nn.Parameter]]) -> None:
         """The units of the traced plan, in its forward order (fixed at the first call)."""
@@ -159,7 +162,7 @@ class UnitUpdater:
             try:
                 for share in every:
                     if share:
-                        _apply(optimizer, snapshot, share, grads, pager)
+                        _apply(optimizer, snapshot, share, grads, pager, self.on_updated)
             finally:
                 if pager is not None:
                     self._store.settle()  # step() returns with the masters current
@@ -170,7 +173,9 @@ class UnitUpdater:
                 self._all = []
             for index, share in enumerate(every):
                 if share:
-                    self._submit(index, _apply, optimizer, snapshot, share, grads, pager)
+                    self._submit(
+                        index, _apply, optimizer, snapshot, share, grads, pager, self.on_updated
+                    )
         if not self._background:
             self.synchronize()  # step() returns with the step applied
 
@@ -254,7 +259,14 @@ class UnitUpdater:
             early.held.result()
         with self._lock:
             future = self._submit(
-                index, _apply, early.optimizer, early.snapshot, share, early.grads, pager
+                index,
+                _apply,
+                early.optimizer,
+                early.snapshot,
+                share,
+                early.grads,
+                pager,
+                self.on_updated,
             )
         if in_memory:
             early.held = future
@@ -312,7 +324,7 @@ class _Early:
         self.held: concurrent.futures.Future | None = None  # the last share on in-memory grads
 
 
-def _apply(optimizer, snapshot, share, grads, pager: _Pager | None = None) -> None:
+def _apply(optimizer, snapshot, share, grads, pager: _Pager | None = None, on_updated=None) -> None:
     """Run the optimizer's update on ``share`` with the step's hyperparameters.
 
     The gradients travel in the groups (``GRADS_KEY``), never through ``p.grad``:
@@ -335,6 +347,8 @@ def _apply(optimizer, snapshot, share, grads, pager: _Pager | None = None) -> No
                 pager.update(
                     p, lambda replaced, p=p: _update(optimizer, snapshot, [p], grads, replaced)
                 )
+            if on_updated is not None:
+                on_updated(share)
     finally:
         if pager is not None:
             # Mapped files without a descriptor: pages back; consumed gradients dropped.
