@@ -316,7 +316,14 @@ def activation_bytes(cfg: LlamaConfig, tokens: int, dtype: torch.dtype) -> int:
 
 
 def train_step(
-    model, opt, x, y, device: torch.device, autocast_dtype, in_backward: bool = False
+    model,
+    opt,
+    x,
+    y,
+    device: torch.device,
+    autocast_dtype,
+    in_backward: bool = False,
+    saved_on_host: bool = False,
 ) -> tuple[float, list]:
     """One step: forward, backward, update; the loss and the seconds of each phase.
 
@@ -326,14 +333,21 @@ def train_step(
     backward runs in the step's backward context, where a weightstream engine may
     start each unit's update as soon as its gradient is final (Note [updates in
     backward]); the optimizer phase is then what is left of the update.
+    ``saved_on_host``: the forward's saved tensors go to host memory
+    (``torch.autograd.graph.save_on_cpu``, the peers' activation offload).
     """
     ctx = (
         torch.autocast(device.type, dtype=autocast_dtype)
         if autocast_dtype is not None
         else contextlib.nullcontext()
     )
+    saving = (
+        torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
+        if saved_on_host
+        else contextlib.nullcontext()
+    )
     t0 = time.perf_counter()
-    with ctx:
+    with ctx, saving:
         loss = lm_loss(model(x), y)
     sync(device)
     t1 = time.perf_counter()
@@ -386,6 +400,7 @@ def run_steps(
     steps: int,
     on_timed=None,
     in_backward: bool = False,
+    saved_on_host: bool = False,
 ):
     """``warmup`` untimed steps, then ``steps`` timed ones; ``on_timed()`` runs just before
     the first timed step (to read counters and reset peaks)."""
@@ -393,7 +408,9 @@ def run_steps(
     for i in range(warmup + steps):
         if i == warmup and on_timed is not None:
             on_timed()
-        loss, phases = train_step(model, opt, x, y, device, autocast_dtype, in_backward)
+        loss, phases = train_step(
+            model, opt, x, y, device, autocast_dtype, in_backward, saved_on_host
+        )
         timing.losses.append(loss)
         if i >= warmup:
             timing.phases.append(phases)
@@ -449,6 +466,7 @@ def run_ws(cfg, x, y, device, dtype, args) -> dict:
         overlap_updates=args.overlap_updates,
         update_in_backward=args.update_in_backward,
         activation_checkpointing=args.activation_checkpointing,
+        activation_offload=args.activation_offload,
         # This process's model alone, even if a process group exists (FSDP2's is
         # destroyed after each size, but a launcher's environment must not join it).
         data_parallel=False,
@@ -518,7 +536,7 @@ def steps_with_adamw(model, x, y, device, autocast_dtype, args) -> tuple[Timing,
     def run(opt):
         return run_steps(
             model, opt, x, y, device, autocast_dtype, args.warmup, args.steps,
-            lambda: _reset_device_peak(device),
+            lambda: _reset_device_peak(device), saved_on_host=args.activation_offload,
         )  # fmt: skip
 
     try:
@@ -844,6 +862,12 @@ def parse_args() -> argparse.Namespace:
         help="every mode recomputes each block's forward in the backward (WS: its "
         "activation_checkpointing; the peers: torch.utils.checkpoint around each block)",
     )
+    ap.add_argument(
+        "--activation-offload",
+        action="store_true",
+        help="every mode keeps the forward's saved activations in host memory (WS: its "
+        "activation_offload; the peers: torch.autograd.graph.save_on_cpu)",
+    )
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch.cuda.is_available() is False; use --device cpu")
@@ -908,6 +932,7 @@ def main() -> None:
                 "update_in_backward",
                 "overlap_updates",
                 "activation_checkpointing",
+                "activation_offload",
             )
         },
         torch=torch.__version__,

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_disk_store import _assert_same_training, _train
-from test_engine import MODELS, OPTIMIZERS, _assert_same_state, _batch, _loss, _run
+from test_engine import MODELS, OPTIMIZERS, _assert_same_state, _batch, _loss, _matches_eager, _run
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
@@ -134,20 +134,9 @@ def test_the_recompute_draws_the_same_dropout_mask():
 
 
 def test_gradient_accumulation_matches_eager():
-    make, kind = MODELS["gpt_tied"]
-    ref, _, ref_losses = _run(make, kind, None, OPTIMIZERS["adamw"], steps=3, accum=3)
-    model, _, losses = _run(
-        make,
-        kind,
-        "ws",
-        OPTIMIZERS["adamw"],
-        steps=3,
-        accum=3,
-        granularity="module",
-        activation_checkpointing=True,
+    _matches_eager(
+        "gpt_tied", steps=3, accum=3, granularity="module", activation_checkpointing=True
     )
-    assert torch.equal(losses, ref_losses)
-    _assert_same_state(model, ref)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

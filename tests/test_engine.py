@@ -72,6 +72,17 @@ def _run(make, kind, backend, make_opt, steps=STEPS, accum=1, **compile_kw):
     return model, runner, torch.stack(losses)
 
 
+def _matches_eager(model_name, opt_name="adamw", steps=STEPS, accum=1, **compile_kw):
+    """Streamed training of a zoo model equals eager PyTorch's bit for bit (losses,
+    weights, buffers); returns the compiled runner."""
+    make, kind = MODELS[model_name]
+    ref, _, ref_losses = _run(make, kind, None, OPTIMIZERS[opt_name], steps, accum)
+    model, runner, losses = _run(make, kind, "ws", OPTIMIZERS[opt_name], steps, accum, **compile_kw)
+    assert torch.equal(losses, ref_losses)
+    _assert_same_state(model, ref)
+    return runner
+
+
 def _assert_same_state(a, b):
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()

@@ -130,24 +130,12 @@ def test_ignored_with_a_disk_store_says_so(tmp_path):
 def _updated_in_backward(make, kind, make_opt, steps, between=None):
     """Streamed training with the mirror written by the update (updates in the
     backward); ``between(model, step)`` runs after each step."""
-    from test_update_in_backward import _batch as batch
-    from test_update_in_backward import _loss as loss_of
+    from test_update_in_backward import _streamed
 
-    torch.manual_seed(0)
-    model = make()
-    runner = cstorch.compile(
-        model, backend="ws", granularity="module", update_in_backward=True, host_mirror=True
+    model, runner, _, losses = _streamed(
+        make, kind, make_opt, steps, between=between, host_mirror=True
     )
-    opt = make_opt([p for p in model.parameters() if p.requires_grad])
-    losses = []
-    for step in range(steps):
-        x, y = batch(kind, step)
-        loss = loss_of(runner(x), y)
-        cstorch.amp.optimizer_step(loss, opt, None)
-        losses.append(loss.detach())
-        if between is not None:
-            between(model, step)
-    return model, runner, torch.stack(losses)
+    return model, runner, losses
 
 
 @pytest.mark.parametrize("model_name", ["gpt_tied", "partly_frozen", "called_twice"])

@@ -76,7 +76,8 @@ def _eager(make, kind, make_opt, steps):
     return model, torch.stack(losses)
 
 
-def _streamed(make, kind, make_opt, steps, **compile_kw):
+def _streamed(make, kind, make_opt, steps, between=None, **compile_kw):
+    """Training with updates in the backward; ``between(model, step)`` runs after each step."""
     torch.manual_seed(0)
     model = make()
     runner = cstorch.compile(
@@ -89,6 +90,8 @@ def _streamed(make, kind, make_opt, steps, **compile_kw):
         loss = _loss(runner(x), y)
         cstorch.amp.optimizer_step(loss, opt, None)
         losses.append(loss.detach())
+        if between is not None:
+            between(model, step)
     return model, runner, opt, torch.stack(losses)
 
 

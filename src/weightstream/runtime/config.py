@@ -102,10 +102,20 @@ class StreamingConfig:
         "the embedding) keeps its own activations. Layer pipelined applies it to the same "
         "units (Note [activation checkpointing] in runtime/recompute.py).",
     )
+    activation_offload: bool = setting(
+        False,
+        doc="Move each tensor of at least 1 MiB that the forward saves for the backward "
+        "(not a streamed weight) to page-locked host memory while the forward runs, and "
+        "bring it back, ahead of need, in the backward: device activation memory drops to "
+        "the units still computing (with activation_checkpointing: the units' inputs go to "
+        "the host too). Exact. The reference's activation servers (max_act_per_csx). Only "
+        "useful on an accelerator (Note [activation offload] in runtime/offload.py).",
+    )
     host_mirror: bool | None = setting(
         None,
         doc="Keep each streamed unit's weights also as one flat host buffer in their "
-        "compute dtype (pinned on accelerators), written once per forward pass, and copy "
+        "compute dtype (pinned on accelerators), written by the update or once per forward "
+        "pass, and copy "
         "that buffer to the device: one asynchronous copy of 2 bytes a parameter in bf16 "
         "instead of a cast per tensor from pageable fp32 (Note [host mirror] in "
         "runtime/mirror.py). Costs host memory of the weights in the compute dtype. "

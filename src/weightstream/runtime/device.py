@@ -391,9 +391,13 @@ class DeviceOps:
         # Host memory of the gradients an accelerator hands back, two per unit (one
         # in .grad, one arriving), page-locked: Note [gradients out].
         self.host_grads = StoragePool(per_key=2, alloc=None if self.is_cpu else self.pinned_bytes)
+        # Owner: this object. Why: saved activations go to host memory and back while
+        # the compute goes on (Note [activation offload] in runtime/offload.py).
+        self._offload_stream = None
         if not self.is_cpu:
             self._copy_stream = torch.Stream(device=self.device)
             self._grad_stream = torch.Stream(device=self.device)
+            self._offload_stream = torch.Stream(device=self.device)
 
     @property
     def helper_thread_init(self) -> Callable[[], None] | None:
@@ -475,6 +479,43 @@ class DeviceOps:
             event = stream.record_event()
         in_flight.append(event)
         return HostGrads(host, event)
+
+    def to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Event | None]:
+        """Start copying device tensor ``t`` into new host memory (page-locked on an
+        accelerator), on the offload stream; the event follows the copy (Note
+        [activation offload] in runtime/offload.py)."""
+        host = torch.empty(t.size(), dtype=t.dtype, pin_memory=not self.is_cpu)
+        if self.is_cpu:
+            return host.copy_(t), None
+        stream = self._offload_stream
+        stream.wait_stream(torch.accelerator.current_stream())  # after t was written
+        with _StreamContext(stream):
+            host.copy_(t, non_blocking=True)
+            t.record_stream(stream)  # t's memory waits for the copy to read it
+            return host, stream.record_event()
+
+    def to_device(
+        self, host: torch.Tensor, after: torch.Event | None
+    ) -> tuple[torch.Tensor, torch.Event | None]:
+        """Start copying ``host`` (written by the copy that ``after`` follows) into a new
+        device tensor, on the offload stream; the CPU gives ``host`` itself."""
+        if self.is_cpu:
+            return host, None
+        out = torch.empty(host.size(), dtype=host.dtype, device=self.device)
+        stream = self._offload_stream
+        # The new memory may have been the compute stream's until now.
+        stream.wait_stream(torch.accelerator.current_stream())
+        if after is not None:
+            stream.wait_event(after)  # the same stream orders it anyway; say so
+        with _StreamContext(stream):
+            out.copy_(host, non_blocking=True)
+            out.record_stream(stream)  # dropped unused, it still waits for the copy
+            return out, stream.record_event()
+
+    def wait_copy(self, event: torch.Event | None) -> None:
+        """Make the current stream wait for a copy's event (no host sync)."""
+        if event is not None:
+            torch.accelerator.current_stream().wait_event(event)
 
     def pinned_bytes(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` of host memory this device copies to and from asynchronously."""

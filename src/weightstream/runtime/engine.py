@@ -17,6 +17,7 @@ from weightstream.runtime import swarm
 from weightstream.runtime.config import StreamingConfig
 from weightstream.runtime.device import DeviceOps
 from weightstream.runtime.loading import copy_then_release, holds_tensors
+from weightstream.runtime.offload import ActivationOffload
 from weightstream.runtime.partition import Plan, build_plan
 from weightstream.runtime.placement import default_budget
 from weightstream.runtime.recompute import recomputed_units
@@ -438,11 +439,25 @@ class StreamingEngine:
             recompute=recompute,
             mirror=mirror,
             mirror_by_update=self.updater is not None,
+            offload=self._activation_offload(),
         )
         if mirror and self.updater is not None:
             # The update writes what it changed into the mirrors (Note [host mirror]).
             self.updater.on_updated = self.streamer.mirror_updated
         self.streamer.install()
+
+    def _activation_offload(self) -> ActivationOffload | None:
+        """Saved activations in host memory (Note [activation offload] in offload.py)."""
+        if not self.config.activation_offload:
+            return None
+        if self.device.type == "cpu":
+            warnings.warn(
+                "weightstream: activation_offload on the CPU copies saved activations "
+                "within host memory and saves nothing (Note [activation offload] in "
+                "runtime/offload.py). Fix: use it with an accelerator, or drop it.",
+                stacklevel=4,
+            )
+        return ActivationOffload(self.ops)
 
     def _host_mirror(self) -> bool:
         """Whether fetches copy a compute-dtype mirror (Note [host mirror] in mirror.py)."""

@@ -51,6 +51,7 @@ from torch import nn
 
 from weightstream.runtime.device import DeviceOps
 from weightstream.runtime.mirror import HostMirror
+from weightstream.runtime.offload import ActivationOffload, _Offloaded
 from weightstream.runtime.partition import Plan
 from weightstream.runtime.recompute import UnitForward, checkpointed
 from weightstream.runtime.residency import ResidencyMeter
@@ -243,6 +244,7 @@ class Streamer:
         recompute: set[int] | frozenset[int] = frozenset(),
         mirror: bool = False,
         mirror_by_update: bool = False,
+        offload: ActivationOffload | None = None,
     ):
         self.plan = plan
         # Indices of the units whose forward is recomputed in the backward
@@ -266,6 +268,8 @@ class Streamer:
         assert not mirror or (store is None and shards is None and postprocess is None)
         self._mirror = mirror
         self._mirror_by_update = mirror_by_update  # the updater calls mirror_updated
+        # Saved activations go to host memory (Note [activation offload] in offload.py).
+        self.offload = offload
         self._mirrors: dict[int, dict[torch.dtype, HostMirror]] = {}  # unit index -> groups
         # id(master) -> every (mirror, position in it) holding it (a tied weight: two).
         self._mirror_slots: dict[int, list[tuple[HostMirror, int]]] = {}
@@ -418,6 +422,8 @@ class Streamer:
         assert not self._windows, "a forward is already running"
         self._generation += 1
         self._seq = _Sequence(next(self._ids))
+        if self.offload is not None:
+            self.offload.begin_forward()
         if not self.ops.is_cpu:
             # The first unit's copy overlaps whatever runs before it. On the CPU the
             # first unit is entered at once and would only wait for the hand-off to
@@ -517,13 +523,25 @@ class Streamer:
     def pack(self, t: torch.Tensor):
         base = t._base if t._base is not None else t
         owner = self._buffer_owner.get(id(base))
-        if owner is None or t.dtype != base.dtype:
+        if owner is None:
+            offload = self.offload
+            if (
+                offload is not None
+                and self._seq is not None  # a forward, not a recompute in the backward
+                and not (t.is_leaf and t.requires_grad)  # a resident parameter stays
+                and offload.wants(t)
+            ):
+                return offload.pack(t)
+            return t
+        if t.dtype != base.dtype:
             return t
         seq, pos, group = owner
         seq.saved.add(pos)
         return _SavedWeight(seq, pos, group, t.size(), t.stride(), t.storage_offset())
 
     def unpack(self, saved):
+        if isinstance(saved, _Offloaded):
+            return self.offload.unpack(saved)
         if not isinstance(saved, _SavedWeight):
             return saved
         self._begin_backward_fetch(saved.seq, saved.pos)
