@@ -199,3 +199,20 @@ def test_two_ranks_measure_the_machine_profile_with_a_cold_cache(tmp_path):
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert (tmp_path / "m" / "checkpoint_2.mdl").exists()
+
+
+@pytest.mark.parametrize(
+    "backend, host",
+    [
+        ("gloo", True),
+        ("cpu:gloo,cuda:nccl", True),
+        ("nccl", False),
+        ("cuda:nccl", False),
+    ],
+)
+def test_a_device_only_backend_is_refused_for_host_collectives(backend, host):
+    """Weight streaming reduces host tensors: NCCL alone cannot (swarm.check_host_collectives
+    then names the fix)."""
+    from weightstream.runtime import swarm
+
+    assert swarm.host_capable(backend) is host

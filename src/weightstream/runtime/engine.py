@@ -199,6 +199,7 @@ class StreamingEngine:
         self._params = {id(p): p for p in module.parameters()}
         on_meta = any(p.is_meta for p in module.parameters())
         if config.data_parallel and swarm.world_size() > 1 and not on_meta:
+            swarm.check_host_collectives()
             swarm.broadcast_module(module)  # every rank starts from rank 0's weights
             self._join_swarm(module)
         # Every unit's share of an optimizer step, in forward order (Note [overlapped updates]).

@@ -42,7 +42,9 @@ def init_from_env(device: torch.device) -> bool:
         return True
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    # Weight streaming reduces and broadcasts host tensors (the masters' gradients
+    # and weights); on CUDA, NCCL serves the device's and gloo the host's.
+    backend = HOST_AND_CUDA if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=timeout())
@@ -52,6 +54,31 @@ def init_from_env(device: torch.device) -> bool:
     # makes this a no-op.
     atexit.register(shutdown)
     return True
+
+
+HOST_AND_CUDA = "cpu:gloo,cuda:nccl"
+
+
+def check_host_collectives() -> None:
+    """Raise if the process group cannot run collectives on host tensors, which weight
+    streaming's data parallel does (the masters, their gradients)."""
+    backend = str(dist.get_backend())
+    if not host_capable(backend):
+        raise RuntimeError(
+            f"weightstream: the process group's backend {backend!r} cannot reduce host "
+            "tensors, and weight streaming keeps the masters and their gradients in host "
+            f"memory. Fix: dist.init_process_group(backend={HOST_AND_CUDA!r}) (or let "
+            "weightstream join the group: it does so under torchrun)."
+        )
+
+
+def host_capable(backend: str) -> bool:
+    """Whether a backend string (``"nccl"``, ``"gloo"``, ``"cpu:gloo,cuda:nccl"``) has a
+    backend for host tensors."""
+    backend = backend.lower()
+    if ":" not in backend:
+        return backend not in ("nccl", "xccl", "hccl")  # device-only backends
+    return any(part.split(":")[0].strip() == "cpu" for part in backend.split(","))
 
 
 def timeout() -> datetime.timedelta:
