@@ -332,7 +332,8 @@ def _apply(optimizer, snapshot, share, grads, pager: _Pager | None = None, on_up
     its ``zero_grad()`` must not race with this update. With a disk store the
     parameters whose master, gradient or state is in a file are updated one at a
     time on buffers read ahead by ``pager`` (Note [explicit disk I/O]); the
-    others together, in place.
+    others together, in place. ``on_updated(share)`` runs once they all are (the
+    mirrors' write: Note [host mirror] in mirror.py).
     """
     if pager is not None:
         pager.store.adopt_optimizer_state(optimizer, share)
