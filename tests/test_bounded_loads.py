@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 import params_files as pf
+import pytest
 import torch
 from trees import assert_same_tree
 
@@ -173,6 +174,7 @@ def _params(path: Path, budget: int, **runconfig) -> Path:
     )
 
 
+@pytest.mark.slow  # 70 s on 2 cores; the seed recipe's test above covers the same loads
 def test_run_command_resume_eval_and_warm_start_of_a_disk_store_model_are_bounded(tmp_path):
     """The run command's resume, ``-m eval`` and warm start of a model whose state is
     more than 4x the host memory budget: each load grows RSS by at most the budget,

@@ -92,7 +92,8 @@ def _assert_states_close(got: dict, want: dict, what: str) -> None:
             assert g == w, f"{what}: {key}"
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
+# Four ranks take 22 s each on 2 cores: with the slow tests (the default suite keeps two).
+@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("launcher", ["torchrun", "launch"])
 def test_seed_style_script_on_n_ranks_ends_with_the_one_rank_weights(runs, ranks, launcher):
     one_dir, _ = runs(1)

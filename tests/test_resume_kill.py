@@ -336,6 +336,12 @@ def run_kill_chain(tmp_path: Path, kills: int, seed: int) -> dict:
     return {"kills": kills, "steps": max_steps, "plan": history, "temporary_files": leftovers}
 
 
+def test_a_kill_resumes_bit_for_bit(tmp_path):
+    result = run_kill_chain(tmp_path, kills=1, seed=20261126)
+    assert len(result["plan"]) == 1
+
+
+@pytest.mark.slow  # 50 s on 2 cores; the default suite kills once (above)
 def test_five_kills_resume_bit_for_bit(tmp_path):
     result = run_kill_chain(tmp_path, kills=5, seed=20261121)
     assert len(result["plan"]) == 5

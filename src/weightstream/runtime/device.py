@@ -338,8 +338,8 @@ def pinned_bytes(nbytes: int, device_type: str) -> torch.Tensor:
         try:
             mapping.register(tensor.data_ptr())
             return tensor
-        except (RuntimeError, AttributeError):
-            pass
+        except (RuntimeError, AttributeError, TypeError):
+            pass  # a runtime without registration: the allocator below serves it
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
