@@ -480,33 +480,30 @@ class DeviceOps:
         in_flight.append(event)
         return HostGrads(host, event)
 
-    def to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Event | None]:
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """Start copying device tensor ``t`` into new host memory (page-locked on an
-        accelerator), on the offload stream; the event follows the copy (Note
-        [activation offload] in runtime/offload.py)."""
+        accelerator: the caching host allocator's, whose blocks the next step reuses),
+        on the offload stream (Note [activation offload] in runtime/offload.py)."""
         host = torch.empty(t.size(), dtype=t.dtype, pin_memory=not self.is_cpu)
         if self.is_cpu:
-            return host.copy_(t), None
+            return host.copy_(t)
         stream = self._offload_stream
         stream.wait_stream(torch.accelerator.current_stream())  # after t was written
         with _StreamContext(stream):
             host.copy_(t, non_blocking=True)
             t.record_stream(stream)  # t's memory waits for the copy to read it
-            return host, stream.record_event()
+        return host
 
-    def to_device(
-        self, host: torch.Tensor, after: torch.Event | None
-    ) -> tuple[torch.Tensor, torch.Event | None]:
-        """Start copying ``host`` (written by the copy that ``after`` follows) into a new
-        device tensor, on the offload stream; the CPU gives ``host`` itself."""
+    def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, torch.Event | None]:
+        """Start copying ``host`` back into a new device tensor, on the offload stream
+        (after its copy out, which that stream ran first); the event follows the copy.
+        The CPU gives ``host`` itself."""
         if self.is_cpu:
             return host, None
         out = torch.empty(host.size(), dtype=host.dtype, device=self.device)
         stream = self._offload_stream
         # The new memory may have been the compute stream's until now.
         stream.wait_stream(torch.accelerator.current_stream())
-        if after is not None:
-            stream.wait_event(after)  # the same stream orders it anyway; say so
         with _StreamContext(stream):
             out.copy_(host, non_blocking=True)
             out.record_stream(stream)  # dropped unused, it still waits for the copy

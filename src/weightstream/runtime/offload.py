@@ -18,8 +18,9 @@ which starts its copy into new page-locked host memory on the offload stream
 (after the compute stream's work so far; the device tensor is recorded on that
 stream, so its memory is not reused before the copy read it) and returns a
 record; the device tensor is free as soon as the forward drops it. The unpack
-hook brings a record back: a copy on the offload stream into a new device
-tensor that the compute stream waits for (an event, not a host sync). The
+hook brings a record back: a copy on the offload stream (which ran the copy out
+first) into a new device tensor that the compute stream waits for (an event,
+not a host sync). The
 backward uses saved tensors in about the reverse order of the forward, so
 each unpack also starts the way back of the ``depth`` records saved just
 before it (prefetch), and their copies overlap the backward's compute. A
@@ -48,11 +49,10 @@ MIN_BYTES = 1 << 20  # smaller saved tensors stay on the device: not worth a cop
 class _Offloaded:
     """A saved tensor on its way to host memory and back."""
 
-    __slots__ = ("__weakref__", "back", "back_event", "host", "index", "out_event", "saved")
+    __slots__ = ("__weakref__", "back", "back_event", "host", "index", "saved")
 
-    def __init__(self, host: torch.Tensor, out_event, saved: list[weakref.ref]):
+    def __init__(self, host: torch.Tensor, saved: list[weakref.ref]):
         self.host = host  # page-locked on accelerators; written by the copy out
-        self.out_event = out_event  # after the copy out (None on the CPU)
         self.saved = saved  # the records of the same forward, in save order
         self.index = len(saved)  # this one's position there
         self.back: torch.Tensor | None = None  # the device copy, once started
@@ -75,8 +75,7 @@ class ActivationOffload:
         return t.device == self.ops.device and t.numel() * t.element_size() >= MIN_BYTES
 
     def pack(self, t: torch.Tensor) -> _Offloaded:
-        host, event = self.ops.to_host(t)
-        record = _Offloaded(host, event, self._records)
+        record = _Offloaded(self.ops.to_host(t), self._records)
         self._records.append(weakref.ref(record))
         self.bytes_out += t.numel() * t.element_size()
         return record
@@ -94,4 +93,4 @@ class ActivationOffload:
 
     def _bring_back(self, record: _Offloaded) -> None:
         if record.back is None:
-            record.back, record.back_event = self.ops.to_device(record.host, record.out_event)
+            record.back, record.back_event = self.ops.to_device(record.host)
