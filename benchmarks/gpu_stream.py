@@ -53,6 +53,11 @@ The physical limit of one WS step is the largest of
   copied to the device, which the copy engine reads from host memory. On the CPU the device copies and the
   gradients are the compute's own memory traffic and only the optimizer counts.
 
+With ``--activation-offload`` the saved activations (the offload's own count of
+bytes sent out in the timed steps) go out in the forward and come back in the
+backward: added to both directions of the link and, on an accelerator, twice to
+the host memory traffic (written by one copy, read by the other).
+
 ``fraction_of_roofline = roofline_s / measured median step``. On the CPU the
 three share the same cores and memory, so no run can overlap them and the
 fraction stays well below 1.
@@ -473,10 +478,16 @@ def run_ws(cfg, x, y, device, dtype, args) -> dict:
     )
     opt = cstorch.optim.AdamW(model.parameters(), **ADAMW, fused=True)
     start: list[int | None] = []
+    offloaded: list[int] = []
+
+    def offloaded_bytes() -> int:  # the streamer exists from the first step
+        offload = runner.engine.streamer.offload  # None without activation_offload
+        return 0 if offload is None else offload.bytes_out
 
     def on_timed():
         _reset_device_peak(device)
         start.append(_fetched_bytes(runner))
+        offloaded.append(offloaded_bytes())
 
     try:
         timing = run_steps(
@@ -489,6 +500,8 @@ def run_ws(cfg, x, y, device, dtype, args) -> dict:
         if args.profile:
             profile_step(runner, opt, x, y, device, args.update_in_backward)
         counted = None if end is None or start[0] is None else (end - start[0]) / args.steps
+        # Saved activations sent to host memory a step (each comes back once).
+        act = (offloaded_bytes() - offloaded[0]) / args.steps
         plan = runner.engine.plan
         return {
             "timing": timing,
@@ -498,6 +511,7 @@ def run_ws(cfg, x, y, device, dtype, args) -> dict:
             "h2d_bytes_counted": counted,
             "h2d_bytes_plan": 2 * fetch,  # Note [roofline]: a forward and a backward fetch
             "d2h_bytes_plan": grads,
+            "offload_bytes": act,
             "device_peak_bytes": peak_bytes,
             "mirror": runner.engine.streamer.mirror_bytes() > 0,
             "transfer_bytes": torch.empty((), dtype=dtype).element_size(),
@@ -635,13 +649,15 @@ def run_fsdp2(cfg, x, y, device, dtype, args, params: int) -> dict:
 # ---- one size -------------------------------------------------------------------------------
 
 
-def host_bytes(params: int, h2d: float, transfer_bytes: int, mirror: bool, device) -> float:
+def host_bytes(
+    params: int, h2d: float, transfer_bytes: int, mirror: bool, device, act_out: float
+) -> float:
     """Host memory bytes one WS step moves (Note [roofline])."""
     if device.type != "cuda":
         return ADAMW_BYTES_PER_PARAM * params
     mirror_write = 4 + transfer_bytes if mirror else 0
     grads_in = 4  # fp32, written by the copy engine (Note [gradients out])
-    return (ADAMW_BYTES_PER_PARAM + mirror_write + grads_in) * params + h2d
+    return (ADAMW_BYTES_PER_PARAM + mirror_write + grads_in) * params + h2d + act_out
 
 
 def roofline(params, tokens, peak, h2d, d2h, host_bytes, limits, device) -> dict:
@@ -707,8 +723,9 @@ def run_size(name: str, size: Size, device, dtype, peak: float, limits: dict, ar
     fig = ws["timing"].figures(tokens, params, peak)
     med = fig["step_s"]["median"]
     h2d = ws["h2d_bytes_counted"] if ws["h2d_bytes_counted"] is not None else ws["h2d_bytes_plan"]
-    d2h = ws["d2h_bytes_plan"]
-    moved = host_bytes(params, h2d, ws["transfer_bytes"], ws["mirror"], device)
+    act_out = ws["offload_bytes"]  # activations each way: out in the forward, back after
+    h2d, d2h = h2d + act_out, ws["d2h_bytes_plan"] + act_out
+    moved = host_bytes(params, h2d, ws["transfer_bytes"], ws["mirror"], device, act_out)
     roof = roofline(params, tokens, peak, h2d, d2h, moved, limits, device)
 
     # Eager needs about what WS keeps on the device besides its streamed weights.
@@ -736,6 +753,7 @@ def run_size(name: str, size: Size, device, dtype, peak: float, limits: dict, ar
         "host_bytes_per_step": moved,
         "h2d_bytes_plan": ws["h2d_bytes_plan"],
         "d2h_bytes_per_step": d2h,
+        "activation_offload_bytes_per_step": act_out,
         "h2d_gbps": h2d / med / 1e9,
         "d2h_gbps": d2h / med / 1e9,
         "pinned_h2d_gbps": limits["pinned_h2d"] / 1e9,
@@ -786,7 +804,11 @@ def report_size(r: dict) -> None:
         )
     counted = (
         ""
-        if r["h2d_bytes_per_step"] == r["h2d_bytes_plan"]
+        # the weights' count against the plan's (the activations are counted apart)
+        if abs(
+            r["h2d_bytes_per_step"] - r["activation_offload_bytes_per_step"] - r["h2d_bytes_plan"]
+        )
+        < 1
         else (f" (plan, 2 fetches: {r['h2d_bytes_plan'] / 1e9:.3f})")
     )
     print(
@@ -799,6 +821,11 @@ def report_size(r: dict) -> None:
     print(
         f"  WS plan: {r['units']} units, largest {r['largest_unit_bytes'] / 2**20:.1f} MiB, "
         f"streamed weights bound {r['weight_bound_bytes'] / 2**20:.1f} MiB{peak}"
+        + (
+            f"; activations offloaded {r['activation_offload_bytes_per_step'] / 1e9:.3f} GB"
+            if r["activation_offload_bytes_per_step"]
+            else ""
+        )
     )
     roof = r["roofline"]
     print(

@@ -370,7 +370,9 @@ class DeviceOps:
     """Copies host tensors to one compute device, synchronously or in the background."""
 
     def __init__(self, device: torch.device | str):
-        self.device = torch.device(device)
+        # With its index ("cuda:0", not "cuda"): tensors report theirs, and a
+        # device compared with a tensor's must match it.
+        self.device = torch.empty(0, device=device).device
         self.is_cpu = self.device.type == "cpu"
         # The CPU's copies reuse their buffers; an accelerator's caching allocator
         # does that for its own (Note [CPU copy buffers]).
