@@ -30,6 +30,23 @@ def test_prediction_fills_ram_with_masters_then_state_then_gradients():
     assert none.ram_bytes == 0
 
 
+def test_a_kind_that_partly_fits_is_spread_over_the_units():
+    # Eight equal masters, room for four moments of the sixteen: every other
+    # master keeps one in RAM (a unit's update reads about the same from the files
+    # as the next one's), not the first two masters both.
+    got = placement.PlacementPlan(dict.fromkeys(range(8), 10), capacity=8 * 10 + 4 * 10)
+    kept = [got._state_left[k] for k in range(8)]
+    assert sum(kept) == 40 and max(kept) == 10
+    assert all(sum(kept[i : i + 4]) == 20 for i in range(0, 8, 4))
+    # Unequal sizes: never more than the room, and rounding's leftovers are used.
+    sizes = [7, 3, 12, 5, 9, 1, 4, 8]
+    for room in range(0, sum(sizes) + 1):
+        fits = placement.spread(sizes, room)
+        held = sum(n for n, f in zip(sizes, fits) if f)
+        assert held <= room
+        assert all(f or held + n > room for n, f in zip(sizes, fits))
+
+
 def _largest_unit_bytes(runner) -> int:
     return runner.engine.plan.largest_unit_bytes
 
