@@ -206,6 +206,7 @@ def main() -> None:
             ("1.35", ["--no-resume", "--overlap-updates", "--steps", "4"]),
             ("1.35", ["--no-resume", "--overlap-updates", "--update-in-backward", "--steps", "4"]),
             ("2.0", ["--no-resume"]),
+            ("2.0", ["--no-resume", "--update-in-backward"]),
         ):
             plan.append(
                 (
