@@ -147,14 +147,15 @@ class StreamingEngine:
 
     def __init__(self, module: nn.Module, device: torch.device, config: StreamingConfig):
         self.module = module
-        self.device = torch.device(device)
         self.config = config
-        self.ops = DeviceOps(self.device)
         # Owner: this engine. Why: tests and traces read the order of streaming
         # and reduce events; recording is off unless enabled.
         self.events = swarm.EventLog()
         if config.data_parallel:
-            swarm.init_from_env(self.device)  # data parallel under torchrun, by itself
+            swarm.init_from_env(torch.device(device))  # under torchrun: selects the rank's GPU
+        # After that selection: "cuda" resolves to this rank's device index.
+        self.ops = DeviceOps(device)
+        self.device = self.ops.device
         self.plan: Plan = build_plan(module, config)  # structural; refined at the first call
         check_budget(self.plan, config, self.device)
         self.streamer: Streamer | None = None
