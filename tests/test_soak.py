@@ -9,7 +9,13 @@ allocator's pools filled):
 
 * resident memory grows by less than 2 % from the warm-up to the end (medians over the
   100 steps after warm-up and the last 100 steps, so one sample's noise does not decide);
-* the thread count and the open files never exceed their warm-up values.
+* the thread count never exceeds its warm-up value;
+* the open files at rest (the fewest sampled in a window) do not grow from the
+  warm-up to the end, and no sample exceeds them by more than a checkpoint save
+  holds open while it writes (the temporary file, then the directory it fsyncs):
+  the samples, a few per 100 steps, catch a save only by chance, so the warm-up's
+  most is not a bound (a run at 40 steps a second sampled 4 open files in the
+  warm-up and 5 once later, a save in progress).
 
 Slow (several minutes): ``pytest -m slow tests/test_soak.py -s`` prints the figures.
 """
@@ -40,6 +46,7 @@ CHECKPOINT_STEPS = 100
 WARM_UP = 200
 WINDOW = 100  # steps over which the warm-up and the final figures are taken
 RUN = (sys.executable, "-m", "weightstream", "run", "CPU")
+SAVE_OPEN_FILES = 2  # a save's temporary file, and the directory it fsyncs after the rename
 
 
 def _params(path: Path) -> Path:
@@ -130,8 +137,9 @@ def test_soak_memory_threads_and_files_stay_flat(tmp_path):
     rss_warm = statistics.median(x[1] for x in warm)
     rss_final = statistics.median(x[1] for x in final)
     growth = (rss_final - rss_warm) / rss_warm
-    threads_warm, fds_warm = max(x[2] for x in warm), max(x[3] for x in warm)
+    threads_warm, fds_warm = max(x[2] for x in warm), min(x[3] for x in warm)
     threads_max, fds_max = max(x[2] for x in after), max(x[3] for x in after)
+    fds_final = min(x[3] for x in final)
     figures = {
         "steps": STEPS,
         "seconds": round(elapsed, 1),
@@ -143,7 +151,8 @@ def test_soak_memory_threads_and_files_stay_flat(tmp_path):
         "threads_warm": threads_warm,
         "threads_max_after_warm_up": threads_max,
         "threads_final": final[-1][2],
-        "open_files_warm": fds_warm,
+        "open_files_warm_at_rest": fds_warm,
+        "open_files_final_at_rest": fds_final,
         "open_files_max_after_warm_up": fds_max,
         "open_files_final": final[-1][3],
     }
@@ -151,4 +160,5 @@ def test_soak_memory_threads_and_files_stay_flat(tmp_path):
     (tmp_path / "soak.json").write_text(json.dumps(figures, indent=2))
     assert growth < 0.02, figures
     assert threads_max <= threads_warm, figures
-    assert fds_max <= fds_warm, figures
+    assert fds_final <= fds_warm, figures
+    assert fds_max <= fds_warm + SAVE_OPEN_FILES, figures
