@@ -33,6 +33,7 @@ from weightstream.config import run_configuration
 from weightstream.data.streaming import batch_size_of
 from weightstream.models import hf
 from weightstream.models.hf_names import hf_name_map
+from weightstream.models.tasks import model_inputs
 from weightstream.runtime import swarm
 from weightstream.runtime.performance import PerformanceTracker
 from weightstream.runtime.rng import capture_rng_state, restore_rng_state
@@ -162,9 +163,6 @@ class Run:
     def _dataloader(self, section, is_training: bool, **steps):
         return cstorch.utils.data.DataLoader(self._input_fn(section, is_training), **steps)
 
-    def _model_inputs(self, batch: dict):
-        return (batch["input_ids"],) if self.task == "lm" else (batch["inputs"],)
-
     # ---- compile ----------------------------------------------------------------------
 
     def compile(self, compiled, section) -> None:
@@ -183,7 +181,7 @@ class Run:
     def _compile(self, compiled, section) -> None:
         t0 = time.perf_counter()
         example = next(iter(self._input_fn(section, True)()))
-        args = self._model_inputs(example)
+        args = model_inputs(self.task, example)
         if self.ws:
             with self._autocast():
                 plan = compiled.engine.prepare(*args)

@@ -36,6 +36,7 @@ from weightstream.compiler.profile import MachineProfile
 from weightstream.compiler.report import compile_checksum, load_compile_dir, write_compile_dir
 from weightstream.compiler.software import tiny_training_steps
 from weightstream.compiler.updates import update_spec
+from weightstream.models.tasks import model_inputs
 from weightstream.runtime.config import StreamingConfig
 from weightstream.runtime.partition import Plan, build_plan
 
@@ -149,11 +150,6 @@ def estimate_for(
     loss_fn = task_loss_fn(task, args) if task is not None else None
     costs = unit_costs(model, plan, args, loss_fn=loss_fn)
     return costs, estimate(costs, machine, settings)
-
-
-def model_inputs(task: str, batch: dict) -> tuple:
-    """The model's positional inputs in a batch of ``task``'s format (models/registry.py)."""
-    return (batch["input_ids"],) if task == "lm" else (batch["inputs"],)
 
 
 def estimate_from_params(

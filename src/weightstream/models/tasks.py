@@ -8,6 +8,11 @@ import torch
 import torch.nn.functional as F
 
 
+def model_inputs(task: str, batch: dict) -> tuple:
+    """The model's positional inputs in a batch of ``task``'s format."""
+    return (batch["input_ids"],) if task == "lm" else (batch["inputs"],)
+
+
 def task_loss(task: str, model: Callable, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Forward one batch; returns (mean loss, logits, extra) for the task's batch format."""
     if task == "lm":

@@ -16,10 +16,6 @@ from weightstream.common.schema import (
     setting,
 )
 
-GRANULARITIES = ("auto", "module")
-STORES = ("ram", "disk")
-STORE_SHARDINGS = ("replicated", "sharded")
-
 _BYTES = "use a positive number of bytes"
 
 

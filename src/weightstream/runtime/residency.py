@@ -44,7 +44,3 @@ class ResidencyMeter:
     def current_bytes(self) -> int:
         with self._lock:
             return sum(n for ref, n in self._live.values() if ref() is not None)
-
-    def reset_peak(self) -> None:
-        with self._lock:
-            self.peak_bytes = sum(n for ref, n in self._live.values() if ref() is not None)
