@@ -3,8 +3,7 @@
 Each hint is an optimization only: it never changes what is read or written,
 a failure is ignored, and where it is unavailable (not Linux, an older
 kernel, a file system without it) it does nothing. They are called through
-the C library the interpreter already runs on (``ctypes.CDLL(None)``: no
-library search, no subprocess).
+the C library the interpreter already runs on (``common.pages.libc_function``).
 
 # Note [populate before read]
 
@@ -30,8 +29,8 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import sys
-from typing import Any
+
+from weightstream.common.pages import libc_function
 
 PAGE = 4096
 _MADV_POPULATE_WRITE = 23  # <asm-generic/mman-common.h>, Linux 5.14+
@@ -40,26 +39,12 @@ _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>
 # Bytes written between two starts of writeback (Note [early writeback]).
 WRITEBACK_BYTES = 32 * 2**20
 
-_LINUX = sys.platform.startswith("linux")
-_functions: dict[str, Any] = {}
 _broken: set[str] = set()
 
 
-def _libc_function(name: str, argtypes: list, restype=ctypes.c_int):
+def _libc_function(name: str, argtypes: tuple):
     """The C library's ``name`` with its signature, or None (then never asked again)."""
-    if name in _broken or not _LINUX:
-        return None
-    fn = _functions.get(name)
-    if fn is None:
-        try:
-            fn = getattr(ctypes.CDLL(None, use_errno=True), name)
-        except (OSError, AttributeError):
-            _broken.add(name)
-            return None
-        fn.argtypes = argtypes
-        fn.restype = restype
-        _functions[name] = fn
-    return fn
+    return None if name in _broken else libc_function(name, argtypes)
 
 
 def _failed(name: str, unsupported: tuple[int, ...]) -> None:
@@ -79,7 +64,7 @@ def populate(address: int, nbytes: int) -> None:
     last = (address + nbytes) // PAGE * PAGE
     if last <= first:
         return
-    madvise = _libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
+    madvise = _libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
     if madvise is not None and madvise(first, last - first, _MADV_POPULATE_WRITE) != 0:
         _failed("madvise", (errno.EINVAL, errno.ENOSYS))  # EINVAL: before Linux 5.14
 
@@ -87,7 +72,7 @@ def populate(address: int, nbytes: int) -> None:
 def start_writeback(fd: int) -> None:
     """Start writing the file's dirty pages to disk, without waiting (Note [early writeback])."""
     sync_file_range = _libc_function(
-        "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        "sync_file_range", (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
     )
     if sync_file_range is not None and sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE) != 0:
         _failed("sync_file_range", (errno.ENOSYS,))  # ESPIPE, EINVAL: this file only

@@ -22,6 +22,7 @@ program wrote stay, so no data can be lost).
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import sys
 import weakref
@@ -38,23 +39,27 @@ MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21)
 _PAGE = mmap.PAGESIZE
 
 
-def _libc(name: str, argtypes: tuple, use_errno: bool = False):
-    """The C library's function ``name`` returning an int, or None where there is none
-    (not Linux, or a C library without it: malloc_trim is glibc's)."""
+@functools.cache
+def libc_function(name: str, argtypes: tuple, restype=ctypes.c_int):
+    """The C library's function ``name`` with its signature (``errno`` kept for
+    ``ctypes.get_errno``), or None where there is none: not Linux, or a C library
+    without it (``malloc_trim`` and ``mallopt`` are glibc's). Looked up in the C
+    library the interpreter already runs on (``ctypes.CDLL(None)``: no library
+    search), once per signature."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        fn = getattr(ctypes.CDLL(None, use_errno=use_errno), name)
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
     fn.argtypes = argtypes
-    fn.restype = ctypes.c_int
+    fn.restype = restype
     return fn
 
 
 # madvise(addr, length, advice), on the storages' own addresses: torch's mapping
 # is page-aligned and has no Python object to call madvise on.
-madvise = _libc("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), use_errno=True)
+madvise = libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
 
 
 def is_store_mapped(t: torch.Tensor) -> bool:
@@ -108,7 +113,7 @@ def release_pages(tensors: Iterable[torch.Tensor]) -> None:
                     madvise(lo, hi - lo, MADV_PAGEOUT)
 
 
-_malloc_trim = _libc("malloc_trim", (ctypes.c_size_t,))
+_malloc_trim = libc_function("malloc_trim", (ctypes.c_size_t,))
 
 
 def trim_heap() -> None:

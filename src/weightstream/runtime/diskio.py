@@ -51,6 +51,8 @@ from collections.abc import Callable
 
 import torch
 
+from weightstream.common.pages import libc_function
+
 ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and memory (the page size)
 _CHUNK = 32 * 2**20  # bytes per request: several in flight for one large tensor
 _SYNC_FILE_RANGE_ALL = 7  # WAIT_BEFORE | WRITE | WAIT_AFTER
@@ -74,17 +76,9 @@ def as_view(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return buf.view(like.dtype)[:numel].view(like.shape)
 
 
-def _libc_sync_file_range():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_sync_file_range = _libc_sync_file_range()
+_sync_file_range = libc_function(
+    "sync_file_range", (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+)
 
 
 def _buffer(t: torch.Tensor, start: int, length: int):

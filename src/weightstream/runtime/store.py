@@ -49,7 +49,6 @@ import itertools
 import mmap
 import os
 import shutil
-import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterable
@@ -59,7 +58,7 @@ import torch
 from torch import nn
 
 from weightstream.common.materialize import materialize
-from weightstream.common.pages import MADV_REMOVE, STORE_SUFFIX, madvise
+from weightstream.common.pages import MADV_REMOVE, STORE_SUFFIX, libc_function, madvise
 from weightstream.runtime.diskio import (
     BufferPool,
     DiskIO,
@@ -83,13 +82,10 @@ _malloc_fixed = False
 def _return_large_frees_to_the_os() -> None:
     """Fix glibc's mmap threshold (Note [disk tier]); a no-op elsewhere."""
     global _malloc_fixed
-    if _malloc_fixed or not sys.platform.startswith("linux"):
+    mallopt = libc_function("mallopt", (ctypes.c_int, ctypes.c_int))
+    if _malloc_fixed or mallopt is None:  # not glibc: its allocator makes its own choice
         return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
-    except (OSError, AttributeError):
-        return  # not glibc: its allocator makes its own choice
+    mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
     _malloc_fixed = True
 
 
