@@ -27,6 +27,7 @@ import copy
 import dataclasses
 import difflib
 import functools
+import inspect
 import math
 import os
 import reprlib
@@ -147,6 +148,22 @@ def did_you_mean(value: Any, choices: Iterable[Any], n: int = 3) -> str:
     words = [str(c) for c in choices]
     close = difflib.get_close_matches(value, words, n=n) if isinstance(value, str) else []
     return f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+
+
+def named_subclasses(base: type) -> list[type]:
+    """The concrete public subclasses of ``base`` at any depth, defined so far (a
+    user's too): the classes a params file may name (``optimizer_type``, a
+    scheduler), without those named with a leading ``_`` or still abstract."""
+    found, pending, seen = [], list(base.__subclasses__()), set()
+    while pending:
+        cls = pending.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        pending.extend(cls.__subclasses__())
+        if not cls.__name__.startswith("_") and not inspect.isabstract(cls):
+            found.append(cls)
+    return found
 
 
 def _convert_union(path: str, value: Any, tp: Any, args: tuple) -> Any:

@@ -11,6 +11,7 @@ from typing import Any
 
 from torch import nn
 
+from weightstream.common.schema import named_subclasses
 from weightstream.optim.optimizer import Optimizer, ParamsT
 
 __all__ = ["configure_optimizer", "is_norm_layer", "param_groups_with_weight_decay"]
@@ -89,16 +90,7 @@ def configure_optimizer(optimizer_type: str, params: ParamsT, **kwargs: Any) -> 
 def _optimizer_classes() -> dict[str, list[type[Optimizer]]]:
     """Concrete public Optimizer subclasses, by lower-case name."""
     found: dict[str, list[type[Optimizer]]] = {}
-    pending = list(Optimizer.__subclasses__())
-    seen: set[type] = set()
-    while pending:
-        cls = pending.pop()
-        if cls in seen:
-            continue
-        seen.add(cls)
-        pending.extend(cls.__subclasses__())
-        if cls.__name__.startswith("_") or inspect.isabstract(cls):
-            continue
+    for cls in named_subclasses(Optimizer):
         found.setdefault(cls.__name__.lower(), []).append(cls)
     return found
 

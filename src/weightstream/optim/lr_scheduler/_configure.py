@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from weightstream.common.schema import named_subclasses
+
 from . import _lr
 from ._base import LRScheduler
 from ._lr import ChainedLR, ScalePerParamLR, SequentialLR
@@ -173,12 +175,8 @@ def _scheduler_classes() -> dict[str, type[LRScheduler]]:
         and cls is not LRScheduler
         and not name.startswith("_")
     }
-    stack = list(LRScheduler.__subclasses__())
-    while stack:
-        cls = stack.pop()
-        stack.extend(cls.__subclasses__())
-        if not inspect.isabstract(cls) and not cls.__name__.startswith("_"):
-            found.setdefault(cls.__name__.lower(), cls)
+    for cls in named_subclasses(LRScheduler):
+        found.setdefault(cls.__name__.lower(), cls)
     return found
 
 
