@@ -389,22 +389,34 @@ def main() -> None:
     engine = runner.engine
     budget = placed.ram_capacity + disk_working_set(engine.plan, engine.config, engine.device)
     s = summary(times)
-    bound_line = (
-        f"  forward (no file read in it) + hybrid roofline {phase_bound:.1f} s "
-        f"({phase_bound / hybrid:.2f}x the roofline): "
-        f"{fmt({k: v / phase_bound for k, v in s.items()}, 2)}x"
-        if idle_forward
-        else "  the forward uses the files here (masters in them, or overlapped updates)"
+
+    def over(bound: float) -> dict[str, float] | None:
+        """The step times over ``bound``; None where it is 0 (nothing to move)."""
+        return {k: v / bound for k, v in s.items()} if bound > 0 else None
+
+    if not idle_forward:
+        bound_line = "  the forward uses the files here (masters in them, or overlapped updates)"
+    elif hybrid > 0:
+        bound_line = (
+            f"  forward (no file read in it) + hybrid roofline {phase_bound:.1f} s "
+            f"({phase_bound / hybrid:.2f}x the roofline): {fmt(over(phase_bound), 2)}x"
+        )
+    else:  # a budget that holds the whole state: the files move nothing a step
+        bound_line = "  no file traffic a step (the RAM tier holds the whole state)"
+    hybrid_line = (
+        f"  hybrid roofline (the step's reads and writes, timed together) {hybrid:.1f} s: "
+        f"{fmt(over(hybrid), 2)}x; at the burst bandwidths {burst:.1f} s: "
+        f"{fmt(over(burst), 2)}x; "
+        if hybrid > 0
+        else "  "
     )
     print(
         f"seconds per step (min / median / max) {fmt(s, 1)}; disk read {read_bw / 1e9:.2f} GB/s, "
         f"write {write_bw / 1e9:.2f} GB/s; {placed.describe()}\n"
-        f"  hybrid roofline (the step's reads and writes, timed together) {hybrid:.1f} s: "
-        f"{fmt({k: v / hybrid for k, v in s.items()}, 2)}x; at the burst bandwidths "
-        f"{burst:.1f} s: {fmt({k: v / burst for k, v in s.items()}, 2)}x; all-on-disk roofline "
-        f"(burst) {all_on_disk:.1f} s: {s['median'] / all_on_disk:.2f}x\n"
+        f"{hybrid_line}all-on-disk roofline (burst) {all_on_disk:.1f} s: "
+        f"{s['median'] / all_on_disk:.2f}x\n"
         f"  compute alone (eager, in RAM) {compute:.1f} s; the larger limit {limit:.1f} s: "
-        f"{fmt({k: v / limit for k, v in s.items()}, 2)}x\n"
+        f"{fmt(over(limit), 2)}x\n"
         f"{bound_line}\n"
         f"  peak RSS {peak / 2**30:.2f} GiB against a budget of {budget / 2**30:.2f} GiB "
         f"({peak / ram:.1%} of RAM, {(peak - baseline) / 2**30:.2f} GiB above the RSS before "
@@ -462,15 +474,15 @@ def main() -> None:
         write_bandwidth=write_bw,
         seconds=s,
         hybrid_limit_seconds=hybrid,
-        over_hybrid={k: v / hybrid for k, v in s.items()},
+        over_hybrid=over(hybrid),
         hybrid_burst_seconds=burst,
-        over_hybrid_burst={k: v / burst for k, v in s.items()},
+        over_hybrid_burst=over(burst),
         limit_seconds=all_on_disk,
         over_limit=s["median"] / all_on_disk,
         compute_seconds=compute,
-        over_max_limit={k: v / limit for k, v in s.items()},
-        phase_bound_seconds=phase_bound if idle_forward else None,
-        over_phase_bound={k: v / phase_bound for k, v in s.items()} if idle_forward else None,
+        over_max_limit=over(limit),
+        phase_bound_seconds=phase_bound if idle_forward and hybrid > 0 else None,
+        over_phase_bound=over(phase_bound) if idle_forward and hybrid > 0 else None,
         peak_rss=peak,
         losses=losses,
         resume=resumed,

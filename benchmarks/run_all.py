@@ -117,22 +117,26 @@ def rows_larger_than_ram(r: dict) -> list[tuple[str, str, str, str]]:
         f"larger than RAM ({r['state_over_ram']:.2f}x RAM, {r['params'] / 1e9:.2f}B params"
         f"{overlap})"
     )
-    rows = [
-        (
-            f"{name}: step / hybrid roofline",
-            f"{r['over_hybrid']['median']:.2f}",
-            _mmm(r["over_hybrid"]),
-            f"roofline {r['hybrid_limit_seconds']:.1f} s: the placement's disk reads and "
-            f"writes, timed together on the spot; peak RSS {r['peak_rss'] / 2**30:.1f} GiB, "
-            f"budget {r['budget'] / 2**30:.1f} GiB",
-        ),
-        (
-            f"{name}: step / hybrid roofline at burst bandwidths",
-            f"{r['over_hybrid_burst']['median']:.2f}",
-            _mmm(r["over_hybrid_burst"]),
-            f"roofline {r['hybrid_burst_seconds']:.1f} s: the same bytes at a 2 GiB file's "
-            "read and write bandwidths, best of 3",
-        ),
+    rows = []
+    if r.get("over_hybrid"):  # None where the files move nothing a step
+        rows += [
+            (
+                f"{name}: step / hybrid roofline",
+                f"{r['over_hybrid']['median']:.2f}",
+                _mmm(r["over_hybrid"]),
+                f"roofline {r['hybrid_limit_seconds']:.1f} s: the placement's disk reads and "
+                f"writes, timed together on the spot; peak RSS {r['peak_rss'] / 2**30:.1f} GiB, "
+                f"budget {r['budget'] / 2**30:.1f} GiB",
+            ),
+            (
+                f"{name}: step / hybrid roofline at burst bandwidths",
+                f"{r['over_hybrid_burst']['median']:.2f}",
+                _mmm(r["over_hybrid_burst"]),
+                f"roofline {r['hybrid_burst_seconds']:.1f} s: the same bytes at a 2 GiB file's "
+                "read and write bandwidths, best of 3",
+            ),
+        ]
+    rows += [
         (
             f"{name}: step / the larger of disk and compute",
             f"{r['over_max_limit']['median']:.2f}",
@@ -149,7 +153,7 @@ def rows_larger_than_ram(r: dict) -> list[tuple[str, str, str, str]]:
     ]
     if r.get("over_phase_bound"):  # where the forward reads no file (8a4425d and later)
         rows.insert(
-            3,
+            len(rows) - 1,
             (
                 f"{name}: step / (forward + hybrid roofline)",
                 f"{r['over_phase_bound']['median']:.2f}",
