@@ -667,6 +667,39 @@ def test_a_recomputed_unit_does_its_forward_work_again_in_the_backward():
         assert again.step_s > base.step_s
 
 
+def test_a_disk_stores_file_traffic_bounds_the_step_from_below():
+    costs = _costs()
+    machine = dataclasses.replace(_profile(), disk_read_bandwidth=1e8, disk_write_bandwidth=5e7)
+    base = estimate(costs, machine, EstimateSettings(batch_size=8))
+    forward = sum(u.fwd_s for u in base.units) + base.outside_fwd_s
+    assert base.disk_s == 0.0
+    # Little traffic: priced and shown, but the step's own work is longer.
+    light = EstimateSettings(batch_size=8, disk_read_bytes=10**5, disk_write_bytes=10**5)
+    est = estimate(costs, machine, light)
+    assert est.disk_s == pytest.approx(1e5 / 1e8 + 1e5 / 5e7)
+    assert est.step_s == pytest.approx(base.step_s)
+    # Heavy traffic with the masters in RAM: the forward reads no file, so the step
+    # is at least the forward and then the traffic (10 + 20 = 30 ms), plus the loop.
+    heavy = EstimateSettings(
+        batch_size=8, disk_read_bytes=10**6, disk_write_bytes=10**6, input_s=1e-3
+    )
+    est = estimate(costs, machine, heavy)
+    traffic = 1e6 / 1e8 + 1e6 / 5e7
+    assert est.disk_s == pytest.approx(traffic)
+    assert est.step_s == pytest.approx(max(base.step_s + 1e-3, forward + traffic + 1e-3))
+    # Masters in the files: the traffic spans the whole step, the forward included.
+    more = dataclasses.replace(
+        heavy, disk_read_bytes=10**7, disk_write_bytes=10**7, forward_reads_disk=True
+    )
+    est = estimate(costs, machine, more)
+    assert est.step_s == pytest.approx(10 * traffic + 1e-3)
+    assert est.bound == "disk"
+    # Without disk figures in the profile the traffic is not priced, and the estimate says so.
+    est = estimate(costs, _profile(), more)
+    assert est.disk_s == 0.0 and est.step_s == pytest.approx(base.step_s + 1e-3)
+    assert any("not priced" in n for n in est.notes)
+
+
 # ---- checksum and compile directory -------------------------------------------------------
 
 

@@ -135,6 +135,27 @@ def test_disk_store_run_and_resume_equal_the_ram_store_run(tmp_path):
     assert (disk / "store").is_dir() and not any((disk / "store").iterdir())
 
 
+def test_compile_prices_the_disk_stores_file_traffic(tmp_path):
+    """A disk store whose files hold part of the state: the compile estimate prices
+    the bytes its placement moves a step (Note [disk traffic in the estimate]); with
+    the whole state in RAM there are none."""
+    priced = {}
+    for name, budget in (("tight", 400_000), ("roomy", 2**30)):
+        (tmp_path / name).mkdir()
+        params = _params(
+            tmp_path / name, store="disk", host_memory_budget=budget, compile_only=True
+        )
+        out = tmp_path / name / "out"
+        assert main(["run", "CPU", "-p", str(params), "-o", str(out)]) == 0
+        (compile_dir,) = out.glob("ws_*")
+        est = json.loads((compile_dir / "plan.json").read_text())["estimate"]
+        report = (compile_dir / "compile_report.txt").read_text()
+        priced[name] = (est["disk_bytes"], est["disk_s"], ", disk " in report)
+    disk_bytes, disk_s, shown = priced["tight"]
+    assert disk_bytes > 0 and disk_s > 0 and shown
+    assert priced["roomy"] == (0, 0.0, False)
+
+
 def test_bad_params_file_is_reported_without_training(tmp_path, capsys):
     path = _params(tmp_path)
     raw = yaml.safe_load(path.read_text())

@@ -38,6 +38,7 @@ from weightstream.compiler.software import tiny_training_steps
 from weightstream.compiler.updates import update_spec
 from weightstream.models.tasks import model_inputs
 from weightstream.runtime.config import StreamingConfig
+from weightstream.runtime.engine import predicted_placement
 from weightstream.runtime.partition import Plan, build_plan
 
 log = logging.getLogger("weightstream")
@@ -193,7 +194,12 @@ def estimate_from_params(
         plan = build_plan(model, StreamingConfig(granularity="module"))
     machine = load_or_measure(device, quick=quick_profile())
     batch_size = batch_size_of(batch)
-    settings = estimate_settings(params, device, batch_size, machine, input_s, model)
+    placement = None
+    if rc.execution_mode == "weight_streaming" and rc.streaming.store == "disk":
+        placement = predicted_placement(model, plan, rc.streaming, device)
+    settings = estimate_settings(
+        params, device, batch_size, machine, input_s, model, placement=placement
+    )
     _, est = estimate_for(
         model, plan, args, batch_size, task=task, machine=machine, settings=settings
     )
@@ -208,10 +214,12 @@ def estimate_settings(
     input_s: float,
     model: torch.nn.Module | None = None,
     recompute: tuple[int, ...] = (),
+    placement=None,
 ) -> EstimateSettings:
     """The estimate settings of a params file's run (the update cost measured if new,
     on tensors as large as ``model``'s trainable parameters when given; ``recompute``:
-    the units activation checkpointing runs again)."""
+    the units activation checkpointing runs again; ``placement``: a disk store's
+    predicted ``runtime.placement.Placement``, whose file traffic is priced)."""
     numel = None
     if model is not None:
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -231,6 +239,9 @@ def estimate_settings(
         input_s=input_s,
         step_overhead_s=machine.step_overhead_s,
         recompute=recompute,
+        disk_read_bytes=placement.disk_reads_per_step if placement is not None else 0,
+        disk_write_bytes=placement.disk_writes_per_step if placement is not None else 0,
+        forward_reads_disk=placement is not None and bool(placement.disk.get("master")),
     )
 
 
@@ -257,7 +268,14 @@ def run(run, compiled, args: tuple, batch_size: int) -> dict:
     input_s = input_seconds_per_batch(run.params.train_input.to_dict(), run.device, quick)
     recompute = recomputed(compiled, plan)
     settings_e = estimate_settings(
-        run.params, run.device, batch_size, machine, input_s, model, recompute
+        run.params,
+        run.device,
+        batch_size,
+        machine,
+        input_s,
+        model,
+        recompute,
+        _placement(run, compiled, model),
     )
     try:
         costs, est = estimate_for(
@@ -281,3 +299,12 @@ def run(run, compiled, args: tuple, batch_size: int) -> dict:
         est.bound,
     )
     return {"est_samples_per_sec": est.est_samples_per_sec, "cache_hit": False}
+
+
+def _placement(run, compiled, model):
+    """Where the run's disk store places the training state (Note [disk traffic in the
+    estimate] in estimate.py), also under compile_only, which builds no store; None
+    for a store in RAM."""
+    if not run.ws or run.rc.streaming.store != "disk" or compiled.plan is None:
+        return None
+    return predicted_placement(model, compiled.plan, run.rc.streaming, run.device)

@@ -76,7 +76,32 @@ reading the loss back, logging TensorBoard scalars; ``software.py``).
 
 step = sum over units (forward share + backward share + stream) + stream call +
 outside work (forward + backward) + update + step overhead + input; est. samples/sec =
-batch / step, and the model's own consumption rate is batch / (step - input).
+batch / step, and the model's own consumption rate is batch / (step - input). With
+a disk store whose files hold part of the training state, at least its file
+traffic bound (Note [disk traffic in the estimate]).
+
+Note [disk traffic in the estimate]
+-----------------------------------
+A disk store keeps what its RAM tier cannot hold in files (Note [disk tier] in
+runtime/store.py), and a step reads and writes them: its placement predicts the
+bytes (``Placement.disk_reads_per_step`` / ``disk_writes_per_step``), priced at
+the profile's disk bandwidths (a 64 MiB file written with fsync and read back
+cold, on the profile's disk directory). A step cannot take less than the file
+traffic plus what cannot overlap it: while the masters are in RAM the forward
+reads no file (state is read for each unit's update, once its gradient exists,
+and written after it), so the floor is the forward + the traffic; with masters in
+the files the traffic spans the whole step. Measured at 1.39x RAM
+(``benchmarks/larger_than_ram.py``, 15.6 GiB a step, two runs): forward 3.8 and
+4.9 s, the traffic at that run's burst bandwidths 8.6 and 12.6 s, compute alone
+7.3 and 9.5 s, the step 15.3 and 20.3 s. The floor is 0.81 and 0.86 of the
+step; the compute alone, all an estimate without this term could see, 0.48 and
+0.47. Bursts run faster than a step's sustained mix of reads beside writes, so
+the floor stays below the step while the disk keeps the speed it was profiled
+at (this VM's disk varies 1.5-2.5x over hours: the profile's figures are
+measured once); what the tier costs besides (the store's per-tensor I/O) is not
+priced: a 0.9M-parameter model with 19 MB of traffic a step ran at half its
+estimate. The report shows the term (``disk``) whether or not it binds, so the
+cost of a budget is visible before any step.
 
 The physical limit (design.md, "Performance") is the larger of the compute
 time (all FLOPs / peak) and the busiest link's time (bytes it moves / its
@@ -116,6 +141,9 @@ class EstimateSettings:
         step_overhead_s: seconds per step of the training loop's own bookkeeping.
         recompute: indices of the units whose forward runs again in their backward
             (``activation_checkpointing``): their backward work includes it.
+        disk_read_bytes, disk_write_bytes: bytes the disk store's files move a step
+            (its placement's prediction; 0 for a store in RAM).
+        forward_reads_disk: whether the forward reads some of them (masters in the files).
     """
 
     batch_size: int
@@ -128,6 +156,9 @@ class EstimateSettings:
     input_s: float = 0.0
     step_overhead_s: float = 0.0
     recompute: tuple[int, ...] = ()
+    disk_read_bytes: int = 0
+    disk_write_bytes: int = 0
+    forward_reads_disk: bool = False
 
     def __post_init__(self) -> None:
         self.recompute = tuple(sorted(self.recompute))
@@ -209,7 +240,7 @@ class Estimate:
     est_samples_per_sec: float
     compute_s: float  # every FLOP at its throughput, units and outside
     transfer_s: float  # every weight and gradient byte over the link
-    bound: str  # the largest of compute, memory, overhead, transfer, update, input
+    bound: str  # the largest of compute, memory, overhead, transfer, update, input, disk
     total_flops: int
     link_bytes: int  # 2 x weights fetched + gradients back
     host_bytes: int  # optimizer traffic in host RAM
@@ -223,6 +254,7 @@ class Estimate:
     ops: int = 0  # aten operators per step
     op_bytes: int = 0  # bytes the non-matmul operators move per step
     stream_call_s: float = 0.0  # the streamed call's own cost per step (weight streaming)
+    disk_s: float = 0.0  # the disk store's file traffic a step at the disk's bandwidths
 
     @property
     def model_samples_per_sec(self) -> float:
@@ -388,6 +420,11 @@ def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettin
         + settings.step_overhead_s
         + settings.input_s
     )
+    disk = _disk_seconds(settings, machine)
+    if disk > 0:  # Note [disk traffic in the estimate]
+        forward = sum(e.fwd_s for e in units) + out_fwd.work_s + call
+        floor = (0.0 if settings.forward_reads_disk else forward) + disk
+        step = max(step, floor + settings.step_overhead_s + settings.input_s)
     compute = (
         sum(e.fwd_compute_s + e.bwd_compute_s for e in units)
         + out_fwd.compute_s
@@ -411,6 +448,7 @@ def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettin
         "transfer": transfer,
         "update": update,
         "input": settings.input_s,
+        "disk": disk,
     }
     bound = max(sides.items(), key=lambda x: x[1])[0]
 
@@ -423,6 +461,10 @@ def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettin
         notes.append(
             f"other processes used {machine.other_load:.0%} of the CPUs while the machine "
             "profile was measured: its figures may be low (remeasure on a quiet machine)"
+        )
+    if settings.disk_read_bytes + settings.disk_write_bytes and not disk:
+        notes.append(
+            "the disk store's file traffic is not priced: the machine profile has no disk figures"
         )
     if upd is None:
         notes.append(
@@ -465,4 +507,14 @@ def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettin
         ops=costs.ops,
         op_bytes=op_bytes,
         stream_call_s=call,
+        disk_s=disk,
     )
+
+
+def _disk_seconds(settings: EstimateSettings, machine: MachineProfile) -> float:
+    """Seconds the disk store's files take a step at the profile's disk bandwidths; 0
+    without traffic or without disk figures (Note [disk traffic in the estimate])."""
+    read_bw, write_bw = machine.disk_read_bandwidth, machine.disk_write_bandwidth
+    if not read_bw or not write_bw:
+        return 0.0
+    return settings.disk_read_bytes / read_bw + settings.disk_write_bytes / write_bw

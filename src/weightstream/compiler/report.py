@@ -205,6 +205,8 @@ def _plan_dict(
             "transfer_s": est.transfer_s,
             "update_s": est.update_s,
             "input_s": est.input_s,
+            "disk_s": est.disk_s,
+            "disk_bytes": est.settings.disk_read_bytes + est.settings.disk_write_bytes,
             "model_samples_per_sec": est.model_samples_per_sec,
             "update_measured": est.settings.update is not None,
             "bound": est.bound,
@@ -289,7 +291,9 @@ def _report_text(data: dict) -> str:
         f"  step time             {_ms(est['step_s'])} ms (compute {_ms(est['compute_s'])} ms, "
         f"memory {_ms(est['memory_s'])} ms, overhead {_ms(est['overhead_s'])} ms, "
         f"transfer {_ms(est['transfer_s'])} ms, update {_ms(est['update_s'])} ms, "
-        f"input {_ms(est['input_s'])} ms)",
+        f"input {_ms(est['input_s'])} ms"
+        + (f", disk {_ms(est['disk_s'])} ms" if est.get("disk_s") else "")
+        + ")",
         "                        (units overlap transfer with work: the terms can sum to more)",
         f"  est. samples/sec      {data['est_samples_per_sec']:.2f}  (bound by {est['bound']})",
         f"  model consumes        {est['model_samples_per_sec']:.2f} samples/sec "

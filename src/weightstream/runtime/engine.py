@@ -19,7 +19,7 @@ from weightstream.runtime.device import DeviceOps
 from weightstream.runtime.loading import copy_then_release, holds_tensors
 from weightstream.runtime.offload import ActivationOffload
 from weightstream.runtime.partition import Plan, build_plan
-from weightstream.runtime.placement import default_budget
+from weightstream.runtime.placement import Placement, PlacementPlan, default_budget
 from weightstream.runtime.recompute import recomputed_units
 from weightstream.runtime.sharding import ShardedStore, unit_group_params, unit_groups
 from weightstream.runtime.store import DiskStore
@@ -82,6 +82,28 @@ def disk_working_set(plan: Plan, config: StreamingConfig, device: torch.device) 
     in memory for their updates, on any device (Note [updates in backward])."""
     copies, grads = _held_in_host_memory(config, device)
     return disk_io_set(plan, config) + (copies + grads) * plan.largest_unit_bytes
+
+
+def ram_tier_of(plan: Plan, config: StreamingConfig, device: torch.device) -> tuple[int, bool]:
+    """The disk store's RAM tier (``host_memory_budget`` less the working set; Note
+    [hybrid placement]) and whether gradients go to the update in memory, not to the
+    store (update_in_backward on one rank)."""
+    budget = config.host_memory_budget
+    if budget is None:
+        budget = default_budget()
+    data_parallel = config.data_parallel and swarm.world_size() > 1
+    grads_to_update = config.update_in_backward and not data_parallel
+    return budget - disk_working_set(plan, config, device), grads_to_update
+
+
+def predicted_placement(
+    module: nn.Module, plan: Plan, config: StreamingConfig, device: torch.device
+) -> Placement:
+    """Where a disk store under ``config`` would place ``module``'s training state, as
+    the store decides it when it takes the module (``PlacementPlan``), without one."""
+    ram_tier, grads_to_update = ram_tier_of(plan, config, device)
+    sizes = {name: p.numel() * p.element_size() for name, p in module.named_parameters()}
+    return PlacementPlan(sizes, ram_tier, grads=not grads_to_update).predicted
 
 
 def disk_io_set(plan: Plan, config: StreamingConfig) -> int:
@@ -170,20 +192,13 @@ class StreamingEngine:
         # Parameters a meta-device model leaves without values, for a load to fill.
         self._awaiting: set[str] = set()
         if config.store == "disk":
-            budget = config.host_memory_budget
-            if budget is None:
-                budget = default_budget()
-            working_set = disk_working_set(self.plan, config, self.device)
-            ram_tier = budget - working_set  # Note [hybrid placement]
-            # The buffers of explicit I/O are its disk part (Note [explicit disk I/O]).
-            io = disk_io_set(self.plan, config)
-            # Gradients go to the update in memory where it runs in the backward.
-            data_parallel = config.data_parallel and swarm.world_size() > 1
+            ram_tier, grads_to_update = ram_tier_of(self.plan, config, self.device)
             self.store = DiskStore(
                 config.store_dir,
                 ram_capacity=ram_tier,
-                io_capacity=io,
-                grads_to_update=config.update_in_backward and not data_parallel,
+                # The buffers of explicit I/O are its disk part (Note [explicit disk I/O]).
+                io_capacity=disk_io_set(self.plan, config),
+                grads_to_update=grads_to_update,
             )
             # May replace meta parameters by stored ones (Note [disk tier]) ...
             self._awaiting.update(self.store.take_module(module, config.init_weights))
