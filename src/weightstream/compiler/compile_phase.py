@@ -37,6 +37,7 @@ from weightstream.compiler.report import compile_checksum, load_compile_dir, wri
 from weightstream.compiler.software import tiny_training_steps
 from weightstream.compiler.updates import update_spec
 from weightstream.models.tasks import model_inputs
+from weightstream.runtime import swarm
 from weightstream.runtime.config import StreamingConfig
 from weightstream.runtime.engine import predicted_placement
 from weightstream.runtime.partition import Plan, build_plan
@@ -302,9 +303,16 @@ def run(run, compiled, args: tuple, batch_size: int) -> dict:
 
 
 def _placement(run, compiled, model):
-    """Where the run's disk store places the training state (Note [disk traffic in the
-    estimate] in estimate.py), also under compile_only, which builds no store; None
-    for a store in RAM."""
-    if not run.ws or run.rc.streaming.store != "disk" or compiled.plan is None:
+    """Where the run's disk store places this rank's training state (Note [disk traffic
+    in the estimate] in estimate.py); None for a store in RAM. Under compile_only, which
+    builds no store, as a store would place it, unless the store may be sharded over
+    ranks (which share is this rank's is not known without one): not priced."""
+    streaming = run.rc.streaming
+    if not run.ws or streaming.store != "disk" or compiled.plan is None:
         return None
-    return predicted_placement(model, compiled.plan, run.rc.streaming, run.device)
+    store = compiled.engine.store if compiled.engine is not None else None
+    if store is not None and store.places is not None:
+        return store.places.predicted
+    if swarm.world_size() > 1 and streaming.store_sharding != "replicated":
+        return None
+    return predicted_placement(model, compiled.plan, streaming, run.device)
