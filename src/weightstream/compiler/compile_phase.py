@@ -195,9 +195,8 @@ def estimate_from_params(
         plan = build_plan(model, StreamingConfig(granularity="module"))
     machine = load_or_measure(device, quick=quick_profile())
     batch_size = batch_size_of(batch)
-    placement = None
-    if rc.execution_mode == "weight_streaming" and rc.streaming.store == "disk":
-        placement = predicted_placement(model, plan, rc.streaming, device)
+    ws = rc.execution_mode == "weight_streaming"
+    placement = _disk_placement(rc.streaming, ws, model, plan, device)
     settings = estimate_settings(
         params, device, batch_size, machine, input_s, model, placement=placement
     )
@@ -268,6 +267,7 @@ def run(run, compiled, args: tuple, batch_size: int) -> dict:
     machine = load_or_measure(run.device, quick=quick)
     input_s = input_seconds_per_batch(run.params.train_input.to_dict(), run.device, quick)
     recompute = recomputed(compiled, plan)
+    store = compiled.engine.store if compiled.engine is not None else None
     settings_e = estimate_settings(
         run.params,
         run.device,
@@ -276,7 +276,7 @@ def run(run, compiled, args: tuple, batch_size: int) -> dict:
         input_s,
         model,
         recompute,
-        _placement(run, compiled, model),
+        _disk_placement(run.rc.streaming, run.ws, model, compiled.plan, run.device, store),
     )
     try:
         costs, est = estimate_for(
@@ -302,17 +302,16 @@ def run(run, compiled, args: tuple, batch_size: int) -> dict:
     return {"est_samples_per_sec": est.est_samples_per_sec, "cache_hit": False}
 
 
-def _placement(run, compiled, model):
+def _disk_placement(streaming, ws: bool, model, plan, device, store=None):
     """Where the run's disk store places this rank's training state (Note [disk traffic
-    in the estimate] in estimate.py); None for a store in RAM. Under compile_only, which
-    builds no store, as a store would place it, unless the store may be sharded over
-    ranks (which share is this rank's is not known without one): not priced."""
-    streaming = run.rc.streaming
-    if not run.ws or streaming.store != "disk" or compiled.plan is None:
+    in the estimate] in estimate.py): a running ``store``'s own prediction (a sharded
+    store's share), else as a store would place it, unless the store may be sharded
+    over ranks (which share is this rank's is not known without one). None for a
+    store in RAM, or where not known."""
+    if not ws or streaming.store != "disk" or plan is None:
         return None
-    store = compiled.engine.store if compiled.engine is not None else None
     if store is not None and store.places is not None:
         return store.places.predicted
     if swarm.world_size() > 1 and streaming.store_sharding != "replicated":
         return None
-    return predicted_placement(model, compiled.plan, streaming, run.device)
+    return predicted_placement(model, plan, streaming, device)

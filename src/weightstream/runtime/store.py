@@ -76,17 +76,14 @@ _DISK_MARGIN = 64 * 2**20
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-_malloc_fixed = False
 
 
 def _return_large_frees_to_the_os() -> None:
-    """Fix glibc's mmap threshold (Note [disk tier]); a no-op elsewhere."""
-    global _malloc_fixed
+    """Fix glibc's mmap threshold (Note [disk tier]; setting it again is a no-op); not
+    glibc: its allocator makes its own choice."""
     mallopt = libc_function("mallopt", (ctypes.c_int, ctypes.c_int))
-    if _malloc_fixed or mallopt is None:  # not glibc: its allocator makes its own choice
-        return
-    mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
-    _malloc_fixed = True
+    if mallopt is not None:
+        mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
 
 
 class DiskStore:
