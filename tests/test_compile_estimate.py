@@ -581,7 +581,7 @@ def test_estimate_terms_of_work_overheads_update_and_input():
     )
 
 
-def test_in_situ_factor_scales_work_on_data_and_the_update_not_fixed_costs():
+def test_in_situ_factor_scales_work_on_data_not_the_update_or_fixed_costs():
     profile = _overhead_profile()
     unit = UnitCost(
         0,
@@ -609,7 +609,8 @@ def test_in_situ_factor_scales_work_on_data_and_the_update_not_fixed_costs():
     (u1,), (u2,) = one.units, slow.units
     for name in ("fwd_compute_s", "bwd_compute_s", "fwd_memory_s"):
         assert getattr(u2, name) == pytest.approx(1.5 * getattr(u1, name)), name
-    assert slow.update_s == pytest.approx(1.5 * one.update_s)  # after a step, not alone
+    # timed after a tiny training step already (Note [update in context])
+    assert slow.update_s == one.update_s > 0
     # fixed costs, measured as they occur in a step (Note [in situ])
     for name in ("fwd_overhead_s", "bwd_overhead_s", "stream_s"):
         assert getattr(u2, name) == getattr(u1, name) > 0, name
@@ -618,7 +619,7 @@ def test_in_situ_factor_scales_work_on_data_and_the_update_not_fixed_costs():
     assert (u2.fwd_transfer_s, u2.bwd_transfer_s) == (u1.fwd_transfer_s, u1.bwd_transfer_s)
     assert slow.input_s == one.input_s
     grown = sum(u.fwd_compute_s + u.bwd_compute_s + u.fwd_memory_s for u in one.units)
-    assert slow.step_s == pytest.approx(one.step_s + 0.5 * (grown + one.update_s))
+    assert slow.step_s == pytest.approx(one.step_s + 0.5 * grown)
 
 
 def test_no_operator_is_priced_faster_than_on_operands_larger_than_the_caches():

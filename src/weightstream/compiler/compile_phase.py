@@ -119,8 +119,8 @@ def recomputed(compiled, plan: Plan) -> tuple[int, ...]:
 def input_seconds_per_batch(section: dict, device, quick: bool = False) -> float:
     """Seconds one batch of ``section`` costs the training process (0 with worker processes).
 
-    Each timed batch follows a tiny training step and its logging
-    (``software.tiny_training_steps``), as a batch does in a run.
+    Each timed batch follows tiny training steps and their logging
+    (``software.tiny_training_steps``), as a batch follows a step in a run.
     """
     if int(section.get("num_workers") or 0) > 0:
         return 0.0

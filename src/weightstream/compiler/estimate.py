@@ -23,9 +23,9 @@ work = (compute + memory) x ``in_situ_factor`` + overhead: the profile's figures
 time each kind of work alone, and a training step runs its work on data slower
 than the sum of its parts (cold operands, outputs on fresh memory, the prefetch
 thread beside the compute); the factor is measured on a proxy training step
-(Note [in situ] in ``software.py``). A measured update below is scaled by it
-too; the fixed costs (operators, streaming bookkeeping) are not: they are
-measured as they occur in a step. Compute in a dtype slower than float32 takes
+(Note [in situ] in ``software.py``). The fixed costs (operators, streaming
+bookkeeping) and a measured update below are not scaled: they are measured as
+they occur in a step. Compute in a dtype slower than float32 takes
 a diluted factor (``MachineProfile.in_situ_compute_factor``).
 
 Weight streaming adds, per unit:
@@ -61,8 +61,9 @@ update: the optimizer step after the backward (no overlap). With a measured
 ``UpdateCost`` (``machine.update_cost``: the trainer's whole update sequence,
 clipping, loss scaler and learning-rate scheduler included): fixed + trainable
 tensors x per tensor + trainable elements x per element, split per unit by its
-tensors and elements (the fixed part is the step's), x ``in_situ_factor`` (it
-runs after a forward and a backward, not alone). Without one: trainable
+tensors and elements (the fixed part is the step's); each timed update follows
+tiny training steps, as it follows a backward in a run (Note [update in context]
+in ``updates.py``). Without one: trainable
 parameters x optimizer bytes per parameter / host memory bandwidth (AdamW in
 fp32 streams 7 tensors of 4 bytes per parameter: it reads param, grad,
 exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq: 28 bytes).
@@ -376,8 +377,8 @@ def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettin
         else:
             fs, bs = fwd.work_s + ft, bwd.work_s + bt
         if upd is not None:
+            # Measured in its context (Note [update in context]): not scaled.
             update = u.trainable_tensors * upd.per_tensor_s + u.trainable_numel * upd.per_element_s
-            update *= machine.in_situ_factor
         else:
             update = upd_bytes / ram_bw
         sides = {
@@ -408,7 +409,7 @@ def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettin
             )
         )
     out_fwd, out_bwd = _entry_work(costs.outside, machine, dtype)
-    fixed = upd.fixed_s * machine.in_situ_factor if upd is not None else 0.0
+    fixed = upd.fixed_s if upd is not None else 0.0
     update = sum(e.update_s for e in units) + fixed
     call = machine.stream_call_s if ws and units else 0.0
     step = (

@@ -53,6 +53,7 @@ _ESTIMATOR_SOURCES = (
     "compiler/operators.py",
     "compiler/profile.py",
     "compiler/software.py",
+    "compiler/updates.py",  # how the update costs are timed (Note [update in context])
 )
 # The phases remeasure_software measures again; another one disturbed: all of them.
 _SOFTWARE_PHASES = frozenset({"software", "in_situ"})

@@ -77,9 +77,10 @@ phases of ~33 ms and of ~42-50 ms lasting from a few steps to a whole second, a
 run's samples/sec is the mean over both, and a first quartile of 10 steps (one
 phase) put the factor anywhere between 0.84 and 1.48 from one measurement to
 the next; 30 steps (one second) still gave 1.46 to 1.91 within ten minutes. The
-estimate multiplies each pass's work on data (compute, memory) and the
-optimizer update by it (an update measured alone, cold tensors and all, runs
-1.6-1.8x faster than the same update inside a run). The fixed costs (per
+estimate multiplies each pass's work on data (compute, memory) by it. The
+optimizer update is timed after tiny training steps instead (an update timed
+back to back ran 1.5-1.8x faster than inside a run: Note [update in context] in
+updates.py), and is not scaled. The fixed costs (per
 operator, per streamed unit, tensor and call) are measured as they occur in a
 step, on purpose-built chains, and stay as they are: scaled, they priced
 FC-MNIST's overhead-bound step 1.35x too slow (measured on a 2-vCPU EPYC;
@@ -183,16 +184,27 @@ def _fwd_bwd_split(model, x, device: torch.device, budget: float) -> tuple[float
 _SCALARS = ("loss", "lr", "loss_scale", "samples_per_sec")
 
 
+# Tiny training steps per call of ``tiny_training_steps``' callable: the least after
+# which more leave the timed work no slower (see there).
+CONTEXT_STEPS = 3
+
+
 @contextlib.contextmanager
 def tiny_training_steps(device: torch.device | str = "cpu"):
-    """A callable doing what surrounds a batch fetch in a run, for timing input in context.
+    """A callable doing what surrounds a batch fetch or an update in a run, for timing
+    them in context.
 
     Timing an input pipeline's batches back to back flatters it (about 2x for a
     small in-memory dataset on a CPU): inside a run each fetch follows a
     training step, which leaves the caches and the thread pool in another
-    state, and TensorBoard's writer thread competes with it. Each call is a
-    forward + backward of the tiny chain and the scalars of a
-    step, logged to a temporary directory removed on exit.
+    state, and TensorBoard's writer thread competes with it; so does the update
+    (Note [update in context] in updates.py). Each call is CONTEXT_STEPS
+    forwards + backwards of the tiny chain and the scalars of a step, logged to a
+    temporary directory removed on exit. One tiny step is not enough of a step's
+    other work: on a 2-vCPU Xeon, FC-MNIST's batch of 64 digits took 408 us back
+    to back, 666 after one tiny step, 745 after three and 742 after five (745-889
+    in the run command's steps); its update 533, 831, 932 and 939 us (0.91 ms in
+    the run).
     """
     device = torch.device(device)
     model = _tiny_chain().to(device)
@@ -203,9 +215,10 @@ def tiny_training_steps(device: torch.device | str = "cpu"):
 
         def training_step() -> None:
             nonlocal step
-            loss = model(x).sum()
-            loss.backward()
-            model.zero_grad(set_to_none=True)
+            for _ in range(CONTEXT_STEPS):
+                loss = model(x).sum()
+                loss.backward()
+                model.zero_grad(set_to_none=True)
             step += 1
             writer.add(step, dict.fromkeys(_SCALARS, loss.item()))
 

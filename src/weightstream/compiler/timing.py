@@ -163,6 +163,28 @@ def seconds(fn: Callable[[], object], device: torch.device, budget: float) -> fl
     return first_quartile(bursts)
 
 
+def seconds_after(
+    fn: Callable[[], object], before: Callable[[], object], device: torch.device, budget: float
+) -> float:
+    """Seconds per call of ``fn`` when each call follows an untimed ``before()``: the
+    first quartile of the calls that fill ``budget`` (at least MIN_BURSTS, before()
+    included in the budget). For work whose speed depends on what ran just before it
+    (Note [update in context] in updates.py): each burst is one call."""
+    before()
+    fn()  # warm-up
+    sync(device)
+    times = []
+    deadline = time.perf_counter() + budget
+    while len(times) < MIN_BURSTS or time.perf_counter() < deadline:
+        before()
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return first_quartile(times)
+
+
 def first_quartile(times: list[float]) -> float:
     """The QUANTILE of ``times``."""
     ordered = sorted(times)
