@@ -73,7 +73,8 @@ the compile phase when the data loader has no worker processes; 0 with
 workers, whose throughput the input analyzer compares with the model's).
 
 step overhead: the run loop's bookkeeping per step (``step_overhead_s``:
-reading the loss back, logging TensorBoard scalars; ``software.py``).
+reading the loss back, logging TensorBoard scalars), and the step's passes
+starting cold after the last update (``software.py``).
 
 step = sum over units (forward share + backward share + stream) + stream call +
 outside work (forward + backward) + update + step overhead + input; est. samples/sec =
