@@ -207,8 +207,7 @@ def tiny_training_steps(device: torch.device | str = "cpu"):
     temporary directory removed on exit. One tiny step is not enough of a step's
     other work: on a 2-vCPU Xeon, FC-MNIST's batch of 64 digits took 408 us back
     to back, 666 after one tiny step, 745 after three and 742 after five (745-889
-    in the run command's steps); its update 533, 831, 932 and 939 us (0.91 ms in
-    the run).
+    in the run command's steps); its update likewise (Note [update in context]).
     """
     device = torch.device(device)
     model = _tiny_chain().to(device)

@@ -15,13 +15,14 @@ Note [update in context]
 In a run the update follows a forward and a backward, and what they ran leaves
 the caches to the update's code and data cold. Updates timed back to back miss
 that: on a 2-vCPU Xeon (AVX-512), the trainer's update of FC-MNIST's six
-tensors (SGD with momentum, 235,146 elements) took a median 506 us in a
-rotation of 4 such models, 748 us when each update followed a forward and
-backward of the tiny chain (``software.tiny_training_steps``), 907 us after three
-of them, and 0.90 ms inside the run command's steps; with one OpenMP thread it
-grew just as much (671, 963, 1,125 us), so it is not the thread pool waking. The
+tensors (SGD with momentum, 235,146 elements) took a median 533 us in a
+rotation of 4 such models; when each update followed forwards and backwards of
+the tiny chain, 831 us after one, 916 after two, 932 after three and 939-943
+after five to twelve; 0.91 ms inside the run command's steps. With one OpenMP
+thread it grew just as much (671, 963, 1,125 us after none, one and three), so
+it is not the thread pool waking. The
 growth is mostly the fixed part, the Python of the update sequence (155 -> 352
-us), with the per-element cost 0.82 -> 1.19 ns; AdamW on 2^20 elements with
+us after one tiny step), with the per-element cost 0.82 -> 1.19 ns; AdamW on 2^20 elements with
 clipping and a scheduler: fixed 590 -> 831 us, per element 4.7 ns either way.
 So each timed update follows the stand-in for a step's other work that the
 input's timing uses too (``software.tiny_training_steps``: three tiny training
