@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_stream.py"
 
@@ -38,7 +40,10 @@ def _positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
-def test_tiny_cpu_run_reports_every_field():
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_tiny_cpu_run_reports_every_field(dtype):
+    """Forced to each compute dtype, so the checks hold on CPUs with and without native
+    bf16 (``--dtype auto`` picks bf16 only where the CPU has it)."""
     # One thread: the machine's cores are shared, and two OpenMP threads on a
     # busy core make small operators wait for each other for tens of milliseconds.
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
@@ -52,6 +57,8 @@ def test_tiny_cpu_run_reports_every_field():
         "2",
         "--warmup",
         "1",
+        "--dtype",
+        dtype,
     ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -61,7 +68,7 @@ def test_tiny_cpu_run_reports_every_field():
 
     assert r["benchmark"] == "gpu_stream"
     assert r["device"] == "cpu"
-    assert r["dtype"] in ("bf16", "fp32") and r["dtype_reason"]
+    assert r["dtype"] == dtype and r["dtype_reason"] == "requested"
     assert list(r["sizes"]) == ["tiny"]
     s = r["sizes"]["tiny"]
     missing = [k for k in SIZE_FIELDS if k not in s]
@@ -75,8 +82,14 @@ def test_tiny_cpu_run_reports_every_field():
     for k in ("tokens_per_s", "tflops", "pct_peak", "h2d_gbps", "d2h_gbps", "pinned_h2d_gbps"):
         assert _positive(s[k]), (k, s[k])
     assert math.isclose(s["tokens_per_s"], s["tokens_per_step"] / steps["median"])
-    # Every weight crosses the "link" at least once a step, its gradient once back.
-    assert s["h2d_bytes_per_step"] >= s["d2h_bytes_per_step"] > 0
+    # The link, counted by the engine: every weight crosses in the compute dtype once or
+    # twice a step (a forward and a backward fetch; a unit still resident when the backward
+    # reaches it is not fetched again), never more than the plan's two fetches. Each
+    # gradient goes back once, in the fp32 masters' dtype (Note [gradients out]).
+    weight_bytes = s["params"] * (2 if dtype == "bf16" else 4)
+    assert s["h2d_bytes_plan"] == 2 * weight_bytes
+    assert weight_bytes <= s["h2d_bytes_per_step"] <= s["h2d_bytes_plan"]
+    assert s["d2h_bytes_per_step"] == 4 * s["params"]
     assert _positive(s["roofline_s"])
     assert 0 < s["fraction_of_roofline"] <= 1.5
     assert s["roofline"]["bound"] in ("compute", "link", "host")
