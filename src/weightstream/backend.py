@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from weightstream.amp import step_helper
 from weightstream.runtime import swarm
 from weightstream.runtime.config import StreamingConfig
 from weightstream.runtime.engine import StreamingEngine
@@ -112,6 +113,28 @@ class CompiledModule(nn.Module):
         if self._reducer is not None:
             return self._reducer.no_sync()
         return contextlib.nullcontext()
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` by the whole model's
+        norm, also where a sharded store spreads the gradients over the ranks (as FSDP1's
+        method of the same name; Note [changed after the reduce] in runtime/swarm.py).
+        Collective under data parallel: every rank calls it. Returns the total norm."""
+        params = [p for p in self.parameters() if p.grad is not None]
+        return step_helper.clip_grad_norm_(
+            params,
+            max_norm,
+            self._engine,
+            norm_type=norm_type,
+            error_if_nonfinite=error_if_nonfinite,
+        )
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """``torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)``, which a
+        sharded store accepts between the reduce and the step."""
+        params = [p for p in self.parameters() if p.grad is not None]
+        step_helper.clip_grad_value_(params, clip_value, self._engine)
 
     def close(self) -> None:
         """Release the engine's threads, hooks and files (the model stays usable eagerly)."""

@@ -290,6 +290,8 @@ class GradScaler:
             inv_scale = float(np.float32(1.0) / np.float32(self._loss_scale))
             for grad in grads:
                 grad.mul_(inv_scale)
+            if engine is not None:
+                engine.gradients_rewritten(params_of(optimizer))  # alike on every rank
         if self._dynamic:
             # Squared norms in float32 even for half gradients, where g*g
             # would overflow long before the gradient itself does.
@@ -324,7 +326,11 @@ class GradScaler:
             self._num_skipped_steps += 1
             return None
         if self._max_gradient_norm is not None:  # dynamic mode only: the reference's clipping
-            scale_to_norm_(_grads_of(optimizer), self._max_gradient_norm, self._global_norm)
+            grads = _grads_of(optimizer)
+            scale_to_norm_(grads, self._max_gradient_norm, self._global_norm)
+            engine = getattr(optimizer, "engine", None)
+            if engine is not None:
+                engine.gradients_rewritten(params_of(optimizer))  # by the whole model's norm
         return optimizer.step(*args, **kwargs)
 
     def update(self, new_scale: float | None = None) -> None:

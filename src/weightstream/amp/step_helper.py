@@ -12,7 +12,13 @@ import torch
 from weightstream.amp import skip
 from weightstream.amp.grad_scaler import GradScaler, params_of, scale_to_norm_
 
-__all__ = ["apply_gradients", "backward_context", "clip_grad_norm_", "optimizer_step"]
+__all__ = [
+    "apply_gradients",
+    "backward_context",
+    "clip_grad_norm_",
+    "clip_grad_value_",
+    "optimizer_step",
+]
 
 
 def _check_clip_value(name: str, value: Any) -> None:
@@ -146,7 +152,7 @@ def apply_gradients(
     if max_gradient_norm is not None:
         clip_grad_norm_(params, max_gradient_norm, engine)
     elif max_gradient_value is not None:
-        torch.nn.utils.clip_grad_value_(params, max_gradient_value)
+        clip_grad_value_(params, max_gradient_value, engine)
 
     with update_context():
         if grad_scaler is not None:
@@ -160,22 +166,59 @@ def apply_gradients(
     optimizer.zero_grad(set_to_none=True)
 
 
-def clip_grad_norm_(params, max_norm: float, engine=None, eps: float = 1e-6) -> torch.Tensor:
+def clip_grad_norm_(
+    params,
+    max_norm: float,
+    engine=None,
+    eps: float = 1e-6,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over the whole model's gradients.
 
     Where a sharded store spreads the gradients over the ranks (each holds
-    those of the parameters it owns), the norm is the square root of the sum
-    over the ranks of each rank's sum of squares (a host sync point), and each
-    rank scales its own gradients by the common coefficient. Elsewhere every
-    rank holds every gradient and torch's function computes the same norm on
-    each. Returns the total norm, as torch's function does.
+    those of the parameters it owns), the norm is reduced over the ranks (a
+    host sync point): the p-th root of the sum of each rank's sum of p-th
+    powers, or the largest of the ranks' largest values for ``inf``; each rank
+    scales its own gradients by the common coefficient. Elsewhere every rank
+    holds every gradient and torch's function computes the same norm on each.
+    Returns the total norm, as torch's function does.
     """
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
     if engine is None or not engine.grads_sharded:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return torch.nn.utils.clip_grad_norm_(
+            params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
+        )
+    norm_type = float(norm_type)
     grads = [p.grad.detach() for p in params if p.grad is not None]
-    total = torch.zeros((), dtype=torch.float32)
-    for g in grads:
-        total = total + torch.sum(torch.square(g.float()))
-    norm = torch.sqrt(engine.sum_over_ranks(total))
+    local = torch.zeros((), dtype=torch.float32)
+    if norm_type == math.inf:
+        for g in grads:
+            local = torch.maximum(local, g.abs().max().float())
+        norm = engine.max_over_ranks(local)
+    elif norm_type == 2.0:
+        for g in grads:
+            local = local + torch.sum(torch.square(g.float()))
+        norm = torch.sqrt(engine.sum_over_ranks(local))
+    else:
+        for g in grads:
+            local = local + torch.sum(g.float().abs().pow(norm_type))
+        norm = engine.sum_over_ranks(local).pow(1.0 / norm_type)
+    if error_if_nonfinite and not bool(torch.isfinite(norm)):  # host sync point
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is non-finite, so it "
+            "cannot be clipped. Fix: pass error_if_nonfinite=False to clip anyway, or find "
+            "the non-finite gradient (a loss scaler skips such steps)."
+        )
     scale_to_norm_(grads, max_norm, norm, eps)
+    engine.gradients_rewritten(params)
     return norm
+
+
+def clip_grad_value_(params, clip_value: float, engine=None) -> None:
+    """``torch.nn.utils.clip_grad_value_``; elementwise, so exact on a shard too, and
+    the engine is told so (Note [changed after the reduce] in runtime/swarm.py)."""
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    torch.nn.utils.clip_grad_value_(params, clip_value)
+    if engine is not None:
+        engine.gradients_rewritten(params)

@@ -69,8 +69,17 @@ class ParameterHost(Protocol):
         """Wait until every gradient reduction of the step has landed."""
         ...
 
+    def gradients_rewritten(self, params: list[torch.Tensor]) -> None:
+        """The gradients of ``params`` were rewritten in place by an operation that saw
+        the whole model's gradients (unscaling, clipping by the global norm or by value)."""
+        ...
+
     def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
         """The sum of ``value`` over the data-parallel ranks."""
+        ...
+
+    def max_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """The elementwise largest value of ``value`` over the data-parallel ranks."""
         ...
 
     def gather_optimizer_state(self, optimizer, state: dict) -> dict:

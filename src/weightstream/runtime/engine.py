@@ -246,6 +246,7 @@ class StreamingEngine:
         self._skipped_on_load: list[str] = []
         self._final_hooks: list = []  # Note [updates in backward]
         self._warned_update_in_backward = False
+        self._warned_unchecked_step = False
         hosts.add(self)
 
     def _join_swarm(self, module: nn.Module) -> None:
@@ -302,6 +303,8 @@ class StreamingEngine:
 
     def apply_step(self, optimizer) -> None:
         """The optimizer's update of the masters: by unit through the updater, or at once."""
+        if self.shards is not None:
+            self._check_gradients_unchanged()
         if self.updater is not None:
             self.updater.defer(optimizer)
         else:
@@ -354,6 +357,47 @@ class StreamingEngine:
             return False
         return True
 
+    def _check_gradients_unchanged(self) -> None:
+        """Stop the step on every rank if something rewrote an owned gradient after its
+        reduction without seeing the other ranks' shards (Note [changed after the reduce]
+        in runtime/swarm.py). Collective: a host sync point."""
+        self.finish_gradients()
+        changed = self.reducer.changed_after_reduce()
+        count = self.sum_over_ranks(torch.tensor(float(len(changed))))
+        if int(count) == 0:
+            return
+        names = {id(p): n for n, p in self.module.named_parameters(remove_duplicate=False)}
+        mine = [names.get(id(p), "?") for p in changed]
+        here = f" (on this rank: {', '.join(mine[:4])}{' ...' if len(mine) > 4 else ''})"
+        raise RuntimeError(
+            f"weightstream: {int(count)} gradient(s) were changed after SwarmX reduced them"
+            f"{here if mine else ''}, and the store is sharded: each rank holds only the "
+            "gradients of the parameters it owns, so an operation over the whole model, such "
+            "as torch.nn.utils.clip_grad_norm_, saw one rank's share and would train wrong. "
+            "Nothing was updated. Fix: clip with compiled.clip_grad_norm_(max_norm) (or "
+            "compiled.clip_grad_value_), or cstorch.amp.optimizer_step(..., "
+            "max_gradient_norm=...), which use the whole model's norm; or compile with "
+            "store_sharding='replicated' (Note [changed after the reduce] in runtime/swarm.py)."
+        )
+
+    def _warn_unchecked_step(self) -> None:
+        if self.reducer.stepped_elsewhere():
+            self._warned_unchecked_step = True
+            warnings.warn(
+                "weightstream: an optimizer updated the masters of a sharded store without "
+                "coming through the engine (torch.optim's own step()), so nothing checked "
+                "that the gradients were not changed after their reduce by an operation "
+                "that sees only this rank's shard (torch.nn.utils.clip_grad_norm_ would "
+                "train wrong). Fix: use weightstream's optimizers (cstorch.optim), or "
+                "store_sharding='replicated' (Note [changed after the reduce] in "
+                "runtime/swarm.py).",
+                stacklevel=3,
+            )
+
+    def gradients_rewritten(self, params: list[torch.Tensor]) -> None:
+        if self.shards is not None and self.reducer is not None:
+            self.reducer.rewritten(params)
+
     def finish_gradients(self) -> None:
         """Wait for every gradient reduction still in flight (host sync point)."""
         if self.reducer is not None:
@@ -361,6 +405,9 @@ class StreamingEngine:
 
     def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
         return swarm.sum_over_ranks(value)
+
+    def max_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        return swarm.max_over_ranks(value)
 
     def gather_optimizer_state(self, optimizer, state: dict) -> dict:
         assert self.shards is not None
@@ -555,6 +602,8 @@ class StreamingEngine:
         )
 
     def __call__(self, *args, **kwargs):
+        if self.shards is not None and not self._warned_unchecked_step:
+            self._warn_unchecked_step()
         args, kwargs = self._to_device(args, kwargs)
         if self.streamer is None:
             self._compile(args, kwargs)

@@ -31,7 +31,9 @@ is split across the ranks acting as weight servers (MemoryX with
   divides by the world size; the other ranks drop theirs, so every optimizer
   skips those parameters there and only the owner runs the unit's update.
   Global decisions see every shard: the gradient norm for clipping and the
-  loss scaler's non-finite check sum the squares over the ranks.
+  loss scaler's non-finite check sum the squares over the ranks. A user's own
+  whole-model operation (torch's ``clip_grad_norm_``) would see one shard: it
+  stops the step instead (Note [changed after the reduce] in runtime/swarm.py).
 
 * Whole-model reads. ``model.state_dict()`` and ``optimizer.state_dict()`` are
   collective on a sharded store: every rank calls them (as every rank runs the

@@ -22,6 +22,7 @@ import contextlib
 import datetime
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -104,6 +105,15 @@ def sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
         return value
     out = value.detach().clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM)  # host sync point
+    return out
+
+
+def max_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The elementwise largest value of a tensor over the ranks (``value`` with one rank)."""
+    if world_size() == 1:
+        return value
+    out = value.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)  # host sync point
     return out
 
 
@@ -190,6 +200,37 @@ def shutdown() -> None:
 #   thread while a sharded store's weight broadcasts run on the prefetch
 #   thread; each thread's collectives must reach every rank in one order.
 
+# Note [changed after the reduce]
+# -------------------------------
+# On a sharded store each rank holds the reduced gradients of the parameters it
+# owns, and no others. A whole-model operation run by the user's own loop
+# between ``backward()`` and ``optimizer.step()`` then sees one shard: torch's
+# ``clip_grad_norm_`` computes the shard's norm and scales the shard by it, and
+# the run trains on, wrong (a transformers Llama on 2 ranks: 0.0074 away from
+# eager PyTorch in the weights). weightstream's own whole-model operations
+# (the GradScaler's unscale and non-finite check, ``optimizer_step``'s and the
+# compiled module's ``clip_grad_norm_``, which sum the squares over the ranks)
+# are exact, and tell the reducer so (``rewritten``).
+#
+# So the reducer records each reduced gradient's ``_version`` (autograd's count
+# of in-place writes) as it lands, and the engine's ``apply_step`` asks, before
+# any update, which owned gradients something else changed in place or
+# replaced since. The answer is summed over the ranks (a rank that owns no
+# changed gradient must stop too, or it would wait in the next collective), and
+# any change stops the step on every rank with an error that names the fix;
+# the masters and the optimizer state are untouched. A loop that only reads the
+# gradients, or drops them (``zero_grad`` before a skipped step), passes. An
+# elementwise change (``clip_grad_value_``) would be exact on a shard too, but
+# the version cannot tell it from a norm's scaling: it goes through the
+# compiled module's ``clip_grad_value_``. The replicated store gives every rank
+# every gradient, so torch's functions see the whole model there, and nothing
+# is checked.
+#
+# A torch.optim optimizer's ``step()`` does not come through the engine, so the
+# check cannot run before its update. The next forward sees that an owned
+# master changed after its gradient landed and warns once that nothing was
+# checked: use weightstream's optimizers (``cstorch.optim``) on a sharded store.
+
 
 @dataclass
 class _InFlight:
@@ -240,6 +281,10 @@ class GradientReducer:
         self._callback_queued = False
         self._reduced: set[int] = set()  # id(p) whose .grad holds a reduced mean
         self._set_aside: dict[int, torch.Tensor] = {}  # id(p) -> its mean, during a backward
+        # A sharded owner's reduced gradients as the reduction left them: id(p) ->
+        # (p, its gradient, the gradient's _version, p's _version) (Note [changed after
+        # the reduce]).
+        self._landed: dict[int, tuple[torch.nn.Parameter, weakref.ref, int, int]] = {}
         self._hooks = []
         for params in self.buckets:
             for p in params:
@@ -331,6 +376,40 @@ class GradientReducer:
                 if earlier is not None:
                     p.grad.add_(earlier)
                 self._reduced.add(id(p))
+                if self.owners is not None:
+                    landed = (p, weakref.ref(p.grad), p.grad._version, p._version)
+                    self._landed[id(p)] = landed
+
+    def rewritten(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """The gradients of ``params`` were rewritten in place by an operation that saw
+        the whole model (unscaling, clipping by the global norm or by value): their new
+        values count as the reduced ones."""
+        for p in params:
+            entry = self._landed.get(id(p))
+            if entry is not None and p.grad is not None and entry[1]() is p.grad:
+                self._landed[id(p)] = (p, entry[1], p.grad._version, entry[3])
+
+    def changed_after_reduce(self) -> list[torch.nn.Parameter]:
+        """The owned parameters whose gradient something else changed or replaced after
+        its reduction landed; forgets every record (Note [changed after the reduce])."""
+        changed = []
+        for p, ref, version, _ in self._landed.values():
+            g = ref()
+            if g is None:
+                if p.grad is not None:
+                    changed.append(p)  # replaced by another tensor (None: dropped)
+            elif p.grad is not g or g._version != version:
+                changed.append(p)
+        self._landed.clear()
+        return changed
+
+    def stepped_elsewhere(self) -> bool:
+        """Whether an owned master changed after its gradient landed with no
+        ``changed_after_reduce`` since: an optimizer whose step does not come through
+        the engine (torch.optim's own) updated it, unchecked. Forgets every record."""
+        stepped = any(p._version != version for p, _, _, version in self._landed.values())
+        self._landed.clear()
+        return stepped
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
