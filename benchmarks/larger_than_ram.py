@@ -343,7 +343,7 @@ def main() -> None:
     )
     x, y = batch(cfg, args.batch)
     runner.engine.prepare(x)
-    store = runner.engine.store
+    store = runner.engine.store.tier
     setup = time.perf_counter() - t0
     print(
         f"materialized in {setup:.0f} s; {len(runner.plan.units)} units, largest "

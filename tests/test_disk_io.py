@@ -79,7 +79,7 @@ def test_a_step_moves_exactly_the_planned_bytes_and_leaves_no_page_cache(
     )
     opt = cstorch.optim.AdamW(model.parameters(), lr=1e-3)
     _step(runner, opt, 0)  # the gradients' files appear at the first backward
-    store = runner.engine.store
+    store = runner.engine.store.tier
     placed = store.placement()
     assert placed.ram_bytes == 0 and placed.disk_reads_per_step > 0
     if direct is None and not store._direct:
@@ -118,7 +118,7 @@ def test_buffered_descriptors_train_bit_for_bit_as_the_ram_store(tmp_path, monke
         store_dir=str(tmp_path),
         host_memory_budget=budget,
     )
-    assert not disk[1].engine.store._direct
+    assert not disk[1].engine.store.tier._direct
     _assert_same_training(ram, disk)
 
 
@@ -136,7 +136,7 @@ def test_gradients_read_after_backward_are_the_written_ones(tmp_path):
     x, y = _batch(0)
     F.cross_entropy(runner(x).flatten(0, 1), y.flatten()).backward()
     F.cross_entropy(ref(x).flatten(0, 1), y.flatten()).backward()
-    store = runner.engine.store
+    store = runner.engine.store.tier
     in_files = 0
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         in_files += store.file_of(p.grad) is not None

@@ -82,7 +82,7 @@ def test_disk_store_is_bitwise_equal_to_ram_store_and_eager(tmp_path, overlap, m
 
 def test_disk_store_holds_masters_gradients_and_optimizer_state(tmp_path):
     model, runner, opt, _ = _train("ws", steps=1, clip=False, store="disk", store_dir=str(tmp_path))
-    store = runner.engine.store
+    store = runner.engine.store.tier
     assert all(store.holds(p) for p in model.parameters())
     for st in opt.state.values():
         for name, v in st.items():
@@ -120,7 +120,10 @@ def test_optimizer_built_before_compile_moves_its_state_into_the_store(tmp_path)
     for k, v in ref_model.state_dict().items():
         assert torch.equal(model.state_dict()[k], v), k
     assert all(
-        runner.engine.store.holds(v) for st in opt.state.values() for v in st.values() if v.dim()
+        runner.engine.store.tier.holds(v)
+        for st in opt.state.values()
+        for v in st.values()
+        if v.dim()
     )
 
 

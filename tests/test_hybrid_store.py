@@ -76,7 +76,7 @@ def test_any_placement_trains_bit_for_bit_as_the_ram_store(tmp_path, where):
     )
     _assert_same_training(ram, disk)
     model, runner, opt, _ = disk
-    store = runner.engine.store
+    store = runner.engine.store.tier
     got = store.placement()
     tensors = [p.data for p in model.parameters()] + [
         v for st in opt.state.values() for v in st.values() if v.dim() > 0
@@ -100,7 +100,7 @@ def test_default_budget_is_the_available_memory_less_the_margin(tmp_path):
     model, runner, _, _ = _train("ws", steps=1, store="disk", store_dir=str(tmp_path))
     available = placement.available_memory()
     assert available is not None
-    capacity = runner.engine.store.places.capacity
+    capacity = runner.engine.store.tier.places.capacity
     margin = placement.MARGIN_FIXED + placement.MARGIN_FRACTION * placement.total_memory()
     # Measured a moment apart: the available memory moves by a few MiB.
     assert abs(capacity + _working_set(runner) + margin - available) < 256 * 2**20

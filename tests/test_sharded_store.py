@@ -252,7 +252,9 @@ def _memory_rank(rank: int, world: int, port: int, out: str, store: str = "ram")
             if store == "ram":
                 result[sharding] = _store_bytes(model, optimizer)
                 if sharding == "sharded":
-                    result["reload"] = _gather_and_reload(model, optimizer, compiled.engine.shards)
+                    result["reload"] = _gather_and_reload(
+                        model, optimizer, compiled.engine.store.replicas
+                    )
             else:
                 result[sharding] = compiled.engine.store.bytes_mapped
                 placed = compiled.engine.store.placement()
@@ -263,7 +265,7 @@ def _memory_rank(rank: int, world: int, port: int, out: str, store: str = "ram")
                     # A whole-model read gathers the other rank's tensors into
                     # scratch files of the store, never into memory.
                     state = model.state_dict()
-                    owns = compiled.engine.shards.owns
+                    owns = compiled.engine.store.replicas.owns
                     owned = {id(p) for p in model.parameters() if owns(p)}
                     others = [t for t in state.values() if id(t) not in owned and t.numel() > 1]
                     result["gathered_on_disk"] = bool(others) and all(map(is_store_mapped, others))

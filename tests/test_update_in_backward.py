@@ -240,7 +240,7 @@ def test_with_the_disk_store(tmp_path):
     model, runner, _, losses = _streamed(
         make, kind, ours, 4, store="disk", store_dir=tmp_path, host_memory_budget=300_000
     )
-    store = runner.engine.store
+    store = runner.engine.store.tier
     placement = store.placement()
     assert placement.disk["master"] and placement.disk["state"]
     # The gradients went from the backward to the update in memory: no file, no
@@ -284,7 +284,7 @@ def test_disk_store_accumulated_gradients_come_from_the_files(tmp_path):
         ref_opt.zero_grad()
         (_loss(runner(x0), y0) / 2).backward()
         cstorch.amp.optimizer_step(_loss(runner(x1), y1) / 2, opt, None)
-    assert runner.engine.store.placement().disk["grad"]
+    assert runner.engine.store.tier.placement().disk["grad"]
     _same_state(model, ref)
     runner.engine.close()
 
@@ -317,6 +317,6 @@ def test_disk_store_gradients_in_memory_are_bounded_to_two_units(tmp_path):
     unit = 64 * 64 * 4 + 64 * 4
     for _ in range(2):
         cstorch.amp.optimizer_step(runner(torch.randn(4, 64)).sum(), opt, None)
-    assert not runner.engine.store.placement().disk.get("grad")
+    assert not runner.engine.store.tier.placement().disk.get("grad")
     assert max(most) <= 2 * unit
     runner.engine.close()

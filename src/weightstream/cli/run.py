@@ -186,10 +186,9 @@ class Run:
             with self._autocast():
                 plan = compiled.engine.prepare(*args)
             log.info("Streaming plan: %d units\n%s", len(plan.units), plan.describe())
-            store = compiled.engine.store
-            if store is not None and store.places is not None:
-                # Predicted for AdamW's two moments (Note [hybrid placement]).
-                log.info("Disk store: %s", store.places.predicted.describe())
+            predicted = compiled.engine.store.predicted_placement()
+            if predicted is not None:  # a disk store's (Note [hybrid placement])
+                log.info("Disk store: %s", predicted.describe())
         from weightstream.compiler import compile_phase
 
         result = compile_phase.run(self, compiled, args, batch_size_of(example))

@@ -310,8 +310,9 @@ def _disk_placement(streaming, ws: bool, model, plan, device, store=None):
     store in RAM, or where not known."""
     if not ws or streaming.store != "disk" or plan is None:
         return None
-    if store is not None and store.places is not None:
-        return store.places.predicted
+    predicted = None if store is None else store.predicted_placement()
+    if predicted is not None:
+        return predicted
     if swarm.world_size() > 1 and streaming.store_sharding != "replicated":
         return None
     return predicted_placement(model, plan, streaming, device)

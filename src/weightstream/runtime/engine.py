@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from weightstream.common.materialize import materialize, materialize_buffers
+from weightstream.common.materialize import materialize_buffers
 from weightstream.common.units import format_bytes
 from weightstream.config import current_config
 from weightstream.optim.binding import hosts
@@ -17,6 +17,7 @@ from weightstream.runtime import swarm
 from weightstream.runtime.config import StreamingConfig
 from weightstream.runtime.device import DeviceOps
 from weightstream.runtime.loading import copy_then_release, holds_tensors
+from weightstream.runtime.memoryx import MemoryX, RamTier
 from weightstream.runtime.offload import ActivationOffload
 from weightstream.runtime.partition import Plan, build_plan
 from weightstream.runtime.placement import Placement, PlacementPlan, default_budget
@@ -148,11 +149,11 @@ class StreamingEngine:
     compiled module owns. Everything that touches the model's training state
     reaches it through this object, explicitly:
 
-    * the store (MemoryX): the masters stay on the host, in RAM or in a disk
-      store's files (``self.store``); with data parallel and a sharded store
-      each rank keeps the units it owns (``self.shards``, Note [sharded store]).
-      Where things live is fixed here, at construction, before any optimizer
-      state exists or any checkpoint is loaded;
+    * the store (MemoryX, ``self.store``, Note [memoryx]): the masters stay on
+      the host, in RAM or in a disk store's files (its tier); with data parallel
+      and a sharded store each rank keeps the units it owns (its replicas, Note
+      [sharded store]). Where things live is fixed here, at construction, before
+      any optimizer state exists or any checkpoint is loaded;
     * SwarmX (``self.reducer``): under torch.distributed the engine joins the
       process group itself (torchrun's environment), broadcasts rank 0's
       weights, and reduces each unit's gradients over the ranks as its
@@ -181,37 +182,20 @@ class StreamingEngine:
         self.plan: Plan = build_plan(module, config)  # structural; refined at the first call
         check_budget(self.plan, config, self.device)
         self.streamer: Streamer | None = None
-        self.store: DiskStore | None = None
-        self.shards: ShardedStore | None = None
         self.reducer: swarm.GradientReducer | None = None
         if config.store == "disk" or not config.init_weights:
             # A meta-device model that will run: its buffers (rotary tables) are
             # derived from the configuration, computed on the host, then placed.
             materialize_buffers(module, "cpu")
         _place(module, self.device)
-        # Parameters a meta-device model leaves without values, for a load to fill.
-        self._awaiting: set[str] = set()
-        if config.store == "disk":
-            ram_tier, grads_to_update = ram_tier_of(self.plan, config, self.device)
-            self.store = DiskStore(
-                config.store_dir,
-                ram_capacity=ram_tier,
-                # The buffers of explicit I/O are its disk part (Note [explicit disk I/O]).
-                io_capacity=disk_io_set(self.plan, config),
-                grads_to_update=grads_to_update,
-            )
-            # May replace meta parameters by stored ones (Note [disk tier]) ...
-            self._awaiting.update(self.store.take_module(module, config.init_weights))
-            self.plan = build_plan(module, config)  # ... so the plan names the new ones
-        elif not config.init_weights and any(p.is_meta for p in module.parameters()):
-            # A warm start in host memory: storage now, the values from the checkpoint.
-            left = materialize(
-                module, lambda p: torch.zeros(p.shape, dtype=p.dtype), skip=lambda _n: True
-            )
-            self._awaiting.update(left)
-            # New parameters replaced the meta ones: the plan, and the shards' owners
-            # taken from it, must name the new ones.
-            self.plan = build_plan(module, config)
+        # MemoryX (Note [memoryx]): the tier now, the replicas when joining the swarm.
+        self.store = MemoryX(self._tier(module))
+        # Meta parameters get storage in the tier (a disk store's files, or host memory
+        # for a warm start), and values from their rule or, later, from a load ...
+        self._awaiting: set[str] = set(self.store.take_module(module, config.init_weights))
+        # ... as new parameters: the plan, and the shards' owners taken from it, must
+        # name the new ones.
+        self.plan = build_plan(module, config)
         self._params = {id(p): p for p in module.parameters()}
         on_meta = any(p.is_meta for p in module.parameters())
         if config.data_parallel and swarm.world_size() > 1 and not on_meta:
@@ -220,15 +204,15 @@ class StreamingEngine:
             self._join_swarm(module)
         # Every unit's share of an optimizer step, in forward order (Note [overlapped updates]).
         self.updater: UnitUpdater | None = None
-        if config.overlap_updates or self.store is not None or config.update_in_backward:
+        if config.overlap_updates or self.store.on_disk or config.update_in_backward:
             self.updater = UnitUpdater(
                 [u.params for u in self.plan.units],
                 background=config.overlap_updates,
-                store=self.store,
+                tier=self.store.tier,
                 thread_init=self.ops.helper_thread_init,
             )
-            if self.store is not None and config.update_in_backward:
-                self.store.hands_over = self.updater.takes
+            if config.update_in_backward:
+                self.store.tier.hands_over = self.updater.takes
         # Reading or loading the whole model must see the step fully applied, and
         # on a sharded store every rank's shard (Note [sharded store]).
         self._state_hooks = [
@@ -249,12 +233,25 @@ class StreamingEngine:
         self._warned_unchecked_step = False
         hosts.add(self)
 
+    def _tier(self, module: nn.Module):
+        """The tier of the training state: host memory, or a disk store's files."""
+        config = self.config
+        if config.store != "disk":
+            return RamTier()
+        ram_tier, grads_to_update = ram_tier_of(self.plan, config, self.device)
+        return DiskStore(
+            config.store_dir,
+            ram_capacity=ram_tier,
+            # The buffers of explicit I/O are its disk part (Note [explicit disk I/O]).
+            io_capacity=disk_io_set(self.plan, config),
+            grads_to_update=grads_to_update,
+        )
+
     def _join_swarm(self, module: nn.Module) -> None:
         """Shard the store (if configured) and install the gradient reduction."""
-        if self.store is not None:
-            # The reduction rewrites p.grad after the store's hook: gradients go
-            # through their mappings (Note [explicit disk I/O]).
-            self.store.explicit_grads = False
+        # The reduction rewrites p.grad after a disk tier's hook: gradients go
+        # through their mappings (Note [explicit disk I/O]).
+        self.store.tier.explicit_grads = False
         unit_params = [u.params for u in self.plan.units]
         owners = None
         # Events name a bucket by its first unit (a tied head's bucket is its embedding's).
@@ -271,8 +268,9 @@ class StreamingEngine:
                 )
             # Fixed with the structural plan, before any optimizer state exists.
             servers = self.config.num_wgt_servers or current_config().max_wgt_servers
-            self.shards = ShardedStore(unit_params, servers, self.store)
-            buckets, owners = self.shards.group_params, self.shards.group_owner
+            shards = ShardedStore(unit_params, servers, self.store.tier)
+            self.store.shard(shards)
+            buckets, owners = shards.group_params, shards.group_owner
         else:
             buckets = unit_group_params(unit_params)
         buckets, owners, taken = swarm.coalesce(buckets, owners, self.config.reduce_bucket_bytes)
@@ -285,25 +283,20 @@ class StreamingEngine:
 
     @property
     def grads_sharded(self) -> bool:
-        return self.shards is not None
+        return self.store.sharded
 
     def holds(self, p: torch.Tensor) -> bool:
         return self._params.get(id(p)) is p
 
     def state_zeros_like(self, p: torch.Tensor) -> torch.Tensor | None:
-        if self.shards is not None and not self.shards.owns(p):
-            return self.shards.state_zeros_like(p)
-        if self.store is not None:
-            return self.store.zeros_like(p, "state")
-        return None
+        return self.store.state_zeros_like(p)
 
     def bind_optimizer(self, optimizer) -> None:
-        if self.shards is not None:
-            self.shards.shard_optimizer_state(optimizer)
+        self.store.bind_optimizer(optimizer)
 
     def apply_step(self, optimizer) -> None:
         """The optimizer's update of the masters: by unit through the updater, or at once."""
-        if self.shards is not None:
+        if self.store.sharded:
             self._check_gradients_unchanged()
         if self.updater is not None:
             self.updater.defer(optimizer)
@@ -345,7 +338,7 @@ class StreamingEngine:
             return False
         if getattr(optimizer, "engine", None) is not self:
             return False  # torch.optim's own step() does not come through the engine
-        if self.reducer is not None or self.shards is not None:
+        if self.reducer is not None:
             if not self._warned_update_in_backward:
                 self._warned_update_in_backward = True
                 warnings.warn(
@@ -395,7 +388,7 @@ class StreamingEngine:
             )
 
     def gradients_rewritten(self, params: list[torch.Tensor]) -> None:
-        if self.shards is not None and self.reducer is not None:
+        if self.store.sharded:
             self.reducer.rewritten(params)
 
     def finish_gradients(self) -> None:
@@ -410,12 +403,10 @@ class StreamingEngine:
         return swarm.max_over_ranks(value)
 
     def gather_optimizer_state(self, optimizer, state: dict) -> dict:
-        assert self.shards is not None
-        return self.shards.gather_optimizer_state(optimizer, state)
+        return self.store.gather_optimizer_state(optimizer, state)
 
     def load_optimizer_state(self, optimizer, state: dict, load) -> None:
-        assert self.shards is not None
-        self.shards.load_optimizer_state(optimizer, state, load)
+        self.store.load_optimizer_state(optimizer, state, load)
 
     # ---- state-dict hooks -------------------------------------------------------------
 
@@ -423,9 +414,8 @@ class StreamingEngine:
         self.synchronize()
 
     def _state_dict_post_hook(self, module, state, prefix, _local_metadata) -> None:
-        if self.shards is not None:
-            # Collective: every rank gets the whole model (Note [sharded store]).
-            self.shards.gather_module_state(module, state, prefix)
+        # Sharded: collective, every rank gets the whole model (Note [sharded store]).
+        self.store.gather_module_state(module, state, prefix)
 
     def _load_pre_hook(
         self, _module, state, prefix, _metadata, _strict, _missing, _unexpected, _errors
@@ -437,11 +427,9 @@ class StreamingEngine:
             self._awaiting.difference_update(
                 k[len(prefix) :] for k in state if k.startswith(prefix)
             )
-        if self.shards is None:
-            return
         # Parameters owned elsewhere keep their placeholders: their entries are
         # taken out (shapes checked first, so a wrong checkpoint still fails).
-        for name, p in self.shards.unowned_names(self.module, prefix).items():
+        for name, p in self.store.unowned_names(self.module, prefix).items():
             value = state.get(name)
             if isinstance(value, torch.Tensor) and value.shape == p.shape:
                 del state[name]
@@ -495,10 +483,9 @@ class StreamingEngine:
             self.ops,
             self.config.prefetch_depth,
             self.stream_dtype,
+            self.store,
             self._postprocess(),
             before_fetch=None if self.updater is None else self.updater.wait_unit,
-            store=self.store,
-            shards=self.shards,
             note=self.events,
             recompute=recompute,
             mirror=mirror,
@@ -529,9 +516,9 @@ class StreamingEngine:
         if wanted is None:
             wanted = self.device.type != "cpu"
         blocked = None  # what makes the fetches read the masters themselves
-        if self.store is not None:
+        if self.store.on_disk:
             blocked = "a disk store"
-        elif self.shards is not None:
+        elif self.store.sharded:
             blocked = "a sharded store"
         elif self.config.compute_dtype == "cbfloat16":
             blocked = "cbfloat16"
@@ -602,7 +589,7 @@ class StreamingEngine:
         )
 
     def __call__(self, *args, **kwargs):
-        if self.shards is not None and not self._warned_unchecked_step:
+        if self.store.sharded and not self._warned_unchecked_step:
             self._warn_unchecked_step()
         args, kwargs = self._to_device(args, kwargs)
         if self.streamer is None:
@@ -632,8 +619,7 @@ class StreamingEngine:
         if self.streamer is not None:
             self.streamer.remove()
             self.streamer = None
-        if self.store is not None:
-            self.store.close()
+        self.store.close()
 
 
 def _function(method):

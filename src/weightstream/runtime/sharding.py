@@ -67,7 +67,6 @@ from torch import nn
 from weightstream.common.flat import flatten, unflatten_views
 from weightstream.common.pages import release_pages
 from weightstream.runtime import swarm
-from weightstream.runtime.store import DiskStore
 
 
 def placeholder(t: torch.Tensor) -> torch.Tensor:
@@ -135,22 +134,66 @@ def assign_owners(unit_params: Sequence[Sequence[torch.Tensor]], num_owners: int
     return owners
 
 
+class Replicated:
+    """Every unit on this rank: one process, or data parallel with a whole copy of the
+    store on every rank (``store_sharding="replicated"``). The replicas' verbs of
+    :class:`ShardedStore`, for a rank that owns everything (Note [memoryx])."""
+
+    sharded = False
+
+    def owns(self, p: torch.Tensor) -> bool:
+        return True
+
+    def state_zeros_like(self, p: torch.Tensor) -> None:
+        return None
+
+    def shard_optimizer_state(self, optimizer) -> None:
+        pass
+
+    def fetch_flat(
+        self, masters: Sequence[torch.Tensor], dtype: torch.dtype, numel: int, ops, tier
+    ) -> torch.Tensor:
+        """A flat device buffer of ``dtype`` holding ``masters``; masters kept in files
+        are read into buffers here, on the prefetch thread (Note [explicit disk I/O])."""
+        paged = tier.page_in(masters)
+        try:
+            sources = masters if not paged else [paged.view(m) for m in masters]
+            return ops.copy_flat(sources, dtype, numel)
+        finally:
+            if paged:
+                paged.finish()
+
+    def gather_module_state(self, module: nn.Module, state: dict, prefix: str = "") -> None:
+        pass  # this rank's state dict is whole already
+
+    def gather_optimizer_state(self, optimizer, state: dict) -> dict:
+        return state
+
+    def unowned_names(self, module: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_optimizer_state(self, optimizer, state: dict, load) -> None:
+        load(state)
+
+
 class ShardedStore:
     """Ownership of the model's parameters across ranks, and the collectives that move them.
 
     Args:
         unit_params: each unit's master parameters of the structural plan.
         weight_servers: how many ranks own units (None: every rank).
-        store: the disk store holding this rank's masters, or None (host memory).
+        tier: the tier holding this rank's masters (Note [memoryx]).
     """
+
+    sharded = True
 
     def __init__(
         self,
         unit_params: Sequence[Sequence[nn.Parameter]],
         weight_servers: int | None,
-        store: DiskStore | None = None,
+        tier,
     ):
-        self.store = store
+        self.tier = tier
         assert dist.is_initialized()
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
@@ -192,8 +235,7 @@ class ShardedStore:
                         p.data = placeholder(p.data)
                         p.grad = None
                         dropped.append(p)
-        if self.store is not None:
-            self.store.forget(dropped, old)  # their files go back to the disk
+        self.tier.forget(dropped, old)  # a disk tier's files go back to the disk
 
     def state_zeros_like(self, p: torch.Tensor) -> torch.Tensor | None:
         """A placeholder for the optimizer state of a parameter owned elsewhere."""
@@ -218,9 +260,10 @@ class ShardedStore:
     # ---- transfers ---------------------------------------------------------------------
 
     def fetch_flat(
-        self, masters: Sequence[torch.Tensor], dtype: torch.dtype, numel: int, ops
+        self, masters: Sequence[torch.Tensor], dtype: torch.dtype, numel: int, ops, tier=None
     ) -> torch.Tensor:
-        """A flat device buffer of ``dtype`` holding ``masters``, each from its owner.
+        """A flat device buffer of ``dtype`` holding ``masters``, each from its owner
+        (owned masters are read through the tier's mappings, read ahead by ``prefetch``).
 
         Runs on DeviceOps' worker thread only (Note [sharded store]).
         """
@@ -268,9 +311,9 @@ class ShardedStore:
         On a disk store the copy is a scratch file of the store, its pages given
         back at once: a gathered model larger than memory costs disk space, not
         memory (the checkpoint writer reads it tensor by tensor)."""
-        if self.store is None or value.device.type != "cpu":
+        if not self.tier.paged or value.device.type != "cpu":
             return value.clone()
-        out = self.store.scratch(value.shape, value.dtype, "gathered")
+        out = self.tier.scratch(value.shape, value.dtype, "gathered")
         out.copy_(value)
         release_pages([out])
         return out

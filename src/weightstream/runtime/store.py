@@ -92,6 +92,8 @@ class DiskStore:
     # O_DIRECT for explicit I/O: None probes the file system on the first file, False
     # uses buffered descriptors (Note [explicit disk I/O]).
     direct_io: bool | None = None
+    #: State lives in files: the update pages it in and out (Note [memoryx]).
+    paged = True
 
     def __init__(
         self,

@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from weightstream.runtime.device import DeviceOps
+from weightstream.runtime.memoryx import MemoryX
 from weightstream.runtime.mirror import HostMirror
 from weightstream.runtime.offload import ActivationOffload, _Offloaded
 from weightstream.runtime.partition import Plan
@@ -236,10 +237,9 @@ class Streamer:
         ops: DeviceOps,
         prefetch_depth: int,
         compute_dtype_of,
+        store: MemoryX,
         postprocess=None,
         before_fetch=None,
-        store=None,
-        shards=None,
         note=None,
         recompute: set[int] | frozenset[int] = frozenset(),
         mirror: bool = False,
@@ -251,11 +251,9 @@ class Streamer:
         # (Note [activation checkpointing] in recompute.py).
         self.recompute = frozenset(recompute)
         self._note = note  # records streaming events (the engine's EventLog)
-        # A sharded store (Note [sharded store] in runtime/sharding.py): weights
-        # are broadcast from their owners.
-        self._shards = shards
-        # A disk store (Note [disk tier]): masters are read ahead when a fetch is
-        # issued and their pages given back once the device copy is made.
+        # MemoryX (Note [memoryx] in memoryx.py): fills a unit's buffer from the masters
+        # (a disk tier reads them ahead when the fetch is issued and gives their pages
+        # back once copied; a sharded store broadcasts each from its owner).
         self._store = store
         # Called with a unit index before its masters are read: waits for that
         # unit's share of an overlapped optimizer step.
@@ -265,7 +263,7 @@ class Streamer:
         # pass or by the update (Note [host mirror] in mirror.py); the engine asks
         # for it only where the masters are read directly and nothing is applied
         # to the copy.
-        assert not mirror or (store is None and shards is None and postprocess is None)
+        assert not mirror or (not store.on_disk and not store.sharded and postprocess is None)
         self._mirror = mirror
         self._mirror_by_update = mirror_by_update  # the updater calls mirror_updated
         # Saved activations go to host memory (Note [activation offload] in offload.py).
@@ -350,7 +348,6 @@ class Streamer:
         groups = [(dt, [unit.params[i] for i in idx]) for dt, idx in unit.groups.items()]
         ops, meter, post, before = self.ops, self.meter, self._postprocess, self._before_fetch
         store = self._store
-        shards = self._shards
         index = unit.index
         mirrors = self._mirrors_of(unit) if self._mirror else None
         generation = self._generation if forward else None
@@ -363,31 +360,19 @@ class Streamer:
                 numel = sum(m.numel() for m in masters)
                 if mirrors is not None:
                     buf = ops.copy_buffer(mirrors[dt].source(masters, generation))
-                elif shards is None:
-                    # Masters kept on disk are read into buffers here, on the
-                    # prefetch thread (Note [explicit disk I/O]).
-                    paged = store.page_in(masters) if store is not None else None
-                    try:
-                        sources = masters if not paged else [paged.view(m) for m in masters]
-                        buf = ops.copy_flat(sources, dt, numel)
-                    finally:
-                        if paged:
-                            paged.finish()
                 else:
-                    buf = shards.fetch_flat(masters, dt, numel, ops)
+                    buf = store.fetch_flat(masters, dt, numel, ops)
                 if post is not None and buf.is_floating_point():
                     post(buf)
                 meter.track(buf)
                 buffers.append(buf)
-                if store is not None:
-                    store.release(masters)
             return buffers
 
-        if store is not None and background:
-            store.prefetch(unit.params, mapped_reads=shards is not None)
+        if background:
+            store.prefetch(unit.params)
         # A sharded store's broadcasts must all run on the one worker thread, in
         # issue order, synchronous fetches too (Note [sharded store]).
-        background = (background and self.depth > 0) or shards is not None
+        background = (background and self.depth > 0) or store.fetch_on_worker
         copy.fetch(ops.submit(run, background=background))
         return copy
 

@@ -97,7 +97,8 @@ class UnitUpdater:
         unit_params: each unit's master parameters, in forward order.
         background: run the shares on a worker thread (overlapped updates);
             otherwise ``step()`` applies them before it returns.
-        store: a disk store whose pages each share gives back when it is done.
+        tier: the store's tier (Note [memoryx] in runtime/memoryx.py); a disk tier's
+            pages each share gives back when it is done.
         thread_init: what the worker thread runs first (the engine's
             ``DeviceOps.helper_thread_init``).
     """
@@ -106,12 +107,14 @@ class UnitUpdater:
         self,
         unit_params: Sequence[Sequence[torch.nn.Parameter]],
         background: bool = True,
-        store=None,
+        tier=None,
         thread_init: Callable[[], None] | None = None,
     ):
         self._unit_params = [list(ps) for ps in unit_params]  # forward order
         self._background = background
-        self._store = store
+        # A tier whose state lives in files (a disk store), else None: the update
+        # pages the state in and out (_Pager).
+        self._store = tier if tier is not None and tier.paged else None
         # Owner: this updater. Why: the host update of unit k must run while the
         # next forward computes units before k; one worker keeps the units in order.
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
