@@ -20,7 +20,7 @@ from weightstream.checkpoint.source import Source
 from weightstream.checkpoint.torchfile import write_torch
 from weightstream.checkpoint.tree import Branch, Leaf, Node, Subtree, TreeView, find_subtree
 from weightstream.checkpoint.writer import atomic_path, save
-from weightstream.common.hf_config import load_config
+from weightstream.common.hf_config import load_config, transformers_module
 
 FORMATS = ("h5", "safetensors", "torch", "hf")
 
@@ -181,7 +181,7 @@ def _saved_names(cfg, view: SourceView) -> dict[str, str]:
     [export to hf]): transformers' own ``revert_weight_conversion``, on meta
     placeholders of the tensors. A conversion that makes new tensors (merged
     experts) keeps the model's names, which transformers reads as well."""
-    import transformers
+    transformers = transformers_module()
     from transformers.core_model_loading import revert_weight_conversion
 
     node = view.node

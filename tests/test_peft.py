@@ -1,0 +1,159 @@
+"""LoRA from the params file: a ``peft`` section on a warm-started ``model: {name: hf}``.
+
+A small transformers Llama saved with ``save_pretrained`` is the frozen base;
+the run command trains peft's LoRA adapters on it with weight streaming. The
+losses and final adapters must equal eager peft (``get_peft_model`` on the same
+pretrained weights, the same initial adapters, torch.optim.AdamW, the same
+batches) bit for bit: the same fp32 kernels and update arithmetic as the full
+fine-tune of tests/test_hf_finetune.py. Checkpoints hold the adapters and
+their state only (Note [lora checkpoints] in cli/run.py); the exports load
+with peft (``--to peft``) and transformers (``--to hf``, merged).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import params_files as pf
+import pytest
+import torch
+import torch.nn.functional as F
+from local_tokenizer import train_bpe
+
+from weightstream import checkpoint as ckpt
+from weightstream import config, executor
+from weightstream.cli.main import main
+from weightstream.data.processors import get_data_processor
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+BATCH, SEQ, STEPS, LR = 4, 16, 10, 5e-3
+MODEL_VOCAB, TOKENIZER_VOCAB = 320, 300
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+
+
+def _llama():
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=MODEL_VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    """The base: a Llama as save_pretrained writes it, with its tokenizer."""
+    folder = tmp_path_factory.mktemp("pretrained")
+    tokenizer = train_bpe(tmp_path_factory.mktemp("tokenizer"), TOKENIZER_VOCAB)
+    torch.manual_seed(0)
+    _llama().save_pretrained(folder)
+    shutil.copy(tokenizer, folder / "tokenizer.json")
+    return folder
+
+
+def _section(folder: Path) -> dict:
+    section = pf.text_input(BATCH, SEQ, shuffle=False, max_bytes=2**18, tokenizer=str(folder))
+    section["vocab_size"] = MODEL_VOCAB
+    return section
+
+
+def _values(folder: Path, lora: dict | None = None, **runconfig) -> dict:
+    rc = {
+        "max_steps": STEPS,
+        "checkpoint_steps": 0,
+        "log_steps": 1,
+        "seed": 1,
+        "checkpoint_path": str(folder),
+        "load_checkpoint_states": "model",
+        "save_initial_checkpoint": True,
+        **runconfig,
+    }
+    values = pf.params(
+        train_input=_section(folder),
+        model={"name": "hf", "hf_config": str(folder)},
+        optimizer=pf.adamw(LR, weight_decay=0.0),
+        runconfig=rc,
+    )
+    values["peft"] = dict(LORA if lora is None else lora)
+    return values
+
+
+def _run(tmp_path: Path, values: dict, model_dir: Path, mode: str = "train") -> int:
+    params = pf.write(tmp_path / "lora.yaml", values)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WEIGHTSTREAM_QUICK_MACHINE_PROFILE", "1")
+        mp.setenv("WEIGHTSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+        try:
+            return main(["run", "CPU", "-p", str(params), "-m", mode, "-o", str(model_dir)])
+        finally:
+            config._reset_for_tests()
+            executor._reset_for_tests()
+
+
+def _losses(model_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (model_dir / "train" / "losses.jsonl").open()]
+
+
+def _adapters(path: Path) -> dict[str, torch.Tensor]:
+    return dict(ckpt.load(path, map_location="cpu")["model"])
+
+
+def _eager_peft(folder: Path, initial: dict[str, torch.Tensor], steps: int = STEPS):
+    """peft's own model on the pretrained weights, its adapters set to ``initial``,
+    trained with torch.optim.AdamW on the run's batches."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    model.config.use_cache = False
+    model = peft.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", **LORA))
+    missing = model.load_state_dict(initial, strict=False)
+    assert not missing.unexpected_keys
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    # weightstream's AdamW defaults to eps=1e-6 (the reference API), torch's to 1e-8.
+    opt = torch.optim.AdamW(trainable, lr=LR, eps=1e-6, weight_decay=0.0, foreach=False)
+    loader = get_data_processor("TextCorpusProcessor")(_section(folder), True)
+    losses = []
+    for step, batch in enumerate(loader):
+        if step == steps:
+            break
+        logits = model(input_ids=batch["input_ids"]).logits
+        # The run's LM loss: the mean of the per-token losses, as a weighted sum.
+        per_token = F.cross_entropy(
+            logits.flatten(0, 1).float(), batch["labels"].flatten(), reduction="none"
+        )
+        weights = torch.ones_like(per_token)
+        loss = (per_token * weights).sum() / weights.sum().clamp_min(1.0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model, opt
+
+
+@pytest.fixture(scope="module")
+def lora_run(pretrained, tmp_path_factory) -> Path:
+    """One LoRA run of STEPS steps (several tests read it)."""
+    tmp_path = tmp_path_factory.mktemp("lora_run")
+    model_dir = tmp_path / "run"
+    assert _run(tmp_path, _values(pretrained), model_dir) == 0
+    return model_dir
+
+
+def test_lora_run_trains_like_eager_peft(pretrained, lora_run):
+    initial = _adapters(lora_run / "checkpoint_0.mdl")
+    want_losses, model, _ = _eager_peft(pretrained, initial)
+    assert _losses(lora_run) == want_losses
+    final = _adapters(lora_run / f"checkpoint_{STEPS}.mdl")
+    state = model.state_dict()
+    assert set(final) == {n for n, p in model.named_parameters() if p.requires_grad}
+    for name, value in final.items():
+        assert torch.equal(value, state[name]), name
