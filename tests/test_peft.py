@@ -157,3 +157,71 @@ def test_lora_run_trains_like_eager_peft(pretrained, lora_run):
     assert set(final) == {n for n, p in model.named_parameters() if p.requires_grad}
     for name, value in final.items():
         assert torch.equal(value, state[name]), name
+
+
+def _trained_peft(folder: Path, adapters: dict[str, torch.Tensor]):
+    """peft's model on the pretrained weights with the run's adapters."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    model = peft.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", **LORA))
+    result = model.load_state_dict(adapters, strict=False)
+    assert not result.unexpected_keys
+    return model.eval()
+
+
+def _tokens(seed: int = 5) -> torch.Tensor:
+    return torch.randint(0, MODEL_VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def test_export_to_peft_loads_with_peft_and_gives_the_runs_logits(pretrained, lora_run, tmp_path):
+    from safetensors import safe_open
+
+    final = _adapters(lora_run / f"checkpoint_{STEPS}.mdl")
+    out = tmp_path / "adapter"
+    args = ["checkpoint", "convert", str(lora_run / f"checkpoint_{STEPS}.mdl"), str(out)]
+    assert main([*args, "--to", "peft", "--config", str(pretrained)]) == 0
+    assert (out / "adapter_config.json").is_file()
+    # The names and values peft's own save_pretrained writes for the same adapters.
+    reference = _trained_peft(pretrained, final)
+    reference.save_pretrained(tmp_path / "by_peft")
+    files = [safe_open(d / "adapter_model.safetensors", "pt") for d in (out, tmp_path / "by_peft")]
+    assert set(files[0].keys()) == set(files[1].keys())
+    for key in files[1].keys():
+        assert torch.equal(files[0].get_tensor(key), files[1].get_tensor(key)), key
+    ours, theirs = (
+        json.loads((d / "adapter_config.json").read_text()) for d in (out, tmp_path / "by_peft")
+    )
+    for key in ("r", "lora_alpha", "target_modules", "task_type", "peft_type", "use_rslora"):
+        assert ours[key] == theirs[key], key
+    base = transformers.AutoModelForCausalLM.from_pretrained(pretrained)
+    loaded = peft.PeftModel.from_pretrained(base, out).eval()
+    x = _tokens()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=x).logits, reference(input_ids=x).logits)
+        # The adapters changed the model: the test would not see a lost adapter otherwise.
+        assert not torch.equal(
+            loaded(input_ids=x).logits,
+            transformers.AutoModelForCausalLM.from_pretrained(pretrained)(input_ids=x).logits,
+        )
+
+
+def test_export_to_hf_merges_the_adapters_as_merge_and_unload(pretrained, lora_run, tmp_path):
+    final = _adapters(lora_run / f"checkpoint_{STEPS}.mdl")
+    out = tmp_path / "merged"
+    ckpt_file = lora_run / f"checkpoint_{STEPS}.mdl"
+    assert main(["checkpoint", "convert", str(ckpt_file), str(out), "--to", "hf"]) == 0
+    merged, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    reference = _trained_peft(pretrained, final)
+    by_peft = _trained_peft(pretrained, final).merge_and_unload().state_dict()
+    for key, value in merged.state_dict().items():
+        # peft's merge, on the same tensors: the same arithmetic.
+        assert torch.equal(value, by_peft[key]), key
+    x = _tokens()
+    with torch.no_grad():
+        # W x + B (A x) s against (W + s B A) x: other rounding, float32 ulps.
+        torch.testing.assert_close(
+            merged.eval()(input_ids=x).logits,
+            reference(input_ids=x).logits,
+            rtol=1e-5,
+            atol=1e-5,
+        )
