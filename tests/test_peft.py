@@ -67,7 +67,9 @@ def _section(folder: Path) -> dict:
     return section
 
 
-def _values(folder: Path, lora: dict | None = None, **runconfig) -> dict:
+def _values(
+    folder: Path, lora: dict | None = None, hf_config: Path | None = None, **runconfig
+) -> dict:
     rc = {
         "max_steps": STEPS,
         "checkpoint_steps": 0,
@@ -79,8 +81,8 @@ def _values(folder: Path, lora: dict | None = None, **runconfig) -> dict:
         **runconfig,
     }
     values = pf.params(
-        train_input=_section(folder),
-        model={"name": "hf", "hf_config": str(folder)},
+        train_input=_section(hf_config or folder),
+        model={"name": "hf", "hf_config": str(hf_config or folder)},
         optimizer=pf.adamw(LR, weight_decay=0.0),
         runconfig=rc,
     )
@@ -88,16 +90,22 @@ def _values(folder: Path, lora: dict | None = None, **runconfig) -> dict:
     return values
 
 
-def _run(tmp_path: Path, values: dict, model_dir: Path, mode: str = "train") -> int:
-    params = pf.write(tmp_path / "lora.yaml", values)
+@pytest.fixture(scope="module", autouse=True)
+def _machine_profile(tmp_path_factory):
+    """One cache of the compile phase's machine probes for the module's runs."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WEIGHTSTREAM_QUICK_MACHINE_PROFILE", "1")
-        mp.setenv("WEIGHTSTREAM_CACHE_DIR", str(tmp_path / "cache"))
-        try:
-            return main(["run", "CPU", "-p", str(params), "-m", mode, "-o", str(model_dir)])
-        finally:
-            config._reset_for_tests()
-            executor._reset_for_tests()
+        mp.setenv("WEIGHTSTREAM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+def _run(tmp_path: Path, values: dict, model_dir: Path, mode: str = "train") -> int:
+    params = pf.write(tmp_path / "lora.yaml", values)
+    try:
+        return main(["run", "CPU", "-p", str(params), "-m", mode, "-o", str(model_dir)])
+    finally:
+        config._reset_for_tests()
+        executor._reset_for_tests()
 
 
 def _losses(model_dir: Path) -> list[float]:
@@ -225,3 +233,189 @@ def test_export_to_hf_merges_the_adapters_as_merge_and_unload(pretrained, lora_r
             rtol=1e-5,
             atol=1e-5,
         )
+
+
+def test_a_resumed_lora_run_equals_one_that_never_stopped(pretrained, lora_run, tmp_path):
+    model_dir = tmp_path / "run"
+    half = STEPS // 2
+    assert _run(tmp_path, _values(pretrained, max_steps=half), model_dir) == 0
+    # The checkpoint holds the adapters, not the frozen base (Note [lora checkpoints]).
+    state = ckpt.load(model_dir / f"checkpoint_{half}.mdl", map_location="cpu")
+    assert state["model"] and all(".lora_" in k for k in state["model"])
+    base_bytes = (pretrained / "model.safetensors").stat().st_size
+    assert sum(v.nbytes for v in state["model"].values()) < base_bytes / 10
+    assert state["metadata"]["peft"]["base"] == str(pretrained.resolve())
+    assert _run(tmp_path, _values(pretrained), model_dir) == 0
+    assert _losses(model_dir) == _losses(lora_run)
+    want = _adapters(lora_run / f"checkpoint_{STEPS}.mdl")
+    got = _adapters(model_dir / f"checkpoint_{STEPS}.mdl")
+    assert want.keys() == got.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
+
+def test_resume_names_the_missing_or_changed_base(pretrained, tmp_path, capsys):
+    base = tmp_path / "base"
+    shutil.copytree(pretrained, base)
+    model_dir = tmp_path / "run"
+    assert _run(tmp_path, _values(base, hf_config=pretrained, max_steps=2), model_dir) == 0
+    listing = sorted(p.name for p in model_dir.iterdir())
+    # The base moved away: the resume stops before anything is built or written.
+    shutil.move(base, tmp_path / "moved")
+    capsys.readouterr()
+    assert _run(tmp_path, _values(base, hf_config=pretrained, max_steps=4), model_dir) == 2
+    out = capsys.readouterr().out
+    assert "holds LoRA adapters of the base model at" in out and "does not exist" in out
+    assert str(base.resolve()) in out
+    assert sorted(p.name for p in model_dir.iterdir()) == listing
+    # Other weights in its place: refused too.
+    torch.manual_seed(1)
+    _llama().save_pretrained(base)
+    assert _run(tmp_path, _values(base, hf_config=pretrained, max_steps=4), model_dir) == 2
+    assert "holds other weights" in capsys.readouterr().out
+    # Back where it was: the run resumes.
+    shutil.rmtree(base)
+    shutil.move(tmp_path / "moved", base)
+    assert _run(tmp_path, _values(base, hf_config=pretrained, max_steps=4), model_dir) == 0
+
+
+def test_the_frozen_base_has_no_optimizer_state_no_gradient_and_does_not_change(
+    pretrained, tmp_path
+):
+    from weightstream.cli.params import parse_params
+    from weightstream.cli.run import Run
+
+    values = _values(pretrained, max_steps=2, store="disk")
+    values["runconfig"]["model_dir"] = str(tmp_path / "run")
+    run = Run(parse_params(values, "train"), "train", "CPU")
+    try:
+        assert run.execute() == 0
+    finally:
+        config._reset_for_tests()
+        executor._reset_for_tests()
+    model, optimizer = run.trainer.model, run.trainer.optimizer
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    named = dict(model.named_parameters())
+    assert trainable and all(".lora_" in n for n, p in named.items() if p.requires_grad)
+    in_optimizer = [p for g in optimizer.param_groups for p in g["params"]]
+    assert {id(p) for p in in_optimizer} == trainable
+    assert len(optimizer.state_dict()["state"]) == len(trainable)
+    pretrained_state = transformers.AutoModelForCausalLM.from_pretrained(pretrained).state_dict()
+    from weightstream.common import lora
+
+    for name, base_name in lora.base_names(model).items():
+        p = named.get(name)
+        if base_name is None or p is None:
+            continue
+        assert not p.requires_grad and p.grad is None, name
+        assert torch.equal(p.detach(), pretrained_state[base_name]), name
+
+
+def test_the_frozen_base_streams_in_the_compute_dtype_and_sends_no_gradient(pretrained):
+    """Through the API: each base weight reaches its layer in bfloat16 (the compute
+    dtype), no gradient of a base weight comes back, the adapters get theirs."""
+    import weightstream as cstorch
+    from weightstream.common import lora
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(pretrained)
+    model.config.use_cache = False
+    wrapped = lora.wrap(model, lora.lora_config(LORA))
+    compiled = cstorch.compile(
+        wrapped, backend="ws", compute_dtype="bf16", unit_classes=["LlamaDecoderLayer"]
+    )
+    seen: dict[str, torch.dtype] = {}
+    hooks = []
+    for name, m in wrapped.named_modules():
+        if name.endswith("q_proj.base_layer"):
+            hooks.append(
+                m.register_forward_pre_hook(
+                    lambda mod, _args, name=name: seen.__setitem__(name, mod.weight.dtype)
+                )
+            )
+    x = _tokens()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = compiled(input_ids=x, labels=x).loss
+    loss.backward()
+    for h in hooks:
+        h.remove()
+    assert seen and set(seen.values()) == {torch.bfloat16}, seen
+    for name, p in wrapped.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and p.grad.dtype == torch.float32, name
+        else:
+            assert p.grad is None, name
+    compiled.close()
+
+
+# ---- the params section and its errors ---------------------------------------------------
+
+
+def _parse(values: dict):
+    from weightstream.cli.params import parse_params
+
+    values = {**values, "runconfig": {**values["runconfig"], "model_dir": "unused"}}
+    return parse_params(values, "train")
+
+
+def test_the_peft_section_reads_back_to_the_same_lora_config(pretrained):
+    lora = {**LORA, "lora_dropout": 0.1, "use_rslora": True, "layers_to_transform": [1]}
+    lora["layers_pattern"] = "layers"
+    params = _parse(_values(pretrained, lora=lora))
+    assert params.peft.config.r == 4 and params.peft.config.use_rslora
+    assert params.peft.config.task_type == "CAUSAL_LM"
+    again = _parse({**_values(pretrained), "peft": params.to_dict()["peft"]})
+    assert again.peft.lora_values() == params.peft.lora_values()
+    # A LoraConfig field the section does not type passes through, checked by peft.
+    assert _parse(_values(pretrained, lora={**LORA, "inference_mode": False})).peft.extra == {
+        "inference_mode": False
+    }
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "words"),
+    [
+        ({"peft": {**LORA, "lora_alpah": 16}}, ValueError, ["'lora_alpah'", "'lora_alpha'"]),
+        ({"peft": {**LORA, "r": 0}}, ValueError, ["peft.r must be >= 1"]),
+        ({"peft": {**LORA, "r": "8"}}, TypeError, ["peft.r must be an integer"]),
+        ({"peft": {**LORA, "use_dora": True}}, ValueError, ["peft.use_dora", "DoRA"]),
+        ({"peft": {**LORA, "init_lora_weights": "pissa"}}, ValueError, ["init_lora_weights"]),
+        ({"model": {"name": "gpt2"}}, ValueError, ["peft:", "'gpt2'", "name: hf"]),
+        ({"runconfig": {"max_steps": 1}}, ValueError, ["checkpoint_path", "load_checkpoint"]),
+    ],
+    ids=["unknown_key", "rank", "quoted_rank", "dora", "pissa", "not_hf", "no_base"],
+)
+def test_bad_peft_settings_name_the_key_and_the_fix(pretrained, change, error, words):
+    values = {**_values(pretrained), **change}
+    with pytest.raises(error) as info:
+        _parse(values)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_peft_without_a_hf_model_stops_the_run_command(pretrained, tmp_path, capsys):
+    values = _values(pretrained)
+    values["model"] = {"name": "gpt2", "n_layer": 1, "d_model": 32, "n_head": 2, "seq_len": 16}
+    assert _run(tmp_path, values, tmp_path / "run") == 2
+    assert "LoRA adapters need a Hugging Face model" in capsys.readouterr().out
+    assert not (tmp_path / "run").exists()
+
+
+def test_old_transformers_or_peft_is_one_clear_error(monkeypatch):
+    import sys
+
+    from weightstream.common import hf_config
+
+    # The module ``import transformers`` gives now (importing peft replaces the one
+    # this file bound at its top).
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.1")
+    with pytest.raises(ImportError, match=r"needs transformers>=5\.0, but transformers 4\.57\.1"):
+        hf_config.transformers_module()
+    with pytest.raises(ImportError, match=r"weightstream\[hf\]"):
+        hf_config.peft_module()
+    monkeypatch.undo()
+    monkeypatch.setattr(sys.modules["peft"], "__version__", "0.10.0")
+    with pytest.raises(ImportError, match=r"needs peft>=0\.17, but peft 0\.10\.0"):
+        hf_config.peft_module()
+    monkeypatch.setitem(sys.modules, "peft", None)  # not installed
+    with pytest.raises(ImportError, match=r"pip install 'weightstream\[hf\]'"):
+        hf_config.peft_module()

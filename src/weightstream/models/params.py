@@ -243,6 +243,13 @@ class PeftParams:
         from weightstream.common import lora
 
         s = "peft"
+        init = self.init_lora_weights
+        if isinstance(init, str) and init not in lora.LORA_INITS:
+            raise ValueError(
+                f"{s}.init_lora_weights: {init!r} is not supported with a streamed base model "
+                "(its adapters are drawn before the base weights are read; Note [lora on meta] "
+                "in common/lora.py). Fix: use true, false or 'gaussian'."
+            )
         check(self, s, skip=("extra",))
         convert(f"{s}.extra", self.extra, dict[str, Any])
         valid = lora.config_fields()
