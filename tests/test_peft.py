@@ -92,10 +92,13 @@ def _values(
 
 @pytest.fixture(scope="module", autouse=True)
 def _machine_profile(tmp_path_factory):
-    """One cache of the compile phase's machine probes for the module's runs."""
+    """conftest's machine profile (the session's cache) for the module-scoped run too,
+    which starts before the function-scoped fixtures."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WEIGHTSTREAM_QUICK_MACHINE_PROFILE", "1")
-        mp.setenv("WEIGHTSTREAM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        mp.setenv(
+            "WEIGHTSTREAM_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "weightstream-cache")
+        )
         yield
 
 
@@ -419,3 +422,29 @@ def test_old_transformers_or_peft_is_one_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "peft", None)  # not installed
     with pytest.raises(ImportError, match=r"pip install 'weightstream\[hf\]'"):
         hf_config.peft_module()
+
+
+def test_evaluation_reads_the_base_from_its_folder_and_the_adapters_from_the_run(
+    pretrained, lora_run, tmp_path
+):
+    """-m eval of a LoRA run's model_dir: the base from checkpoint_path, the adapters
+    from the newest checkpoint; the loss is eager peft's on the same batches."""
+    values = _values(pretrained, eval_steps=2)
+    values["eval_input"] = _section(pretrained)
+    model_dir = tmp_path / "run"
+    shutil.copytree(lora_run, model_dir)
+    assert _run(tmp_path, values, model_dir, mode="eval") == 0
+    from test_run_command import _scalars
+
+    (step, got), *_ = _scalars(model_dir / "eval", "loss")
+    assert step == STEPS
+    model = _trained_peft(pretrained, _adapters(lora_run / f"checkpoint_{STEPS}.mdl"))
+    loader = get_data_processor("TextCorpusProcessor")(_section(pretrained), False)
+    losses = []
+    with torch.no_grad():
+        for step, batch in enumerate(loader):
+            if step == 2:
+                break
+            logits = model(input_ids=batch["input_ids"]).logits
+            losses.append(F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()).item())
+    assert got == pytest.approx(sum(losses) / 2, rel=1e-6)

@@ -270,9 +270,11 @@ class PeftParams:
             )
         try:
             self.config = lora.lora_config(self.lora_values())
-        except (TypeError, ValueError) as e:
-            error = ValueError if isinstance(e, ValueError) else TypeError
-            raise error(f"{s}: peft's LoraConfig refuses these settings: {e}") from None
+        except Exception as e:  # whatever peft's checks raise: these settings are wrong
+            error = TypeError if isinstance(e, TypeError) else ValueError
+            raise error(
+                f"{s}: peft's LoraConfig refuses these settings: {e} Fix the keys it names."
+            ) from None
 
     def lora_values(self) -> dict[str, Any]:
         """The arguments of peft's ``LoraConfig`` (lists as lists, the defaults left out)."""
