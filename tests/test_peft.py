@@ -13,6 +13,7 @@ with peft (``--to peft``) and transformers (``--to hf``, merged).
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -104,6 +105,8 @@ def _machine_profile(tmp_path_factory):
 
 def _run(tmp_path: Path, values: dict, model_dir: Path, mode: str = "train") -> int:
     params = pf.write(tmp_path / "lora.yaml", values)
+    # The run's log handler is made again, on this test's stdout (capsys reads it).
+    logging.getLogger("weightstream").handlers.clear()
     try:
         return main(["run", "CPU", "-p", str(params), "-m", mode, "-o", str(model_dir)])
     finally:
