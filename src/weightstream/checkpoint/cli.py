@@ -52,12 +52,21 @@ def build_parser() -> argparse.ArgumentParser:
         "dst",
         help="output: .mdl/.h5 (H5), .safetensors, a directory or .index.json "
         "(Hugging Face sharded safetensors), .pt/.pth/.bin (torch); with --to hf a "
-        "Hugging Face model folder (config.json + model.safetensors)",
+        "Hugging Face model folder (config.json + model.safetensors); with --to peft a "
+        "peft adapter folder (adapter_config.json + adapter_model.safetensors)",
     )
-    p.add_argument("--to", choices=["h5", "safetensors", "torch", "hf"], help="output format")
+    p.add_argument(
+        "--to", choices=["h5", "safetensors", "torch", "hf", "peft"], help="output format"
+    )
     p.add_argument(
         "--config",
-        help="with --to hf: the config.json (or its folder) to write; default: the run's",
+        help="with --to hf: the config.json (or its folder) to write; with --to peft: the "
+        "base model's; default: the run's",
+    )
+    p.add_argument(
+        "--base",
+        help="with a LoRA run's checkpoint: the base model folder (default: the one the run "
+        "recorded); --to hf merges the adapters into its weights",
     )
     p.add_argument("--key", help="convert only this subtree, e.g. 'model'")
     p.add_argument("--max-shard-size", type=parse_size, help="safetensors shard size, e.g. 5GB")
@@ -97,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 compression=None if args.compression in (None, "none") else args.compression,
                 fsync=not args.no_fsync,
                 config=args.config,
+                base=args.base,
             )
             for path in written:
                 print(path)

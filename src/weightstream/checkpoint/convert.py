@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from weightstream.checkpoint import lora_export
 from weightstream.checkpoint.lazy import load
 from weightstream.checkpoint.opener import open_source
 from weightstream.checkpoint.safetensors_io import write_safetensors
@@ -20,9 +21,9 @@ from weightstream.checkpoint.source import Source
 from weightstream.checkpoint.torchfile import write_torch
 from weightstream.checkpoint.tree import Branch, Leaf, Node, Subtree, TreeView, find_subtree
 from weightstream.checkpoint.writer import atomic_path, save
-from weightstream.common.hf_config import load_config
+from weightstream.common.hf_config import load_config, transformers_module
 
-FORMATS = ("h5", "safetensors", "torch", "hf")
+FORMATS = ("h5", "safetensors", "torch", "hf", "peft")
 
 _SUFFIXES = {
     ".safetensors": "safetensors",
@@ -99,6 +100,7 @@ def convert(
     compression: str | None = None,
     fsync: bool = True,
     config: str | os.PathLike | None = None,
+    base: str | os.PathLike | None = None,
 ) -> list[Path]:
     """Convert the checkpoint ``src`` to ``dst``; returns the files written.
 
@@ -114,18 +116,28 @@ def convert(
         max_shard_size: bytes per safetensors shard (Hugging Face layout).
         compression: for H5 output: None, "gzip" or "lz4".
         config: with ``to="hf"``, the ``config.json`` (or a folder holding one) to
-            write beside the weights; default: the one the run recorded.
+            write beside the weights; default: the one the run recorded. With
+            ``to="peft"``: the base model's configuration.
+        base: with a LoRA run's checkpoint, the base model's folder (default: the
+            one the run recorded).
 
-    ``to="hf"`` writes a Hugging Face model folder (Note [export to hf]).
+    ``to="hf"`` writes a Hugging Face model folder (Note [export to hf]); of a
+    LoRA run's checkpoint, the base with the adapters merged. ``to="peft"``
+    writes a LoRA run's adapters as peft's ``save_pretrained`` does
+    (checkpoint/lora_export.py).
     """
     dst_path = Path(os.fspath(dst))
     if to is None and max_shard_size is not None:
         to = "safetensors"  # sharding exists only for safetensors
     fmt = output_format(dst, to)
     if fmt == "hf":
-        return _to_hf(src, dst_path, config, allow_pickle, max_shard_size, fsync)
+        return _to_hf(src, dst_path, config, allow_pickle, max_shard_size, fsync, base)
+    if fmt == "peft":
+        return _to_peft(src, dst_path, config, base)
     if config is not None:
-        raise ValueError("convert(): config applies only to --to hf.")
+        raise ValueError("convert(): config applies only to --to hf and --to peft.")
+    if base is not None:
+        raise ValueError("convert(): base applies only to --to hf and --to peft.")
     if fmt != "safetensors" and max_shard_size is not None:
         raise ValueError("convert(): max_shard_size applies only to safetensors output.")
     if fmt != "h5" and compression is not None:
@@ -159,21 +171,50 @@ def convert(
 
 
 def _to_hf(
-    src, dst: Path, config, allow_pickle: bool, max_shard_size: int | None, fsync: bool
+    src, dst: Path, config, allow_pickle: bool, max_shard_size: int | None, fsync: bool, base
 ) -> list[Path]:
     if dst.exists() and not dst.is_dir():
         raise ValueError(f"convert(): --to hf writes a folder, but {dst} is a file.")
     with open_source(src, allow_pickle=allow_pickle) as source:
+        record = _lora_record_of(source)
+        if record is None and base is not None:
+            raise ValueError("convert(): --base applies only to a LoRA run's checkpoint.")
         top = list(getattr(source.tree, "keys", []))
         key = "model" if "model" in top else None
         cfg = _hf_config(source, config)
-        view = SourceView(source, key, _saved_names(cfg, SourceView(source, key)))
-        dst.mkdir(parents=True, exist_ok=True)
-        written = write_safetensors(view, dst, max_shard_size=max_shard_size, fsync=fsync)
+        if record is not None:
+            # The base's files, under their own names, with the adapters merged.
+            with lora_export.open_merged(Path(src), record, cfg, base) as merged:
+                dst.mkdir(parents=True, exist_ok=True)
+                view = SourceView(merged)
+                written = write_safetensors(view, dst, max_shard_size=max_shard_size, fsync=fsync)
+        else:
+            view = SourceView(source, key, _saved_names(cfg, SourceView(source, key)))
+            dst.mkdir(parents=True, exist_ok=True)
+            written = write_safetensors(view, dst, max_shard_size=max_shard_size, fsync=fsync)
         target = dst / "config.json"
         with atomic_path(target, fsync=fsync) as tmp:
             tmp.write_text(cfg.to_json_string(), encoding="utf-8")
         return [*written, target]
+
+
+def _lora_record_of(source: Source) -> dict | None:
+    if source.format != "h5":
+        return None
+    return lora_export.lora_record(source.path)
+
+
+def _to_peft(src, dst: Path, config, base) -> list[Path]:
+    with open_source(src) as source:
+        record = _lora_record_of(source)
+        if record is None:
+            raise ValueError(
+                f"convert(): --to peft needs a LoRA run's checkpoint (a params file with a "
+                f"peft section); {source.path} holds no adapters. Fix: use --to hf for a "
+                "full model."
+            )
+        cfg = _hf_config(source, config)
+    return lora_export.to_peft(Path(src), dst, record, cfg, base)
 
 
 def _saved_names(cfg, view: SourceView) -> dict[str, str]:
@@ -181,7 +222,7 @@ def _saved_names(cfg, view: SourceView) -> dict[str, str]:
     [export to hf]): transformers' own ``revert_weight_conversion``, on meta
     placeholders of the tensors. A conversion that makes new tensors (merged
     experts) keeps the model's names, which transformers reads as well."""
-    import transformers
+    transformers = transformers_module()
     from transformers.core_model_loading import revert_weight_conversion
 
     node = view.node

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from weightstream.checkpoint.lazy import load
+from weightstream.common.hf_config import transformers_module
 from weightstream.common.pages import release_pages
 
 
@@ -49,13 +50,11 @@ def _hf_names(model: nn.Module, keys) -> dict[str, str]:
     names = {k: k for k in keys}
     if "transformers" not in sys.modules:
         return names  # not a transformers model (and no import of the library for it)
-    try:
-        from transformers import PreTrainedModel
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightRenaming
-    except ImportError:  # no transformers, or one without renames
-        return names
-    if not isinstance(model, PreTrainedModel):
+    transformers = transformers_module()  # transformers 5: its renames are in these modules
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    if not isinstance(model, transformers.PreTrainedModel):
         return names
     renames = [t for t in get_model_conversion_mapping(model) if type(t) is WeightRenaming]
     if not renames:
@@ -87,17 +86,24 @@ def load_weights(
     path: str | os.PathLike,
     *,
     name_map: Callable[[str], tuple[str, bool]] | None = None,
+    only: Callable[[str], bool] | None = None,
+    renames_of: nn.Module | None = None,
 ) -> list[str]:
     """Fill ``model``'s weights from the checkpoint at ``path`` (see the module doc).
 
     ``name_map(model_name) -> (checkpoint_name, transposed)`` translates names
-    (a zoo model read from a Hugging Face file, models/hf_names.py); a name is
-    looked up as it is first. Returns the checkpoint names read. Raises
-    ValueError naming the tensors that are missing or of another shape.
+    (a zoo model read from a Hugging Face file, models/hf_names.py; a LoRA
+    model's base tensors, common/lora.py); a name is looked up as it is first.
+    ``only(model_name)``: the tensors to fill (default: all); the others keep
+    their values (a LoRA model's adapters). ``renames_of``: the transformers
+    model whose renames apply to the file's names (default: ``model``; a LoRA
+    model's base). Returns the checkpoint names read. Raises ValueError naming
+    the tensors that are missing or of another shape.
     """
     with load(path) as state:
         weights = _weights_of(state)
-        file_key = _hf_names(model, list(weights))  # the model's name -> the file's
+        # The model's name -> the file's.
+        file_key = _hf_names(model if renames_of is None else renames_of, list(weights))
         available = set(file_key)
 
         def candidates(name: str) -> list[tuple[str, bool]]:
@@ -108,6 +114,8 @@ def load_weights(
         plan: list[tuple[str, str, bool, torch.Tensor]] = []
         missing: list[str] = []
         for names in _targets(model):
+            if only is not None and not any(only(n) for n, _ in names):
+                continue
             found = next(
                 ((n, c, flip) for n, _ in names for c, flip in candidates(n) if c in available),
                 None,

@@ -1,11 +1,12 @@
 """The params file of ``weightstream run``: a tree of typed, validated dataclasses.
 
-A params file is YAML with up to five top-level sections (api-reference section 8)::
+A params file is YAML with up to six top-level sections (api-reference section 8)::
 
     train_input / eval_input -> InputParams      (data processor and loader settings)
     model                    -> ModelParams      (a registry model, its config, precision)
     optimizer                -> OptimizerParams  (optimizer, lr schedule, clipping, loss scaling)
     runconfig                -> RunConfigParams  (steps, checkpoints, logging, cluster, execution)
+    peft                     -> PeftParams       (LoRA adapters on a model: {name: hf})
 
 YAML only deserializes (:func:`load_params` gives a plain dict); every check lives in
 the dataclasses' ``__post_init__``, so a Params built in Python is checked exactly
@@ -42,7 +43,7 @@ from weightstream.common.schema import (
     unknown_keys_error,
 )
 from weightstream.data.params import InputParams
-from weightstream.models.params import ModelParams
+from weightstream.models.params import ModelParams, PeftParams
 from weightstream.optim.params import OptimizerParams
 from weightstream.runtime.config import StreamingConfig
 
@@ -56,6 +57,7 @@ __all__ = [
     "ModelParams",
     "OptimizerParams",
     "Params",
+    "PeftParams",
     "RunConfigParams",
     "apply_overrides",
     "load_params",
@@ -64,7 +66,7 @@ __all__ = [
 ]
 
 MODES = ("train", "eval", "train_and_eval", "eval_all")
-SECTIONS = ("train_input", "eval_input", "model", "optimizer", "runconfig")
+SECTIONS = ("train_input", "eval_input", "model", "optimizer", "runconfig", "peft")
 FP16_TYPES = ("float16", "bfloat16", "cbfloat16")
 EXECUTION_MODES = ("weight_streaming", "layer_pipelined")
 
@@ -273,6 +275,7 @@ class Params:
     eval_input: InputParams | None = None
     optimizer: OptimizerParams | None = None
     runconfig: RunConfigParams = field(default_factory=RunConfigParams)
+    peft: PeftParams | None = None
 
     def __post_init__(self) -> None:
         for name, cls, optional in (
@@ -281,10 +284,31 @@ class Params:
             ("eval_input", InputParams, True),
             ("optimizer", OptimizerParams, True),
             ("runconfig", RunConfigParams, False),
+            ("peft", PeftParams, True),
         ):
             value = getattr(self, name)
             if not (isinstance(value, cls) or (optional and value is None)):
                 raise TypeError(f"Params.{name} must be a {cls.__name__}, got {got(value)}.")
+        if self.peft is not None:
+            self._check_peft()
+
+    def _check_peft(self) -> None:
+        """LoRA trains adapters on a pretrained transformers model, whose weights a
+        warm start reads (Note [lora checkpoints] in cli/run.py)."""
+        if self.model.name != "hf":
+            raise ValueError(
+                f"peft: LoRA adapters need a Hugging Face model, but model.name is "
+                f"{self.model.name!r}. Fix: use 'model: {{name: hf, hf_config: FOLDER}}', or "
+                "remove the peft section."
+            )
+        rc = self.runconfig
+        if not rc.checkpoint_path or rc.warm_start_states != ["model"]:
+            raise ValueError(
+                "peft: LoRA trains adapters on pretrained weights, read from the base model's "
+                "folder at the start and again on every resume (checkpoints hold the adapters "
+                "only). Fix: set runconfig.checkpoint_path to the base model folder and "
+                "runconfig.load_checkpoint_states: model."
+            )
 
     def check_mode(self, mode: str) -> None:
         """Raise ValueError when something the mode needs is missing."""
@@ -345,11 +369,13 @@ def parse_params(raw: Any, mode: str) -> Params:
         if name in present
     }
     optimizer = present.get("optimizer")
+    peft = present.get("peft")
     params = Params(
         model,
         **inputs,
         optimizer=None if optimizer is None else OptimizerParams.from_dict(optimizer),
         runconfig=RunConfigParams.from_dict(present.get("runconfig", {})),
+        peft=None if peft is None else PeftParams.from_dict(peft),
     )
     params.check_mode(mode)
     return params

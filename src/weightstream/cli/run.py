@@ -26,8 +26,11 @@ import torch
 
 import weightstream as cstorch
 from weightstream import checkpoint as ckpt
+from weightstream.checkpoint.weights import load_weights
 from weightstream.cli.params import Params, save_params
 from weightstream.cli.run_args import build_run_parser, params_from_args
+from weightstream.common import lora
+from weightstream.common.materialize import materialize, materialize_buffers
 from weightstream.common.scalars import NoScalarWriter, ScalarWriter
 from weightstream.config import run_configuration
 from weightstream.data.streaming import batch_size_of
@@ -123,9 +126,17 @@ class Run:
         shapes_only = rc.validate_only or rc.compile_only
         warm = weights_from_checkpoint and self.ws and not shapes_only
         on_meta = shapes_only or (self.ws and rc.streaming.store == "disk") or warm
-        model = self.params.model.build("meta" if on_meta else "cpu")
+        peft = self.params.peft
+        model = self.params.model.build("meta" if on_meta or peft else "cpu")
         # A transformers model streams (and recomputes) decoder layer by decoder layer.
         units = hf.unit_classes(model) if hf.is_hf_model(model) else None
+        if peft is not None:
+            if not on_meta:  # layer pipelined: storage for the warm start, nothing drawn
+                materialize_buffers(model, "cpu")
+                materialize(model, _zeros, skip=lambda _name: True, without_rule="leave")
+            # The adapters are drawn here, after the seed and before anything else
+            # draws (Note [lora on meta] in common/lora.py).
+            model = lora.wrap(model, peft.config)
         kwargs = {"device": self.device}
         if self.ws:
             # The runconfig's streaming settings are the engine's StreamingConfig;
@@ -272,7 +283,10 @@ class Run:
         own = ckpt.find_latest_checkpoint(self.model_dir) if rc.autoload_last_checkpoint else None
         warm = rc.warm_start_states if own is None else []
         self._check_vocabulary()
-        model, compiled = self._build_model(weights_from_checkpoint="model" in warm)
+        peft = p.peft is not None
+        if peft and own is not None:
+            self._check_base_of(own)  # before building anything (Note [lora checkpoints])
+        model, compiled = self._build_model(weights_from_checkpoint="model" in warm or peft)
         if rc.validate_only or rc.compile_only:
             self.compile(compiled, p.train_input)
             self._write_params("train")
@@ -287,9 +301,13 @@ class Run:
         # write to model_dir: bad input changes nothing on disk (invariant 3).
         t_program = time.perf_counter()
         opt_params = p.optimizer
-        groups = model.parameters()
+        # Only what trains has optimizer state (a LoRA run's frozen base has none).
+        groups = [{"params": [q for q in model.parameters() if q.requires_grad]}]
         if opt_params.weight_decay:
             groups = cstorch.optim.param_groups_with_weight_decay(model, opt_params.weight_decay)
+            for group in groups:
+                group["params"] = [q for q in group["params"] if q.requires_grad]
+            groups = [g for g in groups if g["params"]]
         kwargs = opt_params.optimizer_kwargs()
         learning_rate = kwargs.get("learning_rate")
         optimizer = cstorch.optim.configure_optimizer(
@@ -312,7 +330,13 @@ class Run:
             max_gradient_norm=opt_params.max_gradient_norm,
             max_gradient_value=opt_params.max_gradient_value,
             check_loss_values=rc.check_loss_values,
-            metadata={"version": cstorch.__version__, "model": p.model.name, "params": p.to_dict()},
+            metadata={
+                "version": cstorch.__version__,
+                "model": p.model.name,
+                "params": p.to_dict(),
+                **({"peft": self._base_record()} if peft else {}),
+            },
+            model_keys=_trained_keys(model) if peft else None,
         )
         trainer = Trainer(
             settings,
@@ -338,8 +362,12 @@ class Run:
             resume = Path(rc.checkpoint_path) if rc.checkpoint_path else own
         if resume is not None and self._finished(resume):
             return
+        if peft:
+            self._load_base(model)
         if resume is not None:
             self._resume(trainer, resume, dataloader)
+        elif peft:
+            log.info("Warm-started the base model from %s at global step 0", rc.checkpoint_path)
         elif warm:
             # A zoo model reads a Hugging Face checkpoint of its architecture by its
             # transformers names (models/hf_names.py).
@@ -450,15 +478,29 @@ class Run:
         if p.eval_input is None:
             raise ValueError("evaluation needs an eval_input section in the params file.")
         # The checkpoint gives every weight: nothing is drawn for them first.
+        peft = p.peft is not None
+        if peft and ckpt.is_trainer_checkpoint(checkpoint_path):
+            self._check_base_of(checkpoint_path)
         model, compiled = self._build_model(weights_from_checkpoint=True)
         trainer = Trainer(
-            TrainerSettings(task=self.task, model_dir=self.model_dir),
+            TrainerSettings(
+                task=self.task,
+                model_dir=self.model_dir,
+                model_keys=_trained_keys(model) if peft else None,
+            ),
             model,
             _Autocast(compiled, self._autocast),
         )
-        trainer.load_checkpoint(
-            checkpoint_path, weights_only=True, name_map=hf_name_map(p.model.name)
-        )
+        if peft:
+            # The base from its folder, the adapters from the checkpoint (none yet: the
+            # base folder itself is the start, with the initial adapters).
+            self._load_base(model)
+            if ckpt.is_trainer_checkpoint(checkpoint_path):
+                trainer.load_checkpoint(checkpoint_path, weights_only=True)
+        else:
+            trainer.load_checkpoint(
+                checkpoint_path, weights_only=True, name_map=hf_name_map(p.model.name)
+            )
         steps = rc.eval_steps
         loader = self._dataloader(p.eval_input, False, num_steps=steps) if steps else None
         if loader is None:
@@ -472,6 +514,83 @@ class Run:
             return trainer.evaluate(loader, steps)
         finally:
             writer.close()
+
+    # ---- LoRA (the peft section) ---------------------------------------------------------
+
+    # Note [lora checkpoints]
+    # -----------------------
+    # A LoRA run's checkpoint holds what trains and what resuming it needs: the
+    # adapters (and modules_to_save copies) under the peft model's names, the
+    # optimizer state of those only, the schedulers, grad scaler, data position,
+    # generators and step; not the frozen base, which would cost its full size
+    # (28 GB for a 7B model in fp32) in every checkpoint. The base is read again
+    # from runconfig.checkpoint_path, the folder the run warm-started from, on
+    # every resume and evaluation; the checkpoint's metadata records it
+    # (``peft``: the folder's path then, and a fingerprint of its weight files,
+    # common/lora.py's base_fingerprint), and a resume whose base folder is gone
+    # or holds other weights stops before building anything, saying which base
+    # it needs. ``checkpoint convert --to peft`` writes the adapters as peft's
+    # save_pretrained does; ``--to hf`` merges them into the recorded base.
+
+    def _base_record(self) -> dict:
+        path = Path(self.rc.checkpoint_path).resolve()
+        return {
+            "base": str(path),
+            "base_fingerprint": lora.base_fingerprint(path),
+            "adapter": lora.ADAPTER,
+            "lora_config": self.params.peft.lora_values(),
+        }
+
+    def _check_base_of(self, path: Path) -> None:
+        """Refuse to resume (or evaluate) the LoRA checkpoint ``path`` on another base."""
+        with ckpt.load(path) as state:
+            metadata = state.get("metadata") if isinstance(state, dict) else None
+            record = metadata.get("peft") if isinstance(metadata, dict) else None
+            record = _read_small(record)
+        if not isinstance(record, dict) or "base_fingerprint" not in record:
+            raise ValueError(
+                f"{path} is not a checkpoint of a LoRA run (its metadata records no base model), "
+                "but the params file has a peft section. Fix: resume it with the params file it "
+                "was written with, or train in a new model_dir (-o)."
+            )
+        base = Path(self.rc.checkpoint_path)
+        if not base.exists():
+            raise ValueError(
+                f"{path} holds LoRA adapters of the base model at {record.get('base')}, read "
+                f"from runconfig.checkpoint_path; {base} does not exist. Fix: set "
+                "runconfig.checkpoint_path to that base model folder (or a copy of it)."
+            )
+        if lora.base_fingerprint(base) != record["base_fingerprint"]:
+            raise ValueError(
+                f"{path} holds LoRA adapters of the base model at {record.get('base')}, but "
+                f"runconfig.checkpoint_path {base} holds other weights (their files differ). "
+                "Fix: set runconfig.checkpoint_path to the base the adapters were trained on."
+            )
+
+    def _load_base(self, model) -> None:
+        """The frozen base's tensors, from the base folder, under their transformers
+        names (Note [lora on meta]); the adapters keep their values."""
+        names = lora.base_names(model)
+        load_weights(
+            model,
+            Path(self.rc.checkpoint_path),
+            name_map=lambda name: (names.get(name) or name, False),
+            only=lambda name: names.get(name) is not None,
+            renames_of=model.get_base_model(),
+        )
+
+
+def _zeros(p: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(p.shape, dtype=p.dtype)
+
+
+def _trained_keys(model) -> tuple[str, ...]:
+    """The names of the model's trainable tensors: what a LoRA checkpoint holds."""
+    return tuple(name for name, q in model.named_parameters() if q.requires_grad)
+
+
+def _read_small(value):
+    return value.to_dict() if isinstance(value, ckpt.LazyStateDict) else value
 
 
 class _Autocast:
@@ -502,7 +621,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_run_parser().parse_args(argv)
     try:
         params = params_from_args(args)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
+        # ImportError: a library of the hf extra missing or too old (common/hf_config.py).
         message = str(exc)
         if str(args.params) not in message:
             message = f"params file {str(args.params)!r}: {message}"
@@ -517,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         os.makedirs(model_dir, exist_ok=True)
         return Run(params, args.mode, args.target).execute()
-    except (ValueError, TypeError, OSError, FloatingPointError) as exc:
+    except (ValueError, TypeError, OSError, FloatingPointError, ImportError) as exc:
         message = str(exc)
         if (
             isinstance(exc, OSError)

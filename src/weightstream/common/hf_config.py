@@ -7,6 +7,7 @@ used. Nothing is downloaded.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -17,14 +18,56 @@ from weightstream.common.schema import did_you_mean
 CONFIG_FILE = "config.json"
 
 
+# The oldest versions of the Hugging Face libraries the ``hf`` extra works with
+# (pyproject.toml): transformers 5's weight-loading module (renames, the
+# conversions ``--to hf`` reverts), peft's ``low_cpu_mem_usage`` adapters.
+TRANSFORMERS_MIN = (5, 0)
+PEFT_MIN = (0, 17)
+_INSTALL = "pip install 'weightstream[hf]'"
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """The leading numbers of a version string ("5.24.0.dev0" -> (5, 24, 0))."""
+    numbers = []
+    for part in text.split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        numbers.append(int(digits))
+    return tuple(numbers)
+
+
+def _checked(name: str, module, minimum: tuple[int, ...], what: str):
+    found = getattr(module, "__version__", "0")
+    if _version(found) < minimum:
+        need = ".".join(map(str, minimum))
+        raise ImportError(
+            f"{what} needs {name}>={need}, but {name} {found} is installed. Fix: "
+            f"{_INSTALL} (or pip install -U '{name}>={need}')."
+        )
+    return module
+
+
 def transformers_module():
+    """The ``transformers`` package, the one way into it: a missing or too old one
+    (< 5) is an ImportError saying what to install."""
     try:
         import transformers
     except ImportError as e:
-        raise ImportError(
-            "model name 'hf' needs the transformers package: pip install transformers"
-        ) from e
-    return transformers
+        raise ImportError(f"model name 'hf' needs the transformers package: {_INSTALL}") from e
+    return _checked("transformers", transformers, TRANSFORMERS_MIN, "model name 'hf'")
+
+
+def peft_module():
+    """The ``peft`` package (LoRA: the params file's ``peft`` section, ``checkpoint
+    convert --to peft``), checked as :func:`transformers_module` is; transformers
+    is checked first, since peft imports it."""
+    transformers_module()
+    try:
+        import peft
+    except ImportError as e:
+        raise ImportError(f"LoRA (the peft section) needs the peft package: {_INSTALL}") from e
+    return _checked("peft", peft, PEFT_MIN, "LoRA (the peft section)")
 
 
 def file_in(path: str | os.PathLike, name: str) -> Path | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -19,7 +20,7 @@ from weightstream.common.schema import (
     unknown_keys_error,
 )
 
-__all__ = ["ModelParams"]
+__all__ = ["ModelParams", "PeftParams"]
 
 _MODEL_OWN_KEYS = ("name", "preset", "mixed_precision", "fp16_type")
 
@@ -159,3 +160,151 @@ class ModelParams:
             return out
         out.update(plain(self.config))
         return out
+
+
+# The LoraConfig keys the section types itself; the others are checked against
+# LoraConfig's fields and passed as they are (PeftParams.extra).
+_PEFT_OWN_KEYS = (
+    "r",
+    "lora_alpha",
+    "lora_dropout",
+    "target_modules",
+    "exclude_modules",
+    "bias",
+    "use_rslora",
+    "modules_to_save",
+    "init_lora_weights",
+    "layers_to_transform",
+    "layers_pattern",
+    "rank_pattern",
+    "alpha_pattern",
+    "fan_in_fan_out",
+    "lora_bias",
+)
+
+
+@dataclass
+class PeftParams:
+    """``peft``: train LoRA adapters on a frozen ``model: {name: hf}`` (Note [lora on
+    meta] in common/lora.py). The keys are the arguments of peft's ``LoraConfig``;
+    the most used are typed here, any other ``LoraConfig`` field goes in
+    :attr:`extra` (checked against ``LoraConfig``'s dataclass fields)."""
+
+    r: int = setting(8, ge=1, fix="use a positive rank", doc="The adapters' rank.")
+    lora_alpha: int | float = setting(
+        8, gt=0, doc="The adapters' scale is lora_alpha / r (lora_alpha / sqrt(r) with use_rslora)."
+    )
+    lora_dropout: float = setting(
+        0.0, ge=0.0, doc="Dropout on the adapters' input (0: none, and the run is deterministic)."
+    )
+    target_modules: list[str] | str | None = setting(
+        None,
+        doc="The modules that get adapters: names or name suffixes (q_proj, v_proj), a regular "
+        "expression, or 'all-linear'; null: peft's default for the model type.",
+    )
+    exclude_modules: list[str] | str | None = setting(
+        None, doc="Modules that get no adapter even where target_modules matches them."
+    )
+    bias: Literal["none", "all", "lora_only"] = setting(
+        "none", doc="Which biases train besides the adapters."
+    )
+    use_rslora: bool = setting(False, doc="Rank-stabilised scale lora_alpha / sqrt(r).")
+    modules_to_save: list[str] | None = setting(
+        None,
+        doc="Modules trained whole beside the adapters (lm_head): copied from the base by the "
+        "warm start, saved in every checkpoint.",
+    )
+    init_lora_weights: bool | Literal["gaussian"] = setting(
+        True,
+        doc="lora_A as nn.Linear draws it (true) or N(0, 1/r) ('gaussian'), lora_B zeros; "
+        "false: lora_A and lora_B as nn.Linear draws them (the adapters change the model "
+        "from step 0). Rules that read the base weights (pissa, olora, ...) are refused.",
+    )
+    layers_to_transform: list[int] | int | None = setting(
+        None, doc="Only these layer indices get adapters (with layers_pattern)."
+    )
+    layers_pattern: list[str] | str | None = setting(
+        None, doc="The name of the model's layer list (layers, h) for layers_to_transform."
+    )
+    rank_pattern: dict[str, int] = setting(
+        default_factory=dict, doc="Per-module ranks: a name pattern -> r."
+    )
+    alpha_pattern: dict[str, int | float] = setting(
+        default_factory=dict, doc="Per-module alphas: a name pattern -> lora_alpha."
+    )
+    fan_in_fan_out: bool = setting(
+        False, doc="The target layers store [in, out] (GPT-2's Conv1D): set true for them."
+    )
+    lora_bias: bool = setting(False, doc="Give lora_B a trained bias.")
+    extra: dict[str, Any] = field(default_factory=dict)
+    config: Any = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        from weightstream.common import lora
+
+        s = "peft"
+        init = self.init_lora_weights
+        if isinstance(init, str) and init not in lora.LORA_INITS:
+            raise ValueError(
+                f"{s}.init_lora_weights: {init!r} is not supported with a streamed base model "
+                "(its adapters are drawn before the base weights are read; Note [lora on meta] "
+                "in common/lora.py). Fix: use true, false or 'gaussian'."
+            )
+        check(self, s, skip=("extra",))
+        convert(f"{s}.extra", self.extra, dict[str, Any])
+        valid = lora.config_fields()
+        unknown = [k for k in self.extra if k not in valid]
+        if unknown:
+            raise unknown_keys_error(s, unknown, sorted(valid))
+        for key, why in lora.UNSUPPORTED.items():
+            f = valid.get(key)
+            if key in self.extra and f is not None and self.extra[key] != _field_default(f):
+                raise ValueError(
+                    f"{s}.{key}: not supported with a streamed base model ({why}). Fix: "
+                    f"remove {key} from the peft section."
+                )
+        if "task_type" in self.extra and self.extra["task_type"] not in ("CAUSAL_LM", None):
+            raise ValueError(
+                f"{s}.task_type: a 'model: {{name: hf}}' is a causal LM, got "
+                f"{self.extra['task_type']!r}. Fix: remove task_type (CAUSAL_LM is the default)."
+            )
+        try:
+            self.config = lora.lora_config(self.lora_values())
+        except Exception as e:  # whatever peft's checks raise: these settings are wrong
+            error = TypeError if isinstance(e, TypeError) else ValueError
+            raise error(
+                f"{s}: peft's LoraConfig refuses these settings: {e} Fix the keys it names."
+            ) from None
+
+    def lora_values(self) -> dict[str, Any]:
+        """The arguments of peft's ``LoraConfig`` (lists as lists, the defaults left out)."""
+        out = {}
+        for name in _PEFT_OWN_KEYS:
+            value = plain(getattr(self, name))
+            if value != plain(_field_default(PeftParams.__dataclass_fields__[name])):
+                out[name] = value
+        return {**out, **self.extra}
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> PeftParams:
+        values = as_section("peft", raw)
+        if "extra" in values:
+            raise ValueError(
+                "peft: 'extra' is not a key of the params file. Fix: write LoraConfig's keys "
+                "directly in the peft section."
+            )
+        own = {k: values.pop(k) for k in _PEFT_OWN_KEYS if k in values}
+        return cls(**own, extra=values)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {name: plain(getattr(self, name)) for name in _PEFT_OWN_KEYS}
+        out.update(plain(self.extra))
+        return out
+
+
+def _field_default(f) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING

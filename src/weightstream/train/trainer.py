@@ -23,6 +23,7 @@ import os
 import shutil
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,9 @@ class TrainerSettings:
     max_gradient_value: float | None = None
     check_loss_values: bool = True
     metadata: dict = field(default_factory=dict)
+    # The keys of the model's state a checkpoint holds; None: all of it. A LoRA
+    # run saves its trainable tensors only (Note [lora checkpoints] in cli/run.py).
+    model_keys: tuple[str, ...] | None = None
 
 
 class Trainer:
@@ -99,6 +103,8 @@ class Trainer:
         # On a sharded store both reads are collective and every rank gets the
         # whole state (Note [sharded store]); rank 0 writes it.
         model_state = self.model.state_dict()
+        if self.s.model_keys is not None:
+            model_state = OrderedDict((k, model_state[k]) for k in self.s.model_keys)
         optim_state = None if self.optimizer is None else self.optimizer.state_dict()
         state = {
             "model": model_state,
@@ -175,7 +181,7 @@ class Trainer:
             state.read_small_values()  # a bad value fails before any tensor is copied
         # A sharded store fills the tensors this rank owns (Note [sharded store]).
         try:
-            self.model.load_state_dict(state["model"])
+            self._load_model_state(state["model"])
             if weights_only:  # evaluation: the weights and the step they reached
                 self.global_step = int(state.get("global_step", 0))
                 return
@@ -202,6 +208,21 @@ class Trainer:
                 "with another checkpoint, or train in a new model_dir."
             ) from e
         log.info("Resumed from %s at global step %d", path, self.global_step)
+
+    def _load_model_state(self, state) -> None:
+        """The checkpoint's model entry into the model: all of it, or exactly
+        ``model_keys`` (the rest of the model is loaded from elsewhere)."""
+        if self.s.model_keys is None:
+            self.model.load_state_dict(state)
+            return
+        want, have = set(self.s.model_keys), set(state)
+        if want != have:
+            missing, unexpected = sorted(want - have), sorted(have - want)
+            raise KeyError(
+                f"the checkpoint's model entry has {len(have)} tensors, the run trains "
+                f"{len(want)}: missing {missing[:4]}, unexpected {unexpected[:4]}."
+            )
+        self.model.load_state_dict(state, strict=False)
 
     def warm_start(self, path, states: list[str], dataloader=None, name_map=None) -> None:
         """Take ``states`` (runconfig.load_checkpoint_states) from the checkpoint at ``path``.
