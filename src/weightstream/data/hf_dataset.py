@@ -318,18 +318,38 @@ class DocumentEncoder:
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         n = len(next(iter(batch.values())))
         out: dict[str, list] = {"input_ids": [], "labels": [], "length": []}
+        # Plain strings are tokenized a batch at a time (on the tokenizer's threads); the
+        # tokens are those of one call per string.
+        pre = self._batch_tokens(batch)
         for i in range(n):
-            ids, trained = self.encode({k: v[i] for k, v in batch.items()})
+            example = {k: v[i] for k, v in batch.items()}
+            if pre is not None:
+                example["_tokens"] = tuple(column[i] for column in pre)
+            ids, trained = self.encode(example)
             out["input_ids"].append(ids)
             out["labels"].append(shifted_labels(ids, trained))
             out["length"].append(len(ids))
         return out
 
-    def encode(self, example: dict) -> tuple[list[int], list[int]]:
-        """(token ids, 1 where the token is a target) of one document, eos-terminated."""
+    def _batch_tokens(self, batch: dict[str, list]) -> tuple[list, ...] | None:
         tok = self.tokenizer
         if self.format == "text":
-            ids = list(tok(example["text"])["input_ids"])
+            return (tok(batch["text"])["input_ids"],)
+        if self.format == "prompt_completion" and not any(
+            isinstance(p, list) for p in batch["prompt"]
+        ):
+            completions = tok(batch["completion"], add_special_tokens=False)["input_ids"]
+            return tok(batch["prompt"])["input_ids"], completions
+        return None
+
+    def encode(self, example: dict) -> tuple[list[int], list[int]]:
+        """(token ids, 1 where the token is a target) of one document, eos-terminated.
+
+        ``example["_tokens"]``, where given, holds the tokenizer's ids of its strings."""
+        tok = self.tokenizer
+        pre = example.get("_tokens")
+        if self.format == "text":
+            ids = list(pre[0] if pre is not None else tok(example["text"])["input_ids"])
             trained = [1] * len(ids)
         elif self.format == "prompt_completion":
             prompt, completion = example["prompt"], example["completion"]
@@ -343,6 +363,9 @@ class DocumentEncoder:
                         "so the completion cannot be found. Fix: set completion_only_loss: "
                         "false, or give the data as messages."
                     )
+            elif pre is not None:
+                head = list(pre[0])
+                ids = head + list(pre[1])
             else:
                 head = list(tok(prompt)["input_ids"])
                 ids = head + list(tok(completion, add_special_tokens=False)["input_ids"])
