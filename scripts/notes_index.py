@@ -28,9 +28,9 @@ MIN_SUMMARY, MAX_SUMMARY = 40, 240  # characters of a summary
 
 NAME = re.compile(r"Note \[([^\]]+)\]")
 # (A) "Note [name]" alone on its line (in a docstring, or as "# Note [name]"), the next
-# line an underline of dashes ("-----" or "# -----").
+# line an underline of dashes or tildes ("-----", "~~~~~" or "# -----").
 UNDERLINED = re.compile(r"^\s*(?:#\s*)?Note \[([^\]]+)\]\s*$")
-DASHES = re.compile(r"^\s*(?:#\s*)?-{3,}\s*$")
+DASHES = re.compile(r"^\s*(?:#\s*)?(?:-{3,}|~{3,})\s*$")
 # (B) a "# Note [name]" heading inside a module docstring (no underline).
 HEADING = re.compile(r"^# Note \[([^\]]+)\]\s*$")
 # (C) a paragraph that opens with "Note [name]: ".

@@ -77,6 +77,7 @@ def test_registry_names_and_keys():
         "GptHDF5DataProcessor",
         "DigitsProcessor",
         "SyntheticDataProcessor",
+        "HFDatasetProcessor",
     }
     for name in DATA_PROCESSORS:
         assert get_data_processor(name) is DATA_PROCESSORS[name]
@@ -84,6 +85,7 @@ def test_registry_names_and_keys():
     assert {"max_sequence_length", "vocab_size"} <= processor_keys("GptHDF5DataProcessor")
     assert "image_size" in processor_keys("DigitsProcessor")
     assert {"task", "num_samples", "in_features"} <= processor_keys("SyntheticDataProcessor")
+    assert {"tokenizer", "format", "packing", "seq_len"} <= processor_keys("HFDatasetProcessor")
 
 
 def test_unknown_processor_lists_valid_names_and_close_matches():

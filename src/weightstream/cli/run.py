@@ -36,7 +36,7 @@ from weightstream.config import run_configuration
 from weightstream.data.streaming import batch_size_of
 from weightstream.models import hf
 from weightstream.models.hf_names import hf_name_map
-from weightstream.models.tasks import model_inputs
+from weightstream.models.tasks import attention_of, model_inputs, model_kwargs
 from weightstream.runtime import swarm
 from weightstream.runtime.performance import PerformanceTracker
 from weightstream.runtime.rng import capture_rng_state, restore_rng_state
@@ -193,16 +193,19 @@ class Run:
         t0 = time.perf_counter()
         example = next(iter(self._input_fn(section, True)()))
         args = model_inputs(self.task, example)
+        # A packed batch's position_ids and mask (Note [packed batches] in models/tasks.py):
+        # the plan and the estimate trace the call the trainer makes.
+        kwargs = model_kwargs(self.task, example, attention_of(compiled._orig_mod))
         if self.ws:
             with self._autocast():
-                plan = compiled.engine.prepare(*args)
+                plan = compiled.engine.prepare(*args, **kwargs)
             log.info("Streaming plan: %d units\n%s", len(plan.units), plan.describe())
             predicted = compiled.engine.store.predicted_placement()
             if predicted is not None:  # a disk store's (Note [hybrid placement])
                 log.info("Disk store: %s", predicted.describe())
         from weightstream.compiler import compile_phase
 
-        result = compile_phase.run(self, compiled, args, batch_size_of(example))
+        result = compile_phase.run(self, compiled, args, batch_size_of(example), kwargs)
         self.perf.est_samples_per_sec = result.get("est_samples_per_sec")
         self.perf.compile_time = time.perf_counter() - t0
         log.info("Compile finished in %.2f s", self.perf.compile_time)
@@ -287,6 +290,7 @@ class Run:
         if peft and own is not None:
             self._check_base_of(own)  # before building anything (Note [lora checkpoints])
         model, compiled = self._build_model(weights_from_checkpoint="model" in warm or peft)
+        self._check_packing(model)
         if rc.validate_only or rc.compile_only:
             self.compile(compiled, p.train_input)
             self._write_params("train")
@@ -433,6 +437,20 @@ class Run:
                     "or use the tokenizer the model was made for."
                 )
 
+    def _check_packing(self, model) -> None:
+        """Packed input needs a model that takes its mask (Note [packed batches] in
+        models/tasks.py): refused here, before step 1."""
+        for name in ("train_input", "eval_input"):
+            section = getattr(self.params, name)
+            if section is None or not section.to_dict().get("packing"):
+                continue
+            # The error of a model that takes no such mask, raised on a one-token batch.
+            probe = {"input_ids": None, "position_ids": torch.zeros(1, 1, dtype=torch.long)}
+            try:
+                model_kwargs(self.task, probe, attention_of(model))
+            except ValueError as e:
+                raise ValueError(f"{name}.packing: {e}") from e
+
     def _finished(self, path: Path) -> bool:
         """True when the checkpoint to resume from already reached max_steps.
 
@@ -482,6 +500,7 @@ class Run:
         if peft and ckpt.is_trainer_checkpoint(checkpoint_path):
             self._check_base_of(checkpoint_path)
         model, compiled = self._build_model(weights_from_checkpoint=True)
+        self._check_packing(model)
         trainer = Trainer(
             TrainerSettings(
                 task=self.task,

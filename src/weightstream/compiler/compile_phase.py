@@ -36,7 +36,7 @@ from weightstream.compiler.profile import MachineProfile
 from weightstream.compiler.report import compile_checksum, load_compile_dir, write_compile_dir
 from weightstream.compiler.software import tiny_training_steps
 from weightstream.compiler.updates import update_spec
-from weightstream.models.tasks import model_inputs
+from weightstream.models.tasks import attention_of, model_inputs, model_kwargs
 from weightstream.runtime import swarm
 from weightstream.runtime.config import StreamingConfig
 from weightstream.runtime.engine import predicted_placement
@@ -101,7 +101,7 @@ def task_loss_fn(task: str, args: tuple) -> Callable:
     key = "input_ids" if task == "lm" else "inputs"
 
     def loss_fn(out):
-        return task_loss(task, lambda _x: out, {key: inputs, "labels": labels})[0]
+        return task_loss(task, lambda *_args, **_kwargs: out, {key: inputs, "labels": labels})[0]
 
     return loss_fn
 
@@ -143,14 +143,16 @@ def estimate_for(
     task: str | None,
     machine: MachineProfile,
     settings: EstimateSettings,
+    kwargs: dict | None = None,
 ) -> tuple[StepCosts, Estimate]:
-    """Cost ``model`` on ``plan`` for ``args`` and estimate it: what a run reports.
+    """Cost ``model`` on ``plan`` for ``args`` (and keyword inputs ``kwargs``) and
+    estimate it: what a run reports.
 
     Reusable without a run (the input analyzer): ``task`` picks the loss
     (None: the sum of the outputs).
     """
     loss_fn = task_loss_fn(task, args) if task is not None else None
-    costs = unit_costs(model, plan, args, loss_fn=loss_fn)
+    costs = unit_costs(model, plan, args, kwargs or {}, loss_fn=loss_fn)
     return costs, estimate(costs, machine, settings)
 
 
@@ -184,11 +186,12 @@ def estimate_from_params(
             model = params.model.build()
     except Exception:  # an operator without a meta kernel in __init__: build it for real
         model = params.model.build()
+    kwargs = model_kwargs(task, batch, attention_of(model))
     rc = params.runconfig
     if rc.execution_mode == "weight_streaming":
         config = rc.streaming  # the run's streaming settings
         try:
-            plan = build_plan(model, config, trace_forward(model, args, {}))
+            plan = build_plan(model, config, trace_forward(model, args, kwargs))
         except Exception:  # as the engine: a structural plan when the trace fails
             plan = build_plan(model, config)
     else:
@@ -201,7 +204,7 @@ def estimate_from_params(
         params, device, batch_size, machine, input_s, model, placement=placement
     )
     _, est = estimate_for(
-        model, plan, args, batch_size, task=task, machine=machine, settings=settings
+        model, plan, args, batch_size, task=task, machine=machine, settings=settings, kwargs=kwargs
     )
     return est, machine
 
@@ -245,13 +248,19 @@ def estimate_settings(
     )
 
 
-def run(run, compiled, args: tuple, batch_size: int) -> dict:
-    """Compile for ``args`` (the model inputs of one batch); returns what the run reports."""
+def run(run, compiled, args: tuple, batch_size: int, kwargs: dict | None = None) -> dict:
+    """Compile for ``args`` and ``kwargs`` (the model inputs of one batch, as
+    ``models.tasks.model_inputs`` / ``model_kwargs`` give them); returns what the run
+    reports."""
     rc = run.rc
+    kwargs = kwargs or {}
     model = compiled._orig_mod
     root = Path(rc.compile_dir) if rc.compile_dir else run.model_dir
     settings = settings_of(run)
-    checksum = compile_checksum(model, [(tuple(a.shape), a.dtype) for a in args], settings)
+    batch = [(tuple(a.shape), a.dtype) for a in args]
+    if kwargs:  # keyword inputs change the trace (a packed batch's mask)
+        batch.append({k: (tuple(v.shape), v.dtype) for k, v in sorted(kwargs.items())})
+    checksum = compile_checksum(model, batch, settings)
     cached = load_compile_dir(root, checksum)
     if cached is not None:
         log.info("Compile cache hit: %s", root / f"ws_{checksum}")
@@ -280,7 +289,14 @@ def run(run, compiled, args: tuple, batch_size: int) -> dict:
     )
     try:
         costs, est = estimate_for(
-            model, plan, args, batch_size, task=run.task, machine=machine, settings=settings_e
+            model,
+            plan,
+            args,
+            batch_size,
+            task=run.task,
+            machine=machine,
+            settings=settings_e,
+            kwargs=kwargs,
         )
     except (RuntimeError, NotImplementedError, TypeError) as exc:
         # A forward with data-dependent Python on tensor values (transformers'

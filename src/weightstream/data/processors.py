@@ -43,6 +43,7 @@ from torch.utils.data import Dataset
 from weightstream.common.schema import did_you_mean
 from weightstream.data.corpus import VOCAB_SIZE, ByteCorpusDataset, read_texts, text_files
 from weightstream.data.gpt_hdf5 import GptHDF5Dataset, scan_gpt_hdf5_dir, write_gpt_hdf5
+from weightstream.data.hf_dataset import HF_DATASET_KEYS, build_rows, hf_tokenizer_vocab_size
 from weightstream.data.sampler import DistributedSampler
 from weightstream.data.section import SEQ_KEYS, LoaderSettings, Section, loader_settings
 from weightstream.data.tokenize import encode, load_tokenizer, tokenizer_file
@@ -252,9 +253,13 @@ def data_vocab_size(params: dict) -> int | None:
     """The token ids a section's data can hold (exclusive bound), where it is known.
 
     TextCorpusProcessor: its tokenizer's vocabulary, or 256 for bytes;
-    GptHDF5DataProcessor: its ``vocab_size`` (ids beyond it are refused when read).
+    GptHDF5DataProcessor: its ``vocab_size`` (ids beyond it are refused when read);
+    HFDatasetProcessor: its tokenizer's (added tokens included).
     """
     name = params.get("data_processor")
+    if name == "HFDatasetProcessor":
+        path = params.get("tokenizer")
+        return hf_tokenizer_vocab_size(path) if path else None
     if name == "TextCorpusProcessor":
         if params.get("tokenizer"):
             return tokenizer_vocab_size(load_tokenizer(params["tokenizer"]))
@@ -263,6 +268,21 @@ def data_vocab_size(params: dict) -> int | None:
         value = params.get("vocab_size")
         return int(value) if isinstance(value, int) else None
     return None
+
+
+# -- HFDatasetProcessor ---------------------------------------------------------------
+
+
+@_register("HFDatasetProcessor", HF_DATASET_KEYS)
+def hf_dataset_processor(params: dict, is_training: bool) -> torch.utils.data.DataLoader:
+    """lm batches of fine-tuning data in TRL's formats (text, prompt-completion, messages),
+    tokenized with the model's Hugging Face tokenizer and its chat template, labels -100
+    outside the completions, optionally packed. Keys and behaviour:
+    ``weightstream.data.hf_dataset``.
+    """
+    s = Section("HFDatasetProcessor", params, is_training, _KEYS["HFDatasetProcessor"])
+    settings = loader_settings(s, is_training, *_streamer_position())
+    return _map_style_loader(s, settings, build_rows(s, is_training))
 
 
 # -- GptHDF5DataProcessor -------------------------------------------------------------

@@ -38,7 +38,7 @@ from weightstream.checkpoint.crash import counting_ops
 from weightstream.checkpoint.weights import load_weights
 from weightstream.data.state import aggregate_state_dict
 from weightstream.data.streaming import batch_size_of
-from weightstream.models.tasks import task_loss
+from weightstream.models.tasks import attention_of, task_loss
 from weightstream.runtime import swarm
 from weightstream.runtime.performance import PerformanceTracker
 from weightstream.runtime.rng import capture_rng_state, restore_rng_state
@@ -83,6 +83,9 @@ class Trainer:
         self.s = settings
         self.model = model
         self.compiled = compiled
+        # The format of a packed batch's attention mask (Note [packed batches] in
+        # models/tasks.py): the model's attention implementation, None for the zoo's.
+        self.attention = attention_of(model)
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.grad_scaler = grad_scaler or GradScaler()
@@ -272,7 +275,7 @@ class Trainer:
             # last only accumulate (Note [swarm reduce]).
             last = i == len(batches) - 1
             with contextlib.nullcontext() if last else self.compiled.no_sync():
-                loss, _, _ = _task_loss(self.s.task, self.compiled, batch)
+                loss, _, _ = _task_loss(self.s.task, self.compiled, batch, self.attention)
                 scaled = loss / len(batches)
                 # The last backward may start the update (Note [updates in backward]).
                 with self._backward_context() if last else contextlib.nullcontext():
@@ -396,7 +399,7 @@ class Trainer:
         for i, batch in enumerate(dataloader):
             if num_steps is not None and i >= num_steps:
                 break
-            loss, logits, extra = _task_loss(self.s.task, self.compiled, batch)
+            loss, logits, extra = _task_loss(self.s.task, self.compiled, batch, self.attention)
             loss_sum += loss.item()  # host sync point
             steps += 1
             labels = extra["labels"]
@@ -431,10 +434,10 @@ class Trainer:
         return results
 
 
-def _task_loss(task: str, model, batch: dict):
+def _task_loss(task: str, model, batch: dict, attention: str | None = None):
     """``task_loss``, with an embedding's raw IndexError told as the data problem it is."""
     try:
-        return task_loss(task, model, batch)
+        return task_loss(task, model, batch, attention)
     except IndexError as e:
         raise ValueError(
             f"a batch holds an index the model has no row for ({e}): most likely a token id "

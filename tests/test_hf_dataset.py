@@ -1,0 +1,576 @@
+"""HFDatasetProcessor: TRL's formats through a Hugging Face tokenizer, labels, packing.
+
+The tokenizers are built here (a small byte-level BPE wrapped in
+``PreTrainedTokenizerFast``, saved with ``save_pretrained``), one chat template with
+``{% generation %}`` markers and one without; the data files are written by the tests.
+Tokens are checked against the tokenizer's own calls, the assistant's tokens against
+character spans of the rendered text (independent of how the processor finds them),
+packed rows against each document run alone through a small transformers Llama.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from pathlib import Path
+
+import params_files as pf
+import pytest
+import torch
+import torch.nn.functional as F
+
+from weightstream.data import processors
+from weightstream.data.dataloader import DataLoader
+from weightstream.data.processors import get_data_processor
+from weightstream.models.tasks import model_kwargs, task_loss
+
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+tokenizers = pytest.importorskip("tokenizers")
+
+SPECIAL = ["<pad>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+# Jinja's trim_blocks (transformers sets it) eats the newline after a block tag.
+GENERATION = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|>\n"
+    "{% generation %}{{ m['content'] }}<|end|>{% endgeneration %}\n"
+    "{% else %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+PLAIN = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+WORDS = "the quick brown fox jumps over a lazy dog while we ask how are you doing today".split()
+
+
+def _make_tokenizer(folder: Path, template: str) -> Path:
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=SPECIAL,
+        show_progress=False,
+    )
+    tok.train_from_iterator([" ".join(WORDS)] * 20, trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", chat_template=template
+    )
+    fast.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tokenizers")
+    return {
+        "generation": _make_tokenizer(root / "generation", GENERATION),
+        "plain": _make_tokenizer(root / "plain", PLAIN),
+    }
+
+
+def _sentence(i: int, n: int) -> str:
+    return " ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(n))
+
+
+def _conversation(i: int) -> list[dict]:
+    turns = [{"role": "system", "content": _sentence(i, 2)}] if i % 3 == 0 else []
+    for t in range(1 + i % 2):
+        turns.append({"role": "user", "content": _sentence(i + t, 2 + (i + t) % 4)})
+        turns.append({"role": "assistant", "content": _sentence(i * 3 + t, 1 + (i * t) % 5)})
+    return turns
+
+
+def _examples(fmt: str, n: int = 24) -> list[dict]:
+    if fmt == "text":
+        return [{"text": _sentence(i, 1 + i % 9)} for i in range(n)]
+    if fmt == "prompt_completion":
+        return [
+            {"prompt": _sentence(i, 1 + i % 4), "completion": " " + _sentence(i + 5, 1 + i % 3)}
+            for i in range(n)
+        ]
+    if fmt == "conversational_prompt_completion":
+        return [
+            {
+                "prompt": [{"role": "user", "content": _sentence(i, 2 + i % 3)}],
+                "completion": [{"role": "assistant", "content": _sentence(i + 1, 1 + i % 4)}],
+            }
+            for i in range(n)
+        ]
+    return [{"messages": _conversation(i)} for i in range(n)]
+
+
+def _write(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        data = datasets.Dataset.from_list(rows)
+        getattr(data, "to_" + path.suffix[1:])(str(path))
+    return path
+
+
+def _section(tmp_path: Path, data_dir, tokenizer: Path, **extra) -> dict:
+    return {
+        "data_processor": "HFDatasetProcessor",
+        "data_dir": data_dir if isinstance(data_dir, list) else str(data_dir),
+        "tokenizer": str(tokenizer),
+        "batch_size": 4,
+        "seq_len": 48,
+        "shuffle": False,
+        "drop_last": False,
+        "cache_dir": str(tmp_path / "cache"),
+        **extra,
+    }
+
+
+def _rows(section: dict, is_training: bool = True) -> list[dict]:
+    """Every sample of the section, in order."""
+    loader = get_data_processor("HFDatasetProcessor")(section, is_training)
+    return [
+        {k: v[i] for k, v in batch.items()}
+        for batch in loader
+        for i in range(len(batch["input_ids"]))
+    ]
+
+
+def _real(row: dict) -> tuple[list[int], list[int]]:
+    n = int(row["attention_mask"].sum())
+    return row["input_ids"][:n].tolist(), row["labels"][:n].tolist()
+
+
+def _expected_labels(ids: list[int], trained: list[int]) -> list[int]:
+    return [nxt if keep else -100 for nxt, keep in zip(ids[1:], trained[1:])] + [-100]
+
+
+def _load_tokenizer(folder: Path):
+    return transformers.AutoTokenizer.from_pretrained(str(folder))
+
+
+# -- tokens and labels ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet", ".csv"])
+def test_text_tokens_are_the_tokenizers_own(tmp_path, tokenizer_dirs, suffix):
+    rows = _examples("text")
+    path = _write(tmp_path / f"data{suffix}", rows)
+    tok = _load_tokenizer(tokenizer_dirs["plain"])
+    got = _rows(_section(tmp_path, path, tokenizer_dirs["plain"]))
+    assert len(got) == len(rows)
+    for row, example in zip(got, rows):
+        ids, labels = _real(row)
+        assert ids == tok(example["text"])["input_ids"] + [tok.eos_token_id]
+        assert labels == [*ids[1:], -100]  # every next token is a target
+        assert row["input_ids"].dtype == row["labels"].dtype == torch.int64
+
+
+def test_prompt_completion_labels_only_the_completion(tmp_path, tokenizer_dirs):
+    rows = _examples("prompt_completion")
+    path = _write(tmp_path / "pc.jsonl", rows)
+    tok = _load_tokenizer(tokenizer_dirs["plain"])
+    for row, example in zip(_rows(_section(tmp_path, path, tokenizer_dirs["plain"])), rows):
+        ids, labels = _real(row)
+        prompt = tok(example["prompt"])["input_ids"]
+        completion = tok(example["completion"], add_special_tokens=False)["input_ids"]
+        assert ids == prompt + completion + [tok.eos_token_id]
+        trained = [0] * len(prompt) + [1] * (len(completion) + 1)
+        assert labels == _expected_labels(ids, trained)
+        # padding: pad id, label -100, mask 0
+        n = len(ids)
+        assert (row["input_ids"][n:] == tok.pad_token_id).all()
+        assert (row["labels"][n:] == -100).all() and (row["attention_mask"][n:] == 0).all()
+
+
+@pytest.mark.parametrize("kind", ["generation", "plain"])
+def test_conversational_prompt_completion_labels_the_completion(tmp_path, tokenizer_dirs, kind):
+    rows = _examples("conversational_prompt_completion")
+    path = _write(tmp_path / "cpc.jsonl", rows)
+    tok = _load_tokenizer(tokenizer_dirs[kind])
+    for row, example in zip(_rows(_section(tmp_path, path, tokenizer_dirs[kind])), rows):
+        ids, labels = _real(row)
+        full = tok.apply_chat_template(example["prompt"] + example["completion"])["input_ids"]
+        head = tok.apply_chat_template(example["prompt"], add_generation_prompt=True)
+        head = head["input_ids"]
+        assert ids == [*full, tok.eos_token_id]
+        trained = [0] * len(head) + [1] * (len(ids) - len(head))
+        assert labels == _expected_labels(ids, trained)
+
+
+def _assistant_spans(tok, messages: list[dict], kind: str) -> list[int]:
+    """1 on the tokens inside the assistant's text, found from character offsets of the
+    rendered conversation: its content and end-of-turn token, and the newline after it
+    where the template has no markers (which the prefixes count as the turn's)."""
+    text = tok.apply_chat_template(messages, tokenize=False)
+    spans, start = [], 0
+    for m in messages:
+        header = f"<|{m['role']}|>\n"
+        at = text.index(header, start) + len(header)
+        end = at + len(m["content"]) + len("<|end|>")
+        if kind == "plain":
+            end += 1  # "\n"
+        if m["role"] == "assistant":
+            spans.append((at, end))
+        start = end
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    return [int(any(a <= s < b for a, b in spans)) for s, _ in enc["offset_mapping"]], enc[
+        "input_ids"
+    ]
+
+
+@pytest.mark.parametrize("kind", ["generation", "plain"])
+def test_messages_label_exactly_the_assistants_tokens(tmp_path, tokenizer_dirs, kind):
+    rows = _examples("messages")
+    path = _write(tmp_path / "chat.jsonl", rows)
+    tok = _load_tokenizer(tokenizer_dirs[kind])
+    section = _section(tmp_path, path, tokenizer_dirs[kind], seq_len=96)
+    for row, example in zip(_rows(section), rows):
+        ids, labels = _real(row)
+        template = tok.apply_chat_template(example["messages"])["input_ids"]
+        assert ids == [*template, tok.eos_token_id]
+        trained, text_ids = _assistant_spans(tok, example["messages"], kind)
+        assert text_ids == template
+        assert sum(trained) > 0
+        trained.append(trained[-1])  # the eos ends the last assistant turn
+        assert labels == _expected_labels(ids, trained)
+
+
+def test_without_completion_only_loss_every_token_is_a_target(tmp_path, tokenizer_dirs):
+    path = _write(tmp_path / "chat.jsonl", _examples("messages"))
+    section = _section(
+        tmp_path, path, tokenizer_dirs["plain"], seq_len=96, completion_only_loss=False
+    )
+    for row in _rows(section):
+        ids, labels = _real(row)
+        assert labels == [*ids[1:], -100]
+
+
+def test_a_template_without_the_prefix_property_is_an_error(tmp_path):
+    # Renders a closing line after the last message only: an earlier turn is not a prefix.
+    template = PLAIN.replace(
+        "{% endfor %}",
+        "{% endfor %}{% if not add_generation_prompt %}<|system|>\nbye<|end|>\n{% endif %}",
+    )
+    folder = _make_tokenizer(tmp_path / "tok", template)
+    path = _write(tmp_path / "chat.jsonl", _examples("messages", 4))
+    with pytest.raises(ValueError, match=r"growing prefixes at message 1 .*generation %\}"):
+        _rows(_section(tmp_path, path, folder, seq_len=96))
+
+
+# -- lengths, packing, the model call -----------------------------------------------------
+
+
+def test_long_documents_are_split_or_truncated_and_counted(tmp_path, tokenizer_dirs, caplog):
+    rows = [{"text": _sentence(i, 40)} for i in range(3)]
+    path = _write(tmp_path / "long.jsonl", rows)
+    tok = _load_tokenizer(tokenizer_dirs["plain"])
+    docs = [tok(r["text"])["input_ids"] + [tok.eos_token_id] for r in rows]
+    seq = 16
+    with caplog.at_level("INFO", logger="weightstream"):
+        split = _rows(_section(tmp_path, path, tokenizer_dirs["plain"], seq_len=seq))
+    assert "3 longer than seq_len = 16, split into pieces" in caplog.text
+    # The pieces, in order, give back every token and every target.
+    pieces = [_real(r) for r in split]
+    assert [t for ids, _ in pieces for t in ids] == [t for d in docs for t in d]
+    assert [t for _, lab in pieces for t in lab] == [t for d in docs for t in [*d[1:], -100]]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="weightstream"):
+        cut = _rows(
+            _section(tmp_path, path, tokenizer_dirs["plain"], seq_len=seq, overflow="truncate")
+        )
+    assert [_real(r)[0] for r in cut] == [d[:seq] for d in docs]
+    dropped = sum(len(d) - seq for d in docs)
+    assert f"truncated ({dropped} tokens dropped)" in caplog.text
+
+
+def test_packed_rows_hold_every_document_with_restarting_positions(tmp_path, tokenizer_dirs):
+    rows = _examples("prompt_completion")
+    path = _write(tmp_path / "pc.jsonl", rows)
+    plain = _rows(_section(tmp_path, path, tokenizer_dirs["plain"]))
+    packed = _rows(_section(tmp_path, path, tokenizer_dirs["plain"], packing=True))
+    assert len(packed) < len(plain)
+    docs = []
+    for row in packed:
+        starts = [*(row["position_ids"] == 0).nonzero().flatten().tolist(), 48]
+        n = int(row["attention_mask"].sum())
+        for a, b in itertools.pairwise(starts):
+            if a < n:
+                assert b <= n and row["position_ids"][a:b].tolist() == list(range(b - a))
+                docs.append((row["input_ids"][a:b].tolist(), row["labels"][a:b].tolist()))
+    assert docs == [_real(r) for r in plain]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_packed_rows_give_each_document_its_own_logits(tmp_path, tokenizer_dirs, attention):
+    path = _write(tmp_path / "chat.jsonl", _examples("messages", 12))
+    section = _section(tmp_path, path, tokenizer_dirs["plain"], seq_len=96, packing=True)
+    batch = next(iter(get_data_processor("HFDatasetProcessor")(section, True)))
+    assert (batch["position_ids"] == 0).sum() > batch["input_ids"].shape[0]  # packed
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=320,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        attn_implementation=attention,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        kwargs = model_kwargs("lm", batch, attention)
+        packed = model(batch["input_ids"], **kwargs).logits
+        for b in range(batch["input_ids"].shape[0]):
+            n = int(batch["attention_mask"][b].sum())
+            starts = [*(batch["position_ids"][b, :n] == 0).nonzero().flatten().tolist(), n]
+            for s, e in itertools.pairwise(starts):
+                alone = model(batch["input_ids"][b : b + 1, s:e]).logits[0]
+                torch.testing.assert_close(packed[b, s:e], alone, atol=1e-5, rtol=0)
+
+
+def test_packed_batches_need_a_model_that_takes_the_mask():
+    batch = {
+        "input_ids": torch.zeros(1, 4, dtype=torch.long),
+        "position_ids": torch.tensor([[0, 1, 0, 1]]),
+    }
+    with pytest.raises(ValueError, match=r"packing: false.*name: hf"):
+        model_kwargs("lm", batch, None)
+    with pytest.raises(ValueError, match=r"flash_attention_2"):
+        model_kwargs("lm", batch, "flash_attention_2")
+    assert model_kwargs("lm", {"input_ids": batch["input_ids"]}, None) == {}
+
+
+def test_loss_is_the_mean_over_targets():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 6, 11)
+    labels = torch.randint(0, 11, (2, 6))
+    labels[0, :3] = -100
+    labels[1, 4:] = -100
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, 4:] = 0  # padding: its labels are -100 too
+    batch = {
+        "input_ids": torch.zeros(2, 6, dtype=torch.long),
+        "labels": labels,
+        "attention_mask": mask,
+    }
+    loss, _, extra = task_loss("lm", lambda _ids: logits, batch)
+    expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+    assert extra["weights"].sum() == (labels != -100).sum()
+
+
+# -- restarts, ranks, cache, splits -------------------------------------------------------
+
+
+def _loader_fn(section: dict):
+    return lambda: get_data_processor("HFDatasetProcessor")(section, True)
+
+
+def _run(section, stop_after=None, state=None, max_steps=7):
+    dl = DataLoader(_loader_fn(section), max_steps=max_steps)
+    if state is not None:
+        dl.load_state_dict(state)
+    out = []
+    for batch in dl:
+        out.append({k: v.clone() for k, v in batch.items()})
+        if stop_after is not None and len(out) == stop_after:
+            break
+    return out, dl.state_dict()
+
+
+def test_resume_mid_epoch_is_exact(tmp_path, tokenizer_dirs):
+    path = _write(tmp_path / "chat.jsonl", _examples("messages", 40))
+    section = _section(
+        tmp_path,
+        path,
+        tokenizer_dirs["generation"],
+        batch_size=2,
+        shuffle=True,
+        shuffle_seed=5,
+        packing=True,
+        drop_last=True,
+    )
+    full, _ = _run(section)
+    head, state = _run(section, stop_after=3)
+    tail, _ = _run(section, state=state)
+    both = head + tail
+    assert len(both) == len(full) == 7  # past the epoch's end (5 batches) too
+    for a, b in zip(both, full):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+
+
+def test_two_ranks_stream_the_one_rank_batches(tmp_path, tokenizer_dirs, monkeypatch):
+    path = _write(tmp_path / "pc.jsonl", _examples("prompt_completion", 32))
+    section = _section(
+        tmp_path, path, tokenizer_dirs["plain"], shuffle=True, packing=True, drop_last=True
+    )
+    per_rank = []
+    for rank in (0, 1):
+        monkeypatch.setattr(processors, "_streamer_position", lambda r=rank: (r, 2))
+        per_rank.append(list(get_data_processor("HFDatasetProcessor")(section, True)))
+    monkeypatch.setattr(processors, "_streamer_position", lambda: (0, 1))
+    whole = list(get_data_processor("HFDatasetProcessor")(section, True))
+    assert len(whole) == len(per_rank[0]) == len(per_rank[1]) > 0
+    for b, b0, b1 in zip(whole, *per_rank):
+        for k in b:
+            assert torch.equal(b[k], torch.cat([b0[k], b1[k]])), k
+
+
+def test_the_second_build_reads_the_cache(tmp_path, tokenizer_dirs):
+    path = _write(tmp_path / "chat.jsonl", _examples("messages"))
+    section = _section(tmp_path, path, tokenizer_dirs["plain"], packing=True, seq_len=96)
+    first = _rows(section)
+    files = {p: p.stat().st_mtime_ns for p in (tmp_path / "cache" / "weightstream").iterdir()}
+    assert any(p.name.startswith("rows-") for p in files)
+    second = _rows(section)
+    assert {p: p.stat().st_mtime_ns for p in files} == files  # nothing written again
+    assert sorted((tmp_path / "cache" / "weightstream").iterdir()) == sorted(files)
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(first, second) for k in a)
+
+
+def test_eval_fraction_splits_documents_head_and_tail(tmp_path, tokenizer_dirs):
+    rows = _examples("text", 20)
+    path = _write(tmp_path / "t.jsonl", rows)
+    section = _section(tmp_path, path, tokenizer_dirs["plain"], eval_fraction=0.25)
+    train, evals = _rows(section, True), _rows(section, False)
+    whole = _rows({**section, "eval_fraction": None})
+    assert len(train) == 15 and len(evals) == 5
+    assert [_real(r) for r in train + evals] == [_real(r) for r in whole]
+
+
+def test_data_dir_takes_globs_lists_and_save_to_disk_folders(tmp_path, tokenizer_dirs):
+    rows = _examples("text", 12)
+    a = _write(tmp_path / "parts" / "a.jsonl", rows[:5])
+    b = _write(tmp_path / "parts" / "b.jsonl", rows[5:])
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    plain = tokenizer_dirs["plain"]
+    expected = [_real(r) for r in _rows(_section(tmp_path, [str(a), str(b)], plain))]
+    assert len(expected) == 12
+    glob_rows = _rows(_section(tmp_path, str(tmp_path / "parts" / "*.jsonl"), plain))
+    assert [_real(r) for r in glob_rows] == expected
+    saved = _rows(_section(tmp_path, tmp_path / "saved", plain))
+    assert [_real(r) for r in saved] == expected
+
+
+# -- errors ------------------------------------------------------------------------------
+
+
+def test_errors_name_the_key_and_the_fix(tmp_path, tokenizer_dirs):
+    path = _write(tmp_path / "t.jsonl", _examples("text", 4))
+    tok = tokenizer_dirs["plain"]
+
+    def build(**changes):
+        section = {**_section(tmp_path, path, tok), **changes}
+        return get_data_processor("HFDatasetProcessor")(
+            {k: v for k, v in section.items() if v is not None}, True
+        )
+
+    with pytest.raises(ValueError, match=r"train_input.format must be one of 'auto'"):
+        build(format="chat")
+    with pytest.raises(
+        ValueError,
+        match=r"format 'messages' needs the column\(s\) messages, "
+        r"but the data has text",
+    ):
+        build(format="messages")
+    odd = _write(tmp_path / "odd.jsonl", [{"question": "a", "answer": "b"}])
+    with pytest.raises(ValueError, match=r"columns \(question, answer\) fit none"):
+        build(data_dir=str(odd))
+    with pytest.raises(ValueError, match=r"train_input.tokenizer is required"):
+        build(tokenizer=None)
+    with pytest.raises(ValueError, match=r"train_input.tokenizer: .*nowhere' does not exist"):
+        build(tokenizer=str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match=r"train_input.data_dir: .*missing.jsonl' does not exist"):
+        build(data_dir=str(tmp_path / "missing.jsonl"))
+    (tmp_path / "data.txt").write_text("x")
+    with pytest.raises(ValueError, match=r"suffix '.txt'; HFDatasetProcessor reads .jsonl"):
+        build(data_dir=str(tmp_path / "data.txt"))
+    with pytest.raises(ValueError, match=r"glob .* matches no file"):
+        build(data_dir=str(tmp_path / "*.parquet"))
+    with pytest.raises(ValueError, match=r"not one written by save_to_disk"):
+        build(data_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"train_input.data_dir is required"):
+        build(data_dir=None)
+    with pytest.raises(ValueError, match=r"train_input.pack is not a key .*packing"):
+        build(pack=True)
+    os.mkdir(tmp_path / "empty_tok")
+    with pytest.raises(ValueError, match=r"cannot load a tokenizer"):
+        build(tokenizer=str(tmp_path / "empty_tok"))
+
+
+# -- the run command ---------------------------------------------------------------------
+
+
+def _run_params(tmp_path: Path, tokenizer: Path, data: Path, model: dict) -> Path:
+    section = _section(
+        tmp_path,
+        data,
+        tokenizer,
+        batch_size=2,
+        seq_len=64,
+        packing=True,
+        shuffle=True,
+        shuffle_seed=3,
+        drop_last=True,
+    )
+    return pf.write(
+        tmp_path / "params.yaml",
+        pf.params(
+            train_input=section,
+            model=model,
+            optimizer=pf.adamw(1e-3, weight_decay=0.0),
+            runconfig={"max_steps": 6, "checkpoint_steps": 3, "log_steps": 1, "seed": 1},
+        ),
+    )
+
+
+def _tiny_llama_folder(folder: Path) -> Path:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=320,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    config.save_pretrained(folder)
+    return folder
+
+
+def test_run_with_packed_data_resumes_to_the_same_losses(tmp_path, tokenizer_dirs):
+    from weightstream.cli.main import main
+    from weightstream.train.trainer import LOSS_LOG, LossLog
+
+    data = _write(tmp_path / "chat.jsonl", _examples("messages", 40))
+    model = {"name": "hf", "hf_config": str(_tiny_llama_folder(tmp_path / "llama"))}
+    params = _run_params(tmp_path, tokenizer_dirs["generation"], data, model)
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert main(["run", "CPU", "-p", str(params), "-m", "train", "-o", str(whole)]) == 0
+    assert (
+        main(["run", "CPU", "-p", str(params), "-m", "train", "-o", str(split), "--max_steps", "3"])
+        == 0
+    )
+    assert main(["run", "CPU", "-p", str(params), "-m", "train", "-o", str(split)]) == 0
+    a, b = LossLog.read(whole / LOSS_LOG), LossLog.read(split / LOSS_LOG)
+    assert [s for s, _ in a] == list(range(1, 7))
+    assert a == b
+
+
+def test_run_refuses_packing_for_a_zoo_model(tmp_path, tokenizer_dirs, caplog):
+    from weightstream.cli.main import main
+
+    data = _write(tmp_path / "chat.jsonl", _examples("messages", 8))
+    params = _run_params(
+        tmp_path, tokenizer_dirs["plain"], data, {**pf.gpt2(1, 16, 64), "vocab_size": 320}
+    )
+    with caplog.at_level("ERROR", logger="weightstream"):
+        rc = main(["run", "CPU", "-p", str(params), "-m", "train", "-o", str(tmp_path / "m")])
+    assert rc == 2
+    assert "train_input.packing: packed batches" in caplog.text
+    assert not (tmp_path / "m").exists()
