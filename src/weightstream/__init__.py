@@ -36,7 +36,7 @@ from weightstream import amp, metrics, optim, utils
 from weightstream.backend import CompiledModule, ExecutionMode, compile
 from weightstream.checkpoint import load, save
 from weightstream.common.version import __version__
-from weightstream.config import configure
+from weightstream.context import configure
 from weightstream.executor import checkpoint_closure, compile_step, step_closure
 from weightstream.runtime.config import StreamingConfig
 
