@@ -3,15 +3,14 @@ import torch
 
 
 @pytest.fixture(autouse=True)
-def _fresh_configuration():
-    """Each test starts unconfigured (configure() may be called once per process)."""
-    from weightstream import config, executor
+def _fresh_run():
+    """Each test starts in a fresh run context (Note [run context]): unconfigured
+    (configure() may be called once per run), at step 0, half type float16."""
+    from weightstream.context import start_run
 
-    config._reset_for_tests()
-    executor._reset_for_tests()
+    start_run()
     yield
-    config._reset_for_tests()
-    executor._reset_for_tests()
+    start_run()
 
 
 @pytest.fixture(autouse=True)

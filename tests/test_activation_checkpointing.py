@@ -567,8 +567,8 @@ def test_two_ranks_with_a_sharded_store_recompute_exactly(tmp_path):
     import yaml
     from test_distributed import _final_weights, _losses, _params
 
-    from weightstream import config, executor
     from weightstream.cli.main import main
+    from weightstream.context import start_run
 
     values = yaml.safe_load(_params(tmp_path, "gpt2", max_steps=3).read_text())
     for name, on in (("plain", False), ("checkpointed", True)):
@@ -577,8 +577,7 @@ def test_two_ranks_with_a_sharded_store_recompute_exactly(tmp_path):
         path.write_text(yaml.safe_dump(values))
         out = str(tmp_path / name)
         assert main(["run", "CPU", "-p", str(path), "-o", out, "--num_csx", "2"]) == 0
-        config._reset_for_tests()
-        executor._reset_for_tests()
+        start_run()
     assert _losses(tmp_path / "plain") == _losses(tmp_path / "checkpointed")
     a, b = (_final_weights(tmp_path / n, 3) for n in ("plain", "checkpointed"))
     assert a.keys() == b.keys()

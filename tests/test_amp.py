@@ -26,14 +26,6 @@ INF = float("inf")
 NAN = float("nan")
 
 
-@pytest.fixture(autouse=True)
-def _restore_half_dtype():
-    """The half type is process-wide: put it back after each test."""
-    saved = amp.half_dtype_setting.name
-    yield
-    amp.set_half_dtype(saved)
-
-
 # =============================================================== helpers
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 import weightstream as cstorch
-from weightstream.config import RunConfig, current_config
+from weightstream.config import RunConfig
+from weightstream.context import current_config
 
 
 def test_defaults_are_the_seeds():

@@ -17,7 +17,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 import weightstream as cstorch
 import weightstream.utils.data
-from weightstream import config as ws_config
+from weightstream.context import start_run
 from weightstream.data import streaming
 from weightstream.utils.data import (
     DataLoader,
@@ -37,9 +37,9 @@ N = 10  # samples in the toy dataset: batches of 3 give passes of 4 batches (the
 
 @pytest.fixture(autouse=True)
 def _default_config():
-    ws_config._reset_for_tests()
+    start_run()
     yield
-    ws_config._reset_for_tests()
+    start_run()
 
 
 def shuffled_fn(batch_size=3, num_workers=0, generator_seed=None):

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from local_tokenizer import train_bpe
 
 from weightstream import checkpoint as ckpt
-from weightstream import config, executor
 from weightstream.cli.main import main
+from weightstream.context import start_run
 from weightstream.data.processors import get_data_processor
 
 transformers = pytest.importorskip("transformers")
@@ -161,8 +161,7 @@ def test_warm_started_hf_model_trains_like_eager_transformers(tmp_path, tokenize
         mp.setenv("WEIGHTSTREAM_QUICK_MACHINE_PROFILE", "1")
         mp.setenv("WEIGHTSTREAM_CACHE_DIR", str(tmp_path / "cache"))
         assert main(["run", "CPU", "-p", str(params), "-o", str(model_dir)]) == 0
-    config._reset_for_tests()
-    executor._reset_for_tests()
+    start_run()
     losses = [json.loads(line)["loss"] for line in (model_dir / "train" / "losses.jsonl").open()]
     want_losses, want = _eager(folder)
     assert losses == want_losses
@@ -201,8 +200,7 @@ def _run(tmp_path: Path, params: Path, model_dir: Path, capsys=None, ranks: int 
         try:
             return main(["run", "CPU", "-p", str(params), "-o", str(model_dir), *dp])
         finally:
-            config._reset_for_tests()
-            executor._reset_for_tests()
+            start_run()
 
 
 def test_warm_start_names_a_missing_tensor(tmp_path, tokenizer):

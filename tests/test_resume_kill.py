@@ -16,8 +16,8 @@ the failure message):
   update, the loss log, a checkpoint write). Where exactly depends on the scheduler.
 * ``startup``: SIGKILL 0.2-3 s after the start, or when training starts if that is sooner:
   in the imports, the compile phase or the checkpoint load.
-* aimed, exactly reproducible: ``WEIGHTSTREAM_CRASH_POINT`` (Note [crash points] in
-  weightstream/checkpoint/crash.py) makes the process stop itself (SIGSTOP) at an exact
+* aimed, exactly reproducible: the run command started through tests/crash_points.py,
+  which patches weightstream's functions in that process, stops itself (SIGSTOP) at an exact
   point, and the harness sends SIGKILL to the stopped process: ``save.leaf`` (after the j-th
   leaf written into a checkpoint's temporary file: a half-written checkpoint), ``save.renamed``
   (the new checkpoint renamed into place, the directory not yet fsynced), ``update`` (after
@@ -43,13 +43,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import crash_points
 import h5py
 import params_files as pf
 import pytest
 from trees import assert_same_tree
 
 from weightstream import checkpoint as ckpt
-from weightstream.checkpoint.crash import ENV as CRASH_ENV
 from weightstream.train.trainer import LOSS_LOG, LossLog
 
 pytestmark = pytest.mark.skipif(
@@ -59,6 +59,8 @@ pytestmark = pytest.mark.skipif(
 CHECKPOINT_STEPS = 3
 LAUNCH_TIMEOUT = 180.0  # seconds one start of the run command may take, at most
 RUN = (sys.executable, "-m", "weightstream", "run", "CPU")
+# The same command with a crash point armed: python tests/crash_points.py <point> run CPU.
+CRASH_RUN = (sys.executable, crash_points.__file__)
 
 
 def _params(path: Path, max_steps: int) -> Path:
@@ -98,7 +100,7 @@ class Kill:
     """How one start of the run is killed."""
 
     kind: str  # "timed", "startup", "save.leaf", "save.renamed", "update"
-    crash_point: str | None = None  # WEIGHTSTREAM_CRASH_POINT, for the aimed kinds
+    crash_point: str | None = None  # tests/crash_points.py's <point>:<n>, for the aimed kinds
     after_step: int | None = None  # timed: kill once this step is logged ...
     delay: float = 0.0  # ... this many seconds later (startup: after the start)
     save_step: int | None = None  # save.*: the checkpoint step the kill aims at
@@ -109,9 +111,7 @@ class Launch:
 
     def __init__(self, params: Path, model_dir: Path, log: Path, crash_point: str | None = None):
         env = dict(os.environ)
-        env.pop(CRASH_ENV, None)
-        if crash_point is not None:
-            env[CRASH_ENV] = crash_point
+        run = RUN if crash_point is None else (*CRASH_RUN, crash_point, *RUN[3:])
         # One thread per process: the killed chain and the reference run share two cores,
         # and both use the same setting, so their arithmetic is the same.
         env["OMP_NUM_THREADS"] = "1"
@@ -119,7 +119,7 @@ class Launch:
         self.log = log
         self._out = open(log, "wb")  # closed in wait()
         self.proc = subprocess.Popen(
-            [*RUN, "-p", str(params), "-m", "train", "-o", str(model_dir)],
+            [*run, "-p", str(params), "-m", "train", "-o", str(model_dir)],
             stdout=self._out,
             stderr=subprocess.STDOUT,
             env=env,
@@ -368,11 +368,10 @@ def test_loss_log_is_cut_back_to_the_step_a_run_starts_from(tmp_path):
     assert path.read_bytes() == b""
 
 
-def test_crash_point_setting_is_checked(monkeypatch):
-    from weightstream.checkpoint.crash import crash_point
-
-    monkeypatch.setenv(CRASH_ENV, "save.leaf")
-    with pytest.raises(ValueError, match=r"expected <point>:<n>.*unset it outside crash tests"):
-        crash_point("save.leaf")
-    monkeypatch.setenv(CRASH_ENV, "save.leaf:3")
-    crash_point("update")  # another point: passes by
+def test_crash_point_setting_is_checked():
+    with pytest.raises(ValueError, match=r"expected <point>:<n> or update:<n>@<j>"):
+        crash_points.parse("save.leaf")
+    with pytest.raises(ValueError, match=r"unknown point 'save.leave'"):
+        crash_points.parse("save.leave:3")
+    assert crash_points.parse("save.leaf:3") == ("save.leaf", 3, 1)
+    assert crash_points.parse("update:2@17") == ("update", 2, 17)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import weightstream as cstorch
-from weightstream import config, executor
+from weightstream.context import start_run
 
 pytest.importorskip("sklearn")
 
@@ -39,8 +39,7 @@ def test_seed_training_then_evaluation_examples(backend, tmp_path, monkeypatch):
         "checkpoint_100.mdl",
     ]
 
-    config._reset_for_tests()  # the evaluation example is a separate process in the seed
-    executor._reset_for_tests()
+    start_run()  # the evaluation example is a separate process in the seed
     import seed_support
 
     seed_support.eval_checkpoint = str(tmp_path / "checkpoint_100.mdl")

@@ -59,8 +59,8 @@ def test_config_names_the_bad_sharding_setting():
 @pytest.fixture(scope="module")
 def gpt_runs(tmp_path_factory):
     """One rank, two ranks replicated, two ranks sharded: the same GPT run, 6 steps."""
-    from weightstream import config, executor
     from weightstream.cli.main import main
+    from weightstream.context import start_run
 
     tmp = tmp_path_factory.mktemp("sharded_runs")
     params = _params(tmp, "gpt2")
@@ -91,8 +91,7 @@ def gpt_runs(tmp_path_factory):
         ):
             common = ["run", "CPU", "-p", str(p), "-o", str(runs[name])]
             assert main([*common, *ranks]) == 0, name
-            config._reset_for_tests()
-            executor._reset_for_tests()
+            start_run()
     return runs
 
 
@@ -327,8 +326,8 @@ def test_sharded_gradient_clipping_uses_the_whole_models_norm(tmp_path):
     ranks equals 1 rank: each rank holds only its units' gradients, and a norm of
     one shard would clip differently (by up to the ratio of the shard's norm to
     the whole model's, far outside the tolerance)."""
-    from weightstream import config, executor
     from weightstream.cli.main import main
+    from weightstream.context import start_run
 
     values = yaml.safe_load(_params(tmp_path, "gpt2", max_steps=4).read_text())
     values["optimizer"]["max_gradient_norm"] = 0.05
@@ -341,8 +340,7 @@ def test_sharded_gradient_clipping_uses_the_whole_models_norm(tmp_path):
         mp.setenv("WEIGHTSTREAM_QUICK_MACHINE_PROFILE", "1")
         for name, ranks in (("one", []), ("sharded", ["--num_csx", "2"])):
             assert main(["run", "CPU", "-p", str(params), "-o", str(dirs[name]), *ranks]) == 0
-            config._reset_for_tests()
-            executor._reset_for_tests()
+            start_run()
     one, shd = _losses(dirs["one"]), _losses(dirs["sharded"])
     torch.testing.assert_close(torch.tensor(shd), torch.tensor(one), rtol=LOSS_RTOL, atol=0)
     w1 = _checkpoint(dirs["one"], 4)["model"]

@@ -24,19 +24,48 @@ on Linux. A user's own value (``THP_MEM_ALLOC_ENABLE=0``) is kept, and a
 process that made large tensors before importing weightstream keeps the
 allocator it had. Where the kernel's THP mode is ``never`` the advice is a
 no-op.
+
+Note [process-wide settings]
+----------------------------
+What a run remembers between API calls (configuration, steps, half type,
+skipped steps) lives in the run context and ends with it (Note [run context] in
+weightstream/context.py). Two settings cannot: they belong to the process's
+allocators, and weightstream makes exactly these two, never undone:
+
+1. ``THP_MEM_ALLOC_ENABLE=1``, at import, on Linux, where unset (Note [huge
+   pages for host tensors] above). PyTorch reads it once, at its first large
+   allocation; nothing can take it back afterwards.
+2. glibc's mmap threshold fixed at 128 KiB (``mallopt(M_MMAP_THRESHOLD)``),
+   by the first ``DiskStore`` of the process (Note [disk tier] in
+   runtime/store.py), so freed gradients and device copies go back to the
+   system at once. It is not undone when the last store closes, because it
+   cannot be: glibc has no getter for the threshold (the value before is
+   unknown), and any ``mallopt(M_MMAP_THRESHOLD)`` also turns off glibc's
+   dynamic threshold (raised after each large free) for the rest of the
+   process; no call turns it back on. 128 KiB is glibc's own starting value,
+   so "setting the default back" would be the same call, a no-op that only
+   claims a restore. What stays after the store is the fixed threshold: large
+   blocks keep being mapped and unmapped rather than kept in the heap, a few
+   more page faults for allocations between 128 KiB and 32 MiB, and less
+   memory held. A threshold the user set for glibc (``MALLOC_MMAP_THRESHOLD_``
+   or ``GLIBC_TUNABLES``) is overridden by the first store.
+
+The run command also sets what a command owning its process may (the seeds,
+logging, ``OMP_NUM_THREADS`` per launched rank); the library does not.
 """
 
 import os as _os
 import sys as _sys
 
 if _sys.platform.startswith("linux"):
-    _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # Note above
+    # Note [huge pages for host tensors]; Note [process-wide settings]
+    _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from weightstream import amp, metrics, optim, utils
 from weightstream.backend import CompiledModule, ExecutionMode, compile
 from weightstream.checkpoint import load, save
 from weightstream.common.version import __version__
-from weightstream.config import configure
+from weightstream.context import configure
 from weightstream.executor import checkpoint_closure, compile_step, step_closure
 from weightstream.runtime.config import StreamingConfig
 

@@ -1,15 +1,13 @@
 """Run configuration: the arguments of :func:`weightstream.configure`, typed and validated.
 
-The configuration is set once per process (as in the reference API, where one
-process drives one run); :func:`current_config` returns it, or the defaults when
-``configure`` was never called, so library pieces (data loaders, checkpoint
-closures) can read it without the user having to configure anything for a
-plain single-device run.
+The configuration is set once per run (as in the reference API, where one
+process drives one run) and kept in the run context (Note [run context] in
+weightstream/context.py): ``configure`` and ``current_config`` live there. This
+module only defines and checks it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -57,22 +55,15 @@ _ACCEPTED_EXTRA = frozenset(
     {"mgmt_address", "mgmt_namespace", "credentials_path", "debug_args", "log_initialization"}
 )
 
-_config: RunConfig | None = None
 
+def parse_configure_arguments(**kwargs) -> RunConfig:
+    """The :class:`RunConfig` of ``configure(**kwargs)``, checked; it sets nothing.
 
-def configure(**kwargs) -> RunConfig:
-    """Set the run configuration for this process; a second call is an error.
-
-    Takes the keyword arguments of the reference ``cstorch.configure`` (see
-    :class:`RunConfig`). Arguments that only address a remote cluster
-    (``mgmt_address`` and the like) are accepted and kept in ``extra``.
+    Takes the keyword arguments of the reference ``cstorch.configure``.
+    Arguments that only address a remote cluster (``mgmt_address`` and the
+    like) are accepted and kept in ``extra``; any other unknown one is a
+    TypeError naming the nearest valid ones.
     """
-    global _config
-    if _config is not None:
-        raise RuntimeError(
-            "configure() was already called in this process; it applies globally and can be "
-            "called only once. Start a new process for a run with a different configuration."
-        )
     fields = {f.name for f in dataclasses.fields(RunConfig)} - {"extra"}
     known = {k: v for k, v in kwargs.items() if k in fields}
     extra = {k: v for k, v in kwargs.items() if k not in fields}
@@ -88,33 +79,4 @@ def configure(**kwargs) -> RunConfig:
             f"configure() got unknown argument(s): {', '.join(hints)}. "
             f"Valid arguments: {', '.join(sorted(fields))}."
         )
-    _config = RunConfig(**known, extra=extra)
-    return _config
-
-
-@contextlib.contextmanager
-def run_configuration(**kwargs):
-    """The configuration of one run of the ``weightstream run`` command.
-
-    Unlike :func:`configure`, which a user's script calls once per process, the
-    command sets the configuration for the duration of the run and restores the
-    previous one afterwards, so several runs can share a process (tests, notebooks).
-    """
-    global _config
-    previous = _config
-    _config = RunConfig(**kwargs)
-    try:
-        yield _config
-    finally:
-        _config = previous
-
-
-def current_config() -> RunConfig:
-    """The configuration set by :func:`configure`, or the defaults if it was never called."""
-    return _config if _config is not None else RunConfig()
-
-
-def _reset_for_tests() -> None:
-    """Forget the configuration (tests run many configurations in one process)."""
-    global _config
-    _config = None
+    return RunConfig(**known, extra=extra)

@@ -9,55 +9,23 @@ outside a step it runs at once. A checkpoint closure may run only before the
 first step, on a checkpoint step (every ``checkpoint_steps``) and on the last
 step; anywhere else it is an error, as in the reference.
 
-The step counter lives in one explicit :class:`StepContext` per process.
+The step counter lives in the run's :class:`StepContext`, part of the run
+context (Note [run context] in weightstream/context.py).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from weightstream.config import current_config
+from weightstream.context import StepContext, current_config, current_run
 
-
-@dataclass
-class StepContext:
-    """Counts the steps run by ``compile_step`` functions in this process."""
-
-    step: int = 0  # steps completed
-    last_step: int | None = None  # the final step, when a DataLoader announced it
-    in_step: bool = False
-    _pending: list[tuple[Callable, tuple, dict]] = field(default_factory=list)
-
-    def expect_steps(self, count: int) -> None:
-        """A loader will drive ``count`` more steps: the last step is known."""
-        self.last_step = self.step + count
-
-    def is_checkpoint_step(self) -> bool:
-        if self.step == 0 or (self.last_step is not None and self.step == self.last_step):
-            return True
-        every = current_config().checkpoint_steps
-        return every > 0 and self.step % every == 0
-
-    def after_step(self, fn: Callable, /, *args, **kwargs):
-        """Call ``fn`` when the current step has finished, or now outside a step."""
-        if self.in_step:
-            self._pending.append((fn, args, kwargs))
-            return None
-        return fn(*args, **kwargs)
-
-
-_context = StepContext()
+__all__ = ["StepContext", "checkpoint_closure", "compile_step", "step_closure", "step_context"]
 
 
 def step_context() -> StepContext:
-    return _context
-
-
-def _reset_for_tests() -> None:
-    global _context
-    _context = StepContext()
+    """The step counter and pending closures of the current run (Note [run context])."""
+    return current_run().steps
 
 
 def compile_step(fn: Callable) -> Callable:

@@ -1,11 +1,12 @@
 """Which 16-bit floating point type "half precision" means: float16, bfloat16 or cbfloat16.
 
-The choice is one process-wide setting, held by the single
-:class:`HalfDtypeSetting` instance :data:`half_dtype_setting` (the reference
-API makes it process-wide too: ``cstorch.amp.set_half_dtype`` is called once,
-before the model and the GradScaler are built). Everything that depends on it
-reads it through :func:`get_half_dtype` at the moment it needs it, e.g. the
-GradScaler's default loss scales when it is constructed.
+The choice is one setting of the run (the reference API makes it process-wide:
+``cstorch.amp.set_half_dtype`` is called once, before the model and the
+GradScaler are built), kept by name in the run context (Note [run context] in
+weightstream/context.py). :data:`half_dtype_setting` reads and changes it there.
+Everything that depends on it reads it through :func:`get_half_dtype` at the
+moment it needs it, e.g. the GradScaler's default loss scales when it is
+constructed.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from weightstream.amp.cbfloat16 import CBFloat16, cbfloat16
+from weightstream.context import current_run
 
 __all__ = [
     "HalfDtype",
@@ -34,29 +36,28 @@ _NAME_OF = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 class HalfDtypeSetting:
-    """The process-wide half precision type. Default: float16 (as in the reference).
+    """The half precision type of the current run. Default: float16 (as in the reference).
 
     Read and change it with :meth:`get` / :meth:`set` (or the module functions
     :func:`get_half_dtype` / :func:`set_half_dtype`, which use
-    :data:`half_dtype_setting`). Objects that derive defaults from it read it
-    when they are built and do not follow later changes.
+    :data:`half_dtype_setting`). It holds nothing itself: every instance reads
+    and writes the run context (Note [run context]), and a fresh run starts at
+    float16. Objects that derive defaults from it read it when they are built
+    and do not follow later changes.
     """
-
-    def __init__(self) -> None:
-        self._name = "float16"
 
     @property
     def name(self) -> str:
         """ "float16", "bfloat16" or "cbfloat16"."""
-        return self._name
+        return current_run().half_dtype
 
     def get(self) -> HalfDtype:
         """torch.float16, torch.bfloat16, or :data:`weightstream.amp.cbfloat16`."""
-        return _BY_NAME[self._name]
+        return _BY_NAME[self.name]
 
     def set(self, value: str | torch.dtype | CBFloat16) -> HalfDtype:
         """Select the half type by name, torch dtype or the cbfloat16 object; returns it."""
-        self._name = _normalize(value)
+        current_run().half_dtype = _normalize(value)
         return self.get()
 
 
@@ -83,7 +84,7 @@ def _normalize(value: object) -> str:
     )
 
 
-#: The one process-wide half type setting.
+#: The half type setting of the current run (a view of the run context; it holds nothing).
 half_dtype_setting = HalfDtypeSetting()
 
 

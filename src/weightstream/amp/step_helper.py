@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -128,8 +127,6 @@ def apply_gradients(
     grad_scaler: GradScaler | None,
     max_gradient_norm: float | None = None,
     max_gradient_value: float | None = None,
-    *,
-    update_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> None:
     """The step after the backward: unscale, clip, step, update, zero the gradients.
 
@@ -138,8 +135,7 @@ def apply_gradients(
     gradients are the mean over the ranks already (SwarmX reduces them in the
     backward, Note [swarm reduce]); clipping and the scaler's non-finite check
     use the norm of the whole model's gradients, summed over the ranks where a
-    sharded store spreads them (Note [sharded store]). ``update_context`` wraps
-    the optimizer's update (the trainer's crash points).
+    sharded store spreads them (Note [sharded store]).
     """
     engine = getattr(optimizer, "engine", None)
     if engine is not None:
@@ -154,13 +150,12 @@ def apply_gradients(
     elif max_gradient_value is not None:
         clip_grad_value_(params, max_gradient_value, engine)
 
-    with update_context():
-        if grad_scaler is not None:
-            grad_scaler.step(optimizer)
-        else:
-            optimizer.step()
-            # Overwrite any stale "skipped" left by an earlier scaler step.
-            skip.record_step(optimizer, False)
+    if grad_scaler is not None:
+        grad_scaler.step(optimizer)
+    else:
+        optimizer.step()
+        # Overwrite any stale "skipped" left by an earlier scaler step.
+        skip.record_step(optimizer, False)
     if grad_scaler is not None:
         grad_scaler.update()
     optimizer.zero_grad(set_to_none=True)

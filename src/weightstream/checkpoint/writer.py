@@ -70,7 +70,6 @@ import torch.distributed as dist
 
 from weightstream.checkpoint import format as fmt
 from weightstream.checkpoint import pieces
-from weightstream.checkpoint.crash import crash_point
 from weightstream.checkpoint.errors import CheckpointWriteError
 from weightstream.checkpoint.tree import Deferred, flatten, tree_to_json
 from weightstream.checkpoint.write_guard import WriteGuard
@@ -156,7 +155,6 @@ def save(
                 for (key, value), name in zip(flat.leaves, names):
                     writer.write(key, name, value)
                     guard.check()  # stop at the first failed write
-                    crash_point("save.leaf")  # Note [crash points]
                 f.attrs[fmt.ATTR_SPEC] = spec
                 f.attrs[fmt.ATTR_SPEC_CHECKSUM] = np.uint64(
                     fmt.checksum(np.frombuffer(spec.encode(), np.uint8))
@@ -179,11 +177,11 @@ def save(
 def atomic_path(target: Path, *, fsync: bool = True):
     """Yield a temporary path beside ``target`` (its directory made), renamed over it on success.
 
-    See Note [atomic save]; ``common.files.atomic_path`` with the crash point
-    after the rename. Also used for safetensors and torch outputs.
+    See Note [atomic save]; ``common.files.atomic_path``. Also used for
+    safetensors and torch outputs.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
-    return files.atomic_path(target, fsync=fsync, renamed=lambda: crash_point("save.renamed"))
+    return files.atomic_path(target, fsync=fsync)
 
 
 def _target_path(path: Any, what: str) -> Path:

@@ -32,7 +32,7 @@ from weightstream.cli.run_args import build_run_parser, params_from_args
 from weightstream.common import lora
 from weightstream.common.materialize import materialize, materialize_buffers
 from weightstream.common.scalars import NoScalarWriter, ScalarWriter
-from weightstream.config import run_configuration
+from weightstream.context import run_configuration
 from weightstream.data.streaming import batch_size_of
 from weightstream.models import hf
 from weightstream.models.hf_names import hf_name_map

@@ -4,23 +4,19 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
 
 @contextmanager
-def atomic_path(
-    target: str | os.PathLike, *, fsync: bool = True, renamed: Callable[[], None] | None = None
-) -> Iterator[Path]:
+def atomic_path(target: str | os.PathLike, *, fsync: bool = True) -> Iterator[Path]:
     """A temporary name beside ``target`` for the block to write; renamed over
     ``target`` when the block ends, removed if it raises. A reader, or a run that
     crashed, never sees a half-written file.
 
     With ``fsync`` the data is on disk before the rename and the rename before
-    the return (the directory is synced too). ``renamed`` runs right after the
-    rename (checkpoints put a crash point there: Note [atomic save] in
-    checkpoint/writer.py).
+    the return (the directory is synced too).
     """
     target = Path(target)
     tmp = target.parent / f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
@@ -29,8 +25,6 @@ def atomic_path(
         if fsync:
             fsync_path(tmp)
         os.replace(tmp, target)
-        if renamed is not None:
-            renamed()
     except BaseException:
         with suppress(OSError):
             tmp.unlink()

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from weightstream.config import current_config
+from weightstream.context import current_config
 from weightstream.data import loader_parts, resume, streaming
 from weightstream.data._checks import check_int
 from weightstream.data.sampler import DistributedSampler

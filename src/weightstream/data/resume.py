@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from weightstream.config import current_config
+from weightstream.context import current_config
 from weightstream.data import loader_parts
 from weightstream.data.sampler import DistributedSampler
 from weightstream.data.streaming import get_streaming_rank, num_streamers

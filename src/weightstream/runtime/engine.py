@@ -11,7 +11,7 @@ from torch.utils import _pytree as pytree
 
 from weightstream.common.materialize import materialize_buffers
 from weightstream.common.units import format_bytes
-from weightstream.config import current_config
+from weightstream.context import current_config
 from weightstream.optim.binding import hosts
 from weightstream.runtime import swarm
 from weightstream.runtime.config import StreamingConfig

@@ -32,8 +32,10 @@ mappings in use, set against ``host_memory_budget`` at compile time.
 Freed host memory must also go back at once: glibc's allocator raises its
 mmap threshold after large frees and then keeps freed device copies and
 gradients in its heaps (measured: 100 MiB more peak RSS on a 96 MiB model), so
-the disk store fixes the threshold at 128 KiB (``mallopt``, once per process),
-and large tensors are unmapped when they die.
+the disk store fixes the threshold at 128 KiB (``mallopt``, by the first store
+of the process; for the rest of the process: it cannot be undone, Note
+[process-wide settings] in weightstream/__init__.py), and large tensors are
+unmapped when they die.
 
 The files are unlinked as soon as they are mapped: the space is returned when
 the process ends, however it ends, and nothing is left behind in ``store_dir``.
@@ -79,8 +81,9 @@ _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 
 
 def _return_large_frees_to_the_os() -> None:
-    """Fix glibc's mmap threshold (Note [disk tier]; setting it again is a no-op); not
-    glibc: its allocator makes its own choice."""
+    """Fix glibc's mmap threshold for the rest of the process (Note [disk tier], Note
+    [process-wide settings]; setting it again is a no-op); not glibc: its allocator
+    makes its own choice."""
     mallopt = libc_function("mallopt", (ctypes.c_int, ctypes.c_int))
     if mallopt is not None:
         mallopt(_M_MMAP_THRESHOLD, 128 * 1024)

@@ -34,7 +34,6 @@ from tqdm import tqdm
 from weightstream import checkpoint as ckpt
 from weightstream.amp import GradScaler
 from weightstream.amp.step_helper import apply_gradients, backward_context
-from weightstream.checkpoint.crash import counting_ops
 from weightstream.checkpoint.weights import load_weights
 from weightstream.data.state import aggregate_state_dict
 from weightstream.data.streaming import batch_size_of
@@ -287,7 +286,6 @@ class Trainer:
             self.grad_scaler,
             self.s.max_gradient_norm,
             self.s.max_gradient_value,
-            update_context=lambda: counting_ops("update"),  # Note [crash points]
         )
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
