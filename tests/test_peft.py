@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from local_tokenizer import train_bpe
 
 from weightstream import checkpoint as ckpt
-from weightstream import config, executor
 from weightstream.cli.main import main
+from weightstream.context import start_run
 from weightstream.data.processors import get_data_processor
 
 transformers = pytest.importorskip("transformers")
@@ -110,8 +110,7 @@ def _run(tmp_path: Path, values: dict, model_dir: Path, mode: str = "train") -> 
     try:
         return main(["run", "CPU", "-p", str(params), "-m", mode, "-o", str(model_dir)])
     finally:
-        config._reset_for_tests()
-        executor._reset_for_tests()
+        start_run()
 
 
 def _losses(model_dir: Path) -> list[float]:
@@ -297,8 +296,7 @@ def test_the_frozen_base_has_no_optimizer_state_no_gradient_and_does_not_change(
     try:
         assert run.execute() == 0
     finally:
-        config._reset_for_tests()
-        executor._reset_for_tests()
+        start_run()
     model, optimizer = run.trainer.model, run.trainer.optimizer
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
     named = dict(model.named_parameters())
