@@ -295,14 +295,6 @@ def test_disk_store_gradients_in_memory_are_bounded_to_two_units(tmp_path):
     being updated, the one handed over) are alive at any hook."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(8)))
-    runner = _on_disk(model, tmp_path, 400_000)
-
-    class SlowSGD(cstorch.optim.SGD):
-        def _update(self, groups):
-            threading.Event().wait(0.02)  # a host update slower than the backward
-            super()._update(groups)
-
-    opt = SlowSGD(model.parameters(), lr=0.1)
     alive: list = []  # weak references to every gradient autograd made
     most = []
 
@@ -312,8 +304,18 @@ def test_disk_store_gradients_in_memory_are_bounded_to_two_units(tmp_path):
         alive.append((weakref.ref(p.grad), p.grad.numel() * 4))
         most.append(sum(n for ref, n in alive if ref() is not None))
 
-    for p in model.parameters():  # runs after the store's hook, before the update's
+    # Registered before the store's hook (Note [one gradient hook]): it runs first, on
+    # the gradient as autograd made it.
+    for p in model.parameters():
         p.register_post_accumulate_grad_hook(seen)
+    runner = _on_disk(model, tmp_path, 400_000)
+
+    class SlowSGD(cstorch.optim.SGD):
+        def _update(self, groups):
+            threading.Event().wait(0.02)  # a host update slower than the backward
+            super()._update(groups)
+
+    opt = SlowSGD(model.parameters(), lr=0.1)
     unit = 64 * 64 * 4 + 64 * 4
     for _ in range(2):
         cstorch.amp.optimizer_step(runner(torch.randn(4, 64)).sum(), opt, None)

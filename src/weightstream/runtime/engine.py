@@ -213,6 +213,12 @@ class StreamingEngine:
             )
             if config.update_in_backward:
                 self.store.tier.hands_over = self.updater.takes
+        # One pair of gradient hooks per master, the store's (Note [one gradient hook]).
+        self.store.hook_gradients(
+            module.parameters(),
+            self.reducer,
+            self.updater.gradient_final if config.update_in_backward else None,
+        )
         # Reading or loading the whole model must see the step fully applied, and
         # on a sharded store every rank's shard (Note [sharded store]).
         self._state_hooks = [
@@ -228,7 +234,6 @@ class StreamingEngine:
             if holds_tensors(m)
         ]
         self._skipped_on_load: list[str] = []
-        self._final_hooks: list = []  # Note [updates in backward]
         self._warned_update_in_backward = False
         self._warned_unchecked_step = False
         hosts.add(self)
@@ -276,7 +281,10 @@ class StreamingEngine:
         buckets, owners, taken = swarm.coalesce(buckets, owners, self.config.reduce_bucket_bytes)
         names = [first_unit[idx[0]] for idx in taken]  # a bucket by its first unit
         self.reducer = swarm.GradientReducer(
-            buckets, owners, note=lambda event, b: self.events(event, names[b])
+            buckets,
+            owners,
+            note=lambda event, b: self.events(event, names[b]),
+            install_hooks=False,  # the store's hooks call it (Note [one gradient hook])
         )
 
     # ---- the ParameterHost protocol (Note [engine binding]) ---------------------------------
@@ -312,14 +320,6 @@ class StreamingEngine:
         if not self._can_update_in_backward(optimizer):
             yield
             return
-        if not self._final_hooks:
-            # Registered after the disk store's own hook: it runs first.
-            # One hook per parameter (a tied weight is in two units, its share in one).
-            self._final_hooks = [
-                p.register_post_accumulate_grad_hook(_function(self.updater.gradient_final))
-                for p in self._params.values()
-                if p.requires_grad
-            ]
         self.updater.arm(optimizer)
         try:
             yield
@@ -613,9 +613,9 @@ class StreamingEngine:
         if self.reducer is not None:
             self.reducer.close()
             self.reducer = None
-        for h in [*self._state_hooks, *self._final_hooks]:
+        for h in self._state_hooks:
             h.remove()
-        self._state_hooks, self._final_hooks = [], []
+        self._state_hooks = []
         if self.streamer is not None:
             self.streamer.remove()
             self.streamer = None

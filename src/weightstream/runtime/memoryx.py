@@ -23,6 +23,25 @@ each an object with the same verbs whichever it is, so no caller asks which:
 The engine builds MemoryX with its tier when it is built, and shards it when it
 joins the swarm (before any optimizer state exists). The streamer's fetches,
 the updater's paging and the engine's state-dict hooks all go through it.
+
+Note [one gradient hook]
+------------------------
+What happens to a master's gradient between autograd and the update is one
+sequence, run by one pair of hooks per master that MemoryX owns, in a fixed
+order written in one place (``_accumulated``), not by hooks of several owners
+whose order of registration decides it:
+
+1. before autograd accumulates (a tensor hook): SwarmX sets aside a mean
+   already reduced in this step, so that only the new local part is reduced
+   (Note [swarm reduce]);
+2. accumulated (a post-accumulate-grad hook): the tier takes the gradient
+   (a disk tier writes it to its file, or leaves it in memory where the
+   armed update takes it: Note [updates in backward]); then SwarmX marks it
+   final in its bucket, and a complete bucket starts its reduction; then the
+   updater, when a step is armed in the backward, takes it and starts the
+   unit's share once the share is complete.
+
+A frozen master (``requires_grad=False``) gets no hooks.
 """
 
 from __future__ import annotations
@@ -81,6 +100,9 @@ class RamTier:
     def holds(self, t: torch.Tensor) -> bool:
         return False
 
+    def take_grad(self, p: torch.Tensor) -> None:
+        pass  # autograd's gradient stays where it is
+
     def forget(self, params: Iterable[torch.Tensor], old_data: Iterable[torch.Tensor]) -> None:
         pass  # the dropped tensors' memory goes back when they die
 
@@ -100,6 +122,12 @@ class MemoryX:
     def __init__(self, tier: Tier) -> None:
         self.tier = tier
         self.replicas: Replicated | ShardedStore = Replicated()
+        # The gradient hooks' collaborators (Note [one gradient hook]): SwarmX's reducer
+        # under data parallel, the updater's taker of final gradients under
+        # update_in_backward; None where there is none.
+        self._reducer = None
+        self._on_final: Callable[[torch.Tensor], None] | None = None
+        self._grad_hooks: list = []
 
     # ---- what it is --------------------------------------------------------------------
 
@@ -151,6 +179,33 @@ class MemoryX:
     def bind_optimizer(self, optimizer) -> None:
         self.replicas.shard_optimizer_state(optimizer)
 
+    # ---- gradients (autograd's thread; Note [one gradient hook]) -------------------------------
+
+    def hook_gradients(
+        self,
+        params: Iterable[nn.Parameter],
+        reducer=None,
+        on_final: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
+        """Install the one pair of gradient hooks on every trainable master (each once)."""
+        assert not self._grad_hooks, "hooked once, when the engine is built"
+        self._reducer, self._on_final = reducer, on_final
+        seen: set[int] = set()
+        for p in params:
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            if reducer is not None:
+                self._grad_hooks.append(p.register_hook(_before_accumulate(reducer, p)))
+            self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._accumulated))
+
+    def _accumulated(self, p: nn.Parameter) -> None:
+        self.tier.take_grad(p)  # move: into a disk tier's file, unless the update takes it
+        if self._reducer is not None:
+            self._reducer.after_accumulate(p)  # reduce: final in its bucket
+        if self._on_final is not None:
+            self._on_final(p)  # mark final: an armed update takes it
+
     # ---- fetches (the streamer; on its worker thread) ----------------------------------------
 
     @property
@@ -185,4 +240,14 @@ class MemoryX:
         return self.replicas.unowned_names(module, prefix)
 
     def close(self) -> None:
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks.clear()
         self.tier.close()
+
+
+def _before_accumulate(reducer, p: nn.Parameter) -> Callable[[torch.Tensor], None]:
+    def hook(_grad: torch.Tensor) -> None:
+        reducer.before_accumulate(p)  # set aside a mean reduced earlier in this step
+
+    return hook

@@ -124,7 +124,8 @@ class DiskStore:
         self._maps: dict[int, torch.Tensor] = {}
         self._grads: dict[int, torch.Tensor] = {}  # id(master) -> its gradient in the store
         self._discarded: set[int] = set()  # data_ptr of storages whose blocks were freed
-        self._hooks: dict[int, object] = {}  # id(master) -> its gradient hook
+        # id(master) of the masters whose gradients come into the store (take_grad).
+        self._taken: set[int] = set()
         # The RAM tier (Note [hybrid placement]): its size, each parameter's place
         # (decided when the model is taken), and its tensors by data_ptr (held,
         # like the mappings).
@@ -342,7 +343,7 @@ class DiskStore:
         Their data is not written back: the file's blocks are freed
         (``MADV_REMOVE``) and read as zeros again. The next write through the
         mapping allocates them anew, so free space is checked first
-        (``_grad_into_store``), never left to a SIGBUS.
+        (``take_grad``), never left to a SIGBUS.
         """
         # An open file keeps its blocks: the next explicit write rewrites them in place.
         ranges = self._ranges_of(t for t in tensors if self.file_of(t) is None)
@@ -413,8 +414,8 @@ class DiskStore:
         )
         self._key.update({id(p): name for name, p in module.named_parameters()})
         for p in module.parameters():
-            if p.requires_grad and id(p) not in self._hooks:
-                self._hooks[id(p)] = p.register_post_accumulate_grad_hook(self._grad_into_store)
+            if p.requires_grad:
+                self._taken.add(id(p))
         return left
 
     def forget(self, params: Iterable[torch.Tensor], old_data: Iterable[torch.Tensor]) -> None:
@@ -426,9 +427,7 @@ class DiskStore:
             gone = {self._key.get(id(p)) for p in params}
             self.places.keep_only({k for k in self._key.values() if k not in gone})
         for p in params:
-            hook = self._hooks.pop(id(p), None)
-            if hook is not None:
-                hook.remove()
+            self._taken.discard(id(p))
             self._grads.pop(id(p), None)
         with self._lock:
             for t in old_data:
@@ -444,8 +443,11 @@ class DiskStore:
                     if (in_file or in_ram) and self.places is not None:
                         self.places.give_back("master", t.numel() * t.element_size(), in_ram)
 
-    def _grad_into_store(self, p: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: keep ``p.grad`` in the store (Note [disk tier])."""
+    def take_grad(self, p: torch.Tensor) -> None:
+        """``p``'s gradient was accumulated: keep it in the store (Note [disk tier]; the
+        store's gradient hook calls it, Note [one gradient hook] in memoryx.py)."""
+        if id(p) not in self._taken:
+            return  # a master another rank owns (Note [sharded store])
         grad = p.grad
         if grad is None or grad.layout != torch.strided or grad.device.type != "cpu":
             return
@@ -496,9 +498,7 @@ class DiskStore:
                     state[key] = self.adopt(value, "state", owner=p)
 
     def close(self) -> None:
-        for h in self._hooks.values():
-            h.remove()
-        self._hooks.clear()
+        self._taken.clear()
         self._grads.clear()
         self.settle()
         self.io.close()

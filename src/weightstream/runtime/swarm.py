@@ -232,6 +232,15 @@ def shutdown() -> None:
 # checked: use weightstream's optimizers (``cstorch.optim``) on a sharded store.
 
 
+def _before(reducer: GradientReducer, p: torch.nn.Parameter) -> Callable[[torch.Tensor], None]:
+    """A tensor hook of ``p`` calling ``reducer.before_accumulate(p)``."""
+
+    def hook(_grad: torch.Tensor) -> None:
+        reducer.before_accumulate(p)
+
+    return hook
+
+
 @dataclass
 class _InFlight:
     bucket: int
@@ -249,6 +258,9 @@ class GradientReducer:
             gets the mean (a replicated store).
         note: called with (event, bucket) when a bucket's reduction starts, for
             tests and traces; None: nothing is recorded.
+        install_hooks: register its own gradient hooks on the parameters (a resident
+            model's); False: the store's one gradient hook calls ``before_accumulate``
+            and ``after_accumulate`` (Note [one gradient hook] in runtime/memoryx.py).
 
     Owner: the engine (or compiled module) of one model; ``close()`` removes its hooks.
     """
@@ -258,6 +270,7 @@ class GradientReducer:
         buckets: Sequence[Sequence[torch.nn.Parameter]],
         owners: Sequence[int] | None = None,
         note: Callable[[str, int], None] | None = None,
+        install_hooks: bool = True,
     ):
         assert dist.is_initialized()
         self.world = dist.get_world_size()
@@ -286,31 +299,33 @@ class GradientReducer:
         # the reduce]).
         self._landed: dict[int, tuple[torch.nn.Parameter, weakref.ref, int, int]] = {}
         self._hooks = []
-        for params in self.buckets:
-            for p in params:
-                self._hooks.append(p.register_hook(self._make_before_accumulate(p)))
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._after_accumulate))
+        if install_hooks:
+            for params in self.buckets:
+                for p in params:
+                    self._hooks.append(p.register_hook(_before(self, p)))
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self.after_accumulate))
 
     # ---- hooks (autograd thread) ---------------------------------------------------------
 
-    def _make_before_accumulate(self, p: torch.nn.Parameter):
-        def before_accumulate(grad: torch.Tensor) -> None:
-            self._queue_finish()
-            if id(p) in self._reduced:
-                # A reduced mean from an earlier backward of this step: set it aside
-                # so that only the new local part is reduced (see the Note).
-                self._reduced.discard(id(p))
-                if p.grad is not None:
-                    self._set_aside[id(p)] = p.grad.detach().clone()
-                    p.grad = None
+    def before_accumulate(self, p: torch.nn.Parameter) -> None:
+        """Autograd is about to accumulate a gradient of ``p``."""
+        self._queue_finish()
+        if id(p) in self._reduced:
+            # A reduced mean from an earlier backward of this step: set it aside
+            # so that only the new local part is reduced (see the Note).
+            self._reduced.discard(id(p))
+            if p.grad is not None:
+                self._set_aside[id(p)] = p.grad.detach().clone()
+                p.grad = None
 
-        return before_accumulate
-
-    def _after_accumulate(self, p: torch.nn.Parameter) -> None:
+    def after_accumulate(self, p: torch.nn.Parameter) -> None:
+        """``p``'s gradient of this backward is accumulated: its bucket may start."""
+        b = self._bucket_of.get(id(p))
+        if b is None:
+            return  # not reduced here (frozen, or outside the buckets)
         self._queue_finish()
         if not self._sync:
             return
-        b = self._bucket_of[id(p)]
         final = self._final[b]
         final.add(id(p))
         if len(final) == len(self.buckets[b]):
