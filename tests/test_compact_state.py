@@ -242,3 +242,64 @@ def test_configure_optimizer_takes_state_dtype_by_name():
     w = torch.nn.Parameter(torch.zeros(4))
     opt = cstorch.optim.configure_optimizer("AdamW", [w], learning_rate=1e-3, state_dtype="int8")
     assert opt.state_dtype == torch.int8 and opt.state[w]["exp_avg"].dtype == torch.int8
+
+
+# ------------------------------------------------------------------ the run command
+
+
+def _run_params(tmp_path, **runconfig):
+    import params_files as pf
+
+    section = pf.text_input(4, 32)
+    return pf.write(
+        tmp_path / "params.yaml",
+        pf.params(
+            train_input={**section, "shuffle_seed": 3},
+            eval_input=section,
+            model=pf.gpt2(2, 32, 32),
+            optimizer=pf.adamw(3e-3, weight_decay=0.01, state_dtype="int8"),
+            runconfig={"max_steps": 6, "checkpoint_steps": 3, "log_steps": 2, "seed": 7,
+                       "master_dtype": "bfloat16", **runconfig},  # fmt: skip
+        ),
+    )
+
+
+def test_run_with_bf16_masters_and_int8_state_resumes_exactly_and_exports_bf16(tmp_path):
+    pytest.importorskip("tensorboard")
+    from weightstream import checkpoint as ckpt
+    from weightstream.cli.main import main
+
+    params = _run_params(tmp_path)
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert main(["run", "CPU", "-p", str(params), "-o", str(whole)]) == 0
+    assert main(["run", "CPU", "-p", str(params), "-o", str(split), "--max_steps", "3"]) == 0
+    assert main(["run", "CPU", "-p", str(params), "-o", str(split)]) == 0  # resumes at 3
+    a = ckpt.load(whole / "checkpoint_6.mdl", map_location="cpu")
+    b = ckpt.load(split / "checkpoint_6.mdl", map_location="cpu")
+    for key, value in a["model"].items():
+        assert torch.equal(value, b["model"][key]), key
+    weights = [v for k, v in a["model"].items() if k.endswith("weight")]
+    assert weights and all(w.dtype == torch.bfloat16 for w in weights)
+    state = a["optimizer"]["state"][0]
+    assert state["exp_avg"].dtype == torch.int8 and "exp_avg_scale" in state
+    assert state["kahan_comp"].dtype == torch.bfloat16
+    for i, st in a["optimizer"]["state"].items():
+        for key, value in st.items():
+            assert torch.equal(value, b["optimizer"]["state"][i][key]), (i, key)
+
+
+def test_master_dtype_is_validated():
+    from weightstream.cli.params import RunConfigParams
+
+    with pytest.raises(ValueError, match="master_dtype"):
+        RunConfigParams.from_dict({"master_dtype": "int8"})
+    assert RunConfigParams.from_dict({}).master_dtype == "float32"
+
+
+def test_params_state_dtype_is_validated():
+    from weightstream.optim.params import OptimizerParams
+
+    with pytest.raises(ValueError, match="state_dtype"):
+        OptimizerParams.from_dict({"optimizer_type": "AdamW", "state_dtype": "int4"})
+    given = OptimizerParams.from_dict({"optimizer_type": "AdamW", "state_dtype": "bfloat16"})
+    assert given.optimizer_kwargs()["state_dtype"] == "bfloat16"
