@@ -78,8 +78,9 @@ __all__ = ["BLOCK", "CHUNK", "LOW_PRECISION", "STATE_DTYPES", "parse_state_dtype
 
 #: Values sharing one scale in int8 state (Note [compact optimizer state]).
 BLOCK = 256
-#: Values one kernel call works on: float32 scratch of a few of these is live.
-CHUNK = BLOCK * 4096
+#: Values one kernel call works on: float32 scratch of a few of these (256 KiB each)
+#: is live, small enough to stay in cache between the ops of one chunk.
+CHUNK = BLOCK * 256
 #: Parameter dtypes that keep a Kahan compensation buffer (Note [Kahan summation]).
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 #: ``state_dtype`` values, by the name a params file uses.
