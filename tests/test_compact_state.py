@@ -225,7 +225,7 @@ def test_int8_codes_follow_the_square_law_map(signed):
 
 def test_bad_state_dtype_names_the_choices():
     w = torch.nn.Parameter(torch.zeros(4))
-    with pytest.raises(ValueError, match="state_dtype 'int4'.*float32, bfloat16, int8"):
+    with pytest.raises(ValueError, match=r"state_dtype 'int4'.*float32, bfloat16, int8"):
         cstorch.optim.AdamW([w], state_dtype="int4")
     with pytest.raises(TypeError, match="state_dtype must be a torch dtype"):
         cstorch.optim.AdamW([w], state_dtype=8)
@@ -258,8 +258,14 @@ def _run_params(tmp_path, **runconfig):
             eval_input=section,
             model=pf.gpt2(2, 32, 32),
             optimizer=pf.adamw(3e-3, weight_decay=0.01, state_dtype="int8"),
-            runconfig={"max_steps": 6, "checkpoint_steps": 3, "log_steps": 2, "seed": 7,
-                       "master_dtype": "bfloat16", **runconfig},  # fmt: skip
+            runconfig={
+                "max_steps": 6,
+                "checkpoint_steps": 3,
+                "log_steps": 2,
+                "seed": 7,
+                "master_dtype": "bfloat16",
+                **runconfig,
+            },
         ),
     )
 

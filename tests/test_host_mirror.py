@@ -236,7 +236,7 @@ def test_bf16_masters_are_the_mirror_with_no_second_copy(overlap):
     opt = cstorch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(4):
         x, y = _batch(step)
-        for m, o, run in ((ref, opt_ref, ref), (model, opt, runner)):
+        for o, run in ((opt_ref, ref), (opt, runner)):
             F.cross_entropy(run(x).flatten(0, 1).float(), y.flatten()).backward()
             o.step()
             o.zero_grad()

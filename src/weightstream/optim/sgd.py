@@ -107,7 +107,10 @@ class SGD(_ZeroStateOptimizer):
             if low:
                 pick = sorted(low)
                 self._low_precision_update(
-                    group, [params[i] for i in pick], [grads[i] for i in pick], [steps[i] for i in pick]
+                    group,
+                    [params[i] for i in pick],
+                    [grads[i] for i in pick],
+                    [steps[i] for i in pick],
                 )
                 if len(low) == len(params):
                     continue
