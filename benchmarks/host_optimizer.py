@@ -8,6 +8,14 @@ of the memory-bandwidth limit (AdamW fp32 moves 28 bytes per parameter: reads
 param, grad, exp_avg, exp_avg_sq, writes param, exp_avg, exp_avg_sq).
 
     .venv/bin/python benchmarks/host_optimizer.py [--mparams 50] [--repeats 7]
+
+``--compact`` instead compares the compact-state kernels (Note [compact optimizer
+state] in optim/compact.py) with the fp32 one on one tensor of ``--numel``
+elements: bytes moved per second by each (reads and writes of the parameter,
+its Kahan compensation, the moments and their scales, and the gradient read),
+side by side in one run, with min/median/max and the ratio to fp32 state.
+
+    .venv/bin/python benchmarks/host_optimizer.py --compact [--numel 4000000]
 """
 
 from __future__ import annotations
@@ -52,11 +60,76 @@ def memory_bandwidth() -> float:
     return best
 
 
+COMPACT_VARIANTS = {
+    # name: (parameter dtype, state_dtype)
+    "fp32 state": (torch.float32, torch.float32),
+    "bf16 state": (torch.float32, torch.bfloat16),
+    "int8 state": (torch.float32, torch.int8),
+    "bf16 master+Kahan": (torch.bfloat16, torch.float32),
+    "bf16 master+Kahan+bf16 state": (torch.bfloat16, torch.bfloat16),
+    "bf16 master+Kahan+int8 state": (torch.bfloat16, torch.int8),
+}
+
+
+def bytes_moved(p: torch.Tensor, state: dict) -> int:
+    """Bytes one step moves: the parameter and every state tensor read and written, the
+    gradient read (the step counter aside)."""
+    held = sum(v.nbytes for k, v in state.items() if k != "step")
+    return 2 * p.nbytes + 2 * held + p.nbytes
+
+
+def compact(args) -> None:
+    torch.manual_seed(0)
+    opts, moved = {}, {}
+    for name, (dtype, state_dtype) in COMPACT_VARIANTS.items():
+        p = torch.randn(args.numel).to(dtype).requires_grad_()
+        p.grad = torch.randn(args.numel).to(dtype)
+        opt = cstorch.optim.AdamW([p], lr=1e-4, weight_decay=0.1, state_dtype=state_dtype)
+        opt.step()  # warm-up
+        opts[name], moved[name] = opt, bytes_moved(p, opt.state[p])
+    times: dict[str, list[float]] = {k: [] for k in opts}
+    for _ in range(args.repeats):
+        for name, opt in opts.items():  # taking turns: noise hits all alike
+            t = time.perf_counter()
+            opt.step()
+            times[name].append(time.perf_counter() - t)
+    bw = memory_bandwidth()
+    print(
+        f"AdamW update of one tensor of {args.numel / 1e6:.1f}M elements; "
+        f"{torch.get_num_threads()} threads; memory bandwidth {bw / 1e9:.1f} GB/s"
+    )
+    ref_rate = moved["fp32 state"] / statistics.median(times["fp32 state"])
+    ref_time = statistics.median(times["fp32 state"])
+    result = {}
+    for name, ts in times.items():
+        rates = sorted(moved[name] / t / 1e9 for t in ts)
+        med = statistics.median(ts)
+        rate = moved[name] / med
+        print(
+            f"  {name:<30} {moved[name] / args.numel:5.2f} B/param moved   GB/s min "
+            f"{rates[0]:.2f} / median {statistics.median(rates):.2f} / max {rates[-1]:.2f}   "
+            f"bytes/s vs fp32 {rate / ref_rate:.2f}x   step time vs fp32 {med / ref_time:.2f}x   "
+            f"{rate / bw:.0%} of bandwidth"
+        )
+        result[name] = {
+            "gbytes_per_s": summary([moved[name] / t / 1e9 for t in ts]),
+            "bytes_per_param": moved[name] / args.numel,
+            "bytes_per_s_vs_fp32": rate / ref_rate,
+            "time_vs_fp32": med / ref_time,
+        }
+    print_result("host_optimizer_compact", numel=args.numel, variants=result)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mparams", type=float, default=50)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--compact", action="store_true", help="compare the compact-state kernels")
+    ap.add_argument("--numel", type=int, default=4_000_000, help="elements (with --compact)")
     args = ap.parse_args()
+    if args.compact:
+        compact(args)
+        return
     torch.manual_seed(0)
     sh = shapes(int(args.mparams * 1e6))
     n = sum(torch.Size(s).numel() for s in sh)

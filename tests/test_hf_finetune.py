@@ -395,3 +395,26 @@ def test_zoo_model_warm_starts_from_a_hugging_face_folder_of_its_architecture(
     with torch.no_grad():
         # The same formulas with other kernels and operation order: a few ulps.
         torch.testing.assert_close(model(x), hf_model(input_ids=x).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_master_run_exports_bf16_weights(tmp_path, tokenizer):
+    """runconfig.master_dtype: bfloat16 trains bf16 masters (Note [Kahan summation] in
+    optim/compact.py); --to hf writes them as they are, bf16."""
+    import yaml
+    from safetensors import safe_open
+
+    folder = _save_pretrained(_gpt2, tmp_path / "pretrained", tokenizer)
+    params = _params(tmp_path, folder, "ram")
+    values = yaml.safe_load(params.read_text())
+    values["runconfig"]["master_dtype"] = "bfloat16"
+    params.write_text(yaml.safe_dump(values))
+    model_dir = tmp_path / "run"
+    assert _run(tmp_path, params, model_dir) == 0
+    out = tmp_path / "exported"
+    ckpt_file = model_dir / f"checkpoint_{STEPS}.mdl"
+    assert main(["checkpoint", "convert", str(ckpt_file), str(out), "--to", "hf"]) == 0
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+    assert dtypes == {"BF16"}
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype="auto")
+    assert next(exported.parameters()).dtype == torch.bfloat16

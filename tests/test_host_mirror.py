@@ -26,8 +26,13 @@ def test_fp32_training_with_the_mirror_matches_eager_bitwise(model_name):
     assert torch.equal(losses, ref_losses)
     _assert_same_state(model, ref)
     streamer = runner.engine.streamer
-    # One mirror per unit and dtype group, as large as the unit's device copy.
-    assert streamer._mirror and streamer.mirror_bytes() == sum(
+    # One mirror per unit and dtype group, as large as the unit's device copy; fp32
+    # masters travelling in fp32 are their own mirror: no byte beside them, but for
+    # a tied weight's second unit.
+    mirrors = [m for g in streamer._mirrors.values() for m in g.values()]
+    assert streamer._mirror and sum(not m.aliased for m in mirrors) <= 1
+    assert streamer.mirror_bytes() == sum(m.flat.nbytes for m in mirrors if not m.aliased)
+    assert sum(m.flat.nbytes for g in streamer._mirrors.values() for m in g.values()) == sum(
         u.device_bytes() for u in streamer.units
     )
 
@@ -214,3 +219,33 @@ def test_writes_after_an_updated_step_reach_the_next_forward():
     model, _, losses = _updated_in_backward(make, kind, ours, 4, between=between)
     assert torch.equal(losses, torch.stack(ref_losses))
     _assert_same_state(model, ref)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_bf16_masters_are_the_mirror_with_no_second_copy(overlap):
+    """Masters already in the compute dtype: the mirror is the masters themselves
+    (Note [host mirror]); training stays bitwise eager's."""
+    torch.manual_seed(0)
+    ref = GPT(CFG).to(torch.bfloat16)
+    torch.manual_seed(0)
+    model = GPT(CFG).to(torch.bfloat16)
+    runner = cstorch.compile(
+        model, backend="ws", granularity="module", host_mirror=True, overlap_updates=overlap
+    )
+    opt_ref = cstorch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = cstorch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(4):
+        x, y = _batch(step)
+        for o, run in ((opt_ref, ref), (opt, runner)):
+            F.cross_entropy(run(x).flatten(0, 1).float(), y.flatten()).backward()
+            o.step()
+            o.zero_grad()
+    opt.synchronize()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+    streamer = runner.engine.streamer
+    assert streamer.mirror_bytes() == 0
+    mirrors = [m for group in streamer._mirrors.values() for m in group.values()]
+    # Every mirror but a tied weight's second one is the masters' own storage.
+    assert sum(m.aliased for m in mirrors) >= len(mirrors) - 1
+    assert all(m.aliased for m in mirrors[:1])

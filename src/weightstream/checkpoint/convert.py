@@ -8,7 +8,9 @@ whole state in memory (see :mod:`.torchfile`).
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 from pathlib import Path
 
 import torch
@@ -192,10 +194,36 @@ def _to_hf(
             view = SourceView(source, key, _saved_names(cfg, SourceView(source, key)))
             dst.mkdir(parents=True, exist_ok=True)
             written = write_safetensors(view, dst, max_shard_size=max_shard_size, fsync=fsync)
+        dtype = _written_dtype(written)
+        if dtype not in (None, "float32"):
+            # bf16 masters (runconfig.master_dtype) export as bf16: the config says so,
+            # and from_pretrained(torch_dtype="auto") builds the model in it.
+            cfg.torch_dtype = dtype
         target = dst / "config.json"
         with atomic_path(target, fsync=fsync) as tmp:
             tmp.write_text(cfg.to_json_string(), encoding="utf-8")
         return [*written, target]
+
+
+_SAFETENSORS_FLOATS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def _written_dtype(paths: list[Path]) -> str | None:
+    """The one floating-point dtype of the tensors in the safetensors files ``paths``
+    (read from their headers), or None if they hold several or none."""
+    found: set[str] = set()
+    for path in paths:
+        if path.suffix != ".safetensors":
+            continue
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        found.update(
+            _SAFETENSORS_FLOATS[v["dtype"]]
+            for k, v in header.items()
+            if k != "__metadata__" and v["dtype"] in _SAFETENSORS_FLOATS
+        )
+    return found.pop() if len(found) == 1 else None
 
 
 def _lora_record_of(source: Source) -> dict | None:

@@ -175,6 +175,12 @@ class RunConfigParams:
     check_loss_values: bool = setting(
         True, doc="Stop the run with an error when the loss is NaN or infinite."
     )
+    master_dtype: Literal["float32", "bfloat16"] = setting(
+        "float32",
+        doc="The dtype of the model's parameters, the store's masters: bfloat16 halves "
+        "their host bytes (and is the host mirror itself); the Adam family and SGD then "
+        "keep a Kahan compensation buffer (Note [Kahan summation] in optim/compact.py).",
+    )
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
 
     def __post_init__(self) -> None:

@@ -137,6 +137,10 @@ class Run:
             # The adapters are drawn here, after the seed and before anything else
             # draws (Note [lora on meta] in common/lora.py).
             model = lora.wrap(model, peft.config)
+        if rc.master_dtype != "float32":
+            # Before the store takes the model: its masters keep the parameters' dtype
+            # (Note [Kahan summation] in optim/compact.py). Buffers keep theirs.
+            _convert_parameters(model, getattr(torch, rc.master_dtype))
         kwargs = {"device": self.device}
         if self.ws:
             # The runconfig's streaming settings are the engine's StreamingConfig;
@@ -597,6 +601,14 @@ class Run:
             only=lambda name: names.get(name) is not None,
             renames_of=model.get_base_model(),
         )
+
+
+def _convert_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Floating-point parameters to ``dtype`` (on meta too: shapes only)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
 
 
 def _zeros(p: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,14 @@ from weightstream.optim._common import (
     hyper,
     state_list,
     update_moments,
+    zeros_like,
+)
+from weightstream.optim.compact import (
+    adam_step,
+    create_moment,
+    is_compact,
+    kahan_applies,
+    parse_state_dtype,
 )
 from weightstream.optim.optimizer import ParamsT
 
@@ -31,6 +39,12 @@ class _AdamBase(_ZeroStateOptimizer):
 
     ``_decoupled_weight_decay`` False: L2, ``grad += weight_decay * param`` (Adam).
     True: ``param *= 1 - lr * weight_decay`` before the update (AdamW).
+
+    ``state_dtype`` stores the moments compactly (float32, bfloat16 or int8 with
+    per-block scales: Note [compact optimizer state] in optim/compact.py);
+    ``kahan_summation`` keeps a compensation buffer for bfloat16/float16 parameters
+    (Note [Kahan summation]). Float32 parameters with float32 state take torch's
+    arithmetic, bit for bit; the others a float32 kernel per parameter.
     """
 
     _decoupled_weight_decay: bool
@@ -47,12 +61,33 @@ class _AdamBase(_ZeroStateOptimizer):
         maximize: bool,
         fused: bool,
         correct_bias: bool,
+        state_dtype: torch.dtype | str = torch.float32,
+        kahan_summation: bool = True,
     ) -> None:
-        check_adam_args(type(self).__name__, lr, betas, eps, weight_decay)
+        name = type(self).__name__
+        check_adam_args(name, lr, betas, eps, weight_decay)
         if fused and not correct_bias:
             raise ValueError(
-                f"{type(self).__name__}: fused=True needs correct_bias=True (the fused kernel "
+                f"{name}: fused=True needs correct_bias=True (the fused kernel "
                 "always corrects the bias). Fix: drop fused or correct_bias=False."
+            )
+        # Fixed for the optimizer's life: they decide the state's layout (read by
+        # preinitialize, which torch's __init__ reaches through add_param_group).
+        self.state_dtype = parse_state_dtype(name, state_dtype)
+        if not isinstance(kahan_summation, bool):
+            raise TypeError(
+                f"{name}: kahan_summation must be True or False, got {kahan_summation!r}."
+            )
+        self.kahan_summation = kahan_summation
+        if fused and self.state_dtype != torch.float32:
+            raise ValueError(
+                f"{name}: fused=True runs torch's fused kernel on float32 state, but "
+                f"state_dtype={self.state_dtype}. Fix: drop fused, or state_dtype=torch.float32."
+            )
+        if self.state_dtype == torch.int8 and amsgrad:
+            raise ValueError(
+                f"{name}: amsgrad keeps the running maximum of exp_avg_sq, which int8 state "
+                "does not quantize. Fix: amsgrad=False, or state_dtype float32 or bfloat16."
             )
         defaults = dict(
             fused=bool(fused),
@@ -69,6 +104,47 @@ class _AdamBase(_ZeroStateOptimizer):
 
     def _zero_state_for(self, group: dict[str, Any]) -> tuple[str, ...]:
         return self._zero_state if group["amsgrad"] else self._zero_state[:2]
+
+    def preinitialize(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if group.get("fused") and kahan_applies(p, self.kahan_summation):
+                    raise ValueError(
+                        f"{type(self).__name__}: fused=True keeps no Kahan compensation for "
+                        f"a {p.dtype} parameter (shape {tuple(p.shape)}). Fix: "
+                        "kahan_summation=False, or drop fused (Note [Kahan summation])."
+                    )
+                if group.get("fused"):
+                    # torch's fused kernel takes state of the parameter's dtype.
+                    for key in self._zero_state_for(group):
+                        state[key] = zeros_like(p)
+                    continue
+                for key in self._zero_state_for(group):
+                    create_moment(state, p, key, self.state_dtype, signed=key == "exp_avg")
+                if kahan_applies(p, self.kahan_summation):
+                    state["kahan_comp"] = zeros_like(p)
+
+    def _compact_update(self, group, params, grads) -> None:
+        """One float32 kernel per parameter (Note [compact optimizer state])."""
+        lr, eps = hyper(group, "lr"), hyper(group, "eps")
+        beta1, beta2 = group["betas"]
+        steps = self._advance_steps(params)
+        for p, grad, step in zip(params, grads, steps):
+            adam_step(
+                p,
+                grad,
+                self.state[p],
+                step=step,
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                eps=eps,
+                weight_decay=hyper(group, "weight_decay"),
+                decoupled=group["decoupled_weight_decay"],
+                correct_bias=group["correct_bias"],
+                amsgrad=group["amsgrad"],
+            )
 
     def _fused_update(self, group, params, grads, exp_avgs, exp_avg_sqs) -> None:
         """One fused kernel over the whole group: the host update at memory speed.
@@ -100,6 +176,15 @@ class _AdamBase(_ZeroStateOptimizer):
     @torch.no_grad()
     def _update(self, groups: list[dict[str, Any]]) -> None:
         for group, params, grads in groups_with_grads(self, groups):
+            compact = {i for i, p in enumerate(params) if is_compact(p, self.state[p])}
+            if compact and not group.get("fused"):  # fused: torch's kernel, any dtype
+                self._compact_update(
+                    group, [params[i] for i in sorted(compact)], [grads[i] for i in sorted(compact)]
+                )
+                if len(compact) == len(params):
+                    continue
+                params = [p for i, p in enumerate(params) if i not in compact]
+                grads = [g for i, g in enumerate(grads) if i not in compact]
             lr, eps = hyper(group, "lr"), hyper(group, "eps")
             beta1, beta2 = group["betas"]
             weight_decay = hyper(group, "weight_decay")
@@ -146,9 +231,21 @@ class Adam(_AdamBase):
         *,
         maximize: bool = False,
         fused: bool = False,
+        state_dtype: torch.dtype | str = torch.float32,
+        kahan_summation: bool = True,
     ) -> None:
         super().__init__(
-            params, lr, betas, eps, weight_decay, amsgrad, maximize, fused, correct_bias=True
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            maximize,
+            fused,
+            correct_bias=True,
+            state_dtype=state_dtype,
+            kahan_summation=kahan_summation,
         )
 
 
@@ -173,9 +270,21 @@ class AdamW(_AdamBase):
         *,
         maximize: bool = False,
         fused: bool = False,
+        state_dtype: torch.dtype | str = torch.float32,
+        kahan_summation: bool = True,
     ) -> None:
         super().__init__(
-            params, lr, betas, eps, weight_decay, amsgrad, maximize, fused, correct_bias
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            maximize,
+            fused,
+            correct_bias,
+            state_dtype=state_dtype,
+            kahan_summation=kahan_summation,
         )
 
 

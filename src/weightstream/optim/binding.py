@@ -42,9 +42,15 @@ class ParameterHost(Protocol):
         """Whether ``p`` is one of this engine's parameters."""
         ...
 
-    def state_zeros_like(self, p: torch.Tensor) -> torch.Tensor | None:
-        """Zeros shaped like ``p`` where the engine keeps ``p``'s optimizer state, or
-        None for an ordinary tensor."""
+    def state_zeros_like(
+        self,
+        p: torch.Tensor,
+        dtype: torch.dtype | None = None,
+        shape: tuple[int, ...] | None = None,
+    ) -> torch.Tensor | None:
+        """Zeros for ``p``'s optimizer state where the engine keeps it (``p``'s shape and
+        dtype unless given: compact state, Note [compact optimizer state]), or None for
+        an ordinary tensor."""
         ...
 
     def bind_optimizer(self, optimizer) -> None:
@@ -138,16 +144,25 @@ def placing_state(host: ParameterHost | None) -> Iterator[None]:
         _placing.reset(token)
 
 
-def zeros_like(p: torch.Tensor) -> torch.Tensor:
+def zeros_like(
+    p: torch.Tensor,
+    dtype: torch.dtype | None = None,
+    shape: tuple[int, ...] | None = None,
+) -> torch.Tensor:
     """A zero state tensor for ``p``, placed by the engine creating state now, if any.
 
-    A disk store gives a tensor in its files (Note [disk tier]); a sharded store
-    gives a storage-free placeholder for a parameter another rank owns (Note
-    [sharded store]); otherwise an ordinary tensor like ``p``.
+    ``dtype`` and ``shape`` default to ``p``'s; compact state (Note [compact
+    optimizer state] in optim/compact.py) asks for others: int8 codes shaped like
+    ``p``, one fp32 scale per block. A disk store gives a tensor in its files
+    (Note [disk tier]); a sharded store gives a storage-free placeholder for a
+    parameter another rank owns (Note [sharded store]); otherwise an ordinary
+    tensor.
     """
     host = _placing.get()
     if host is not None:
-        placed = host.state_zeros_like(p)
+        placed = host.state_zeros_like(p, dtype, shape)
         if placed is not None:
             return placed
-    return torch.zeros_like(p, memory_format=torch.preserve_format)
+    if shape is None:
+        return torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+    return torch.zeros(shape, dtype=dtype or p.dtype, device=p.device)

@@ -26,7 +26,7 @@ from weightstream.common.schema import (
 
 __all__ = ["OptimizerParams"]
 
-_OPTIMIZER_KWARG_FIELDS = ("weight_decay", "betas", "eps", "momentum")
+_OPTIMIZER_KWARG_FIELDS = ("weight_decay", "betas", "eps", "momentum", "state_dtype")
 _DYNAMIC_ONLY = ("initial_loss_scale", "steps_per_increase", "min_loss_scale", "max_loss_scale")
 
 
@@ -58,6 +58,12 @@ class OptimizerParams:
         None, gt=0, doc="The optimizer's epsilon (two numbers for Adafactor)."
     )
     momentum: float | None = setting(None, ge=0, doc="SGD's (and RMSprop's) momentum.")
+    state_dtype: Literal["float32", "bfloat16", "int8"] | None = setting(
+        None,
+        doc="Adam and AdamW: the dtype of the two moments. float32 (8 bytes a parameter), "
+        "bfloat16 (4), int8 (2, with one float32 scale per block of 256: Note [compact "
+        "optimizer state] in optim/compact.py); null: float32.",
+    )
     max_gradient_norm: float | None = setting(
         None, ge=0, doc="Clip the gradients' global norm to this (excludes max_gradient_value)."
     )

@@ -16,6 +16,7 @@ from weightstream.optim._common import (
     state_list,
     zeros_like,
 )
+from weightstream.optim.compact import LOW_PRECISION, kahan_applies, sgd_step
 from weightstream.optim.optimizer import Optimizer, ParamsT
 
 __all__ = ["ASGD", "SGD"]
@@ -27,6 +28,10 @@ class SGD(_ZeroStateOptimizer):
     Same update as ``torch.optim.SGD``, including its first momentum step
     ``buf = grad`` (not ``(1 - dampening) * grad``); the global step tells which
     step is the first, since the momentum buffer exists (as zeros) beforehand.
+
+    ``kahan_summation`` (default on) keeps a compensation buffer ``kahan_comp`` for
+    bfloat16/float16 parameters, updated by a float32 kernel (Note [Kahan summation]
+    in optim/compact.py); float32 parameters take torch's arithmetic, bit for bit.
     """
 
     _zero_state = ("momentum_buffer",)
@@ -40,8 +45,15 @@ class SGD(_ZeroStateOptimizer):
         weight_decay: float = 0,
         nesterov: bool = False,
         maximize: bool = False,
+        *,
+        kahan_summation: bool = True,
     ) -> None:
         name = type(self).__name__
+        if not isinstance(kahan_summation, bool):
+            raise TypeError(
+                f"{name}: kahan_summation must be True or False, got {kahan_summation!r}."
+            )
+        self.kahan_summation = kahan_summation
         check_non_negative(name, lr=lr, momentum=momentum)
         check_number(name, "dampening", dampening)
         check_non_negative(name, weight_decay=weight_decay)
@@ -64,12 +76,47 @@ class SGD(_ZeroStateOptimizer):
     def _zero_state_for(self, group: dict[str, Any]) -> tuple[str, ...]:
         return self._zero_state if group["momentum"] != 0 else ()
 
+    def preinitialize(self) -> None:
+        super().preinitialize()
+        for p in self._all_params():
+            if kahan_applies(p, self.kahan_summation):
+                self.state[p]["kahan_comp"] = zeros_like(p)
+
+    def _low_precision_update(self, group, params, grads, steps) -> None:
+        """A float32 kernel per parameter (Note [Kahan summation])."""
+        for p, grad, step in zip(params, grads, steps):
+            sgd_step(
+                p,
+                grad,
+                self.state[p],
+                first=step == 1,
+                lr=hyper(group, "lr"),
+                momentum=hyper(group, "momentum"),
+                dampening=hyper(group, "dampening"),
+                weight_decay=hyper(group, "weight_decay"),
+                nesterov=group["nesterov"],
+            )
+
     @torch.no_grad()
     def _update(self, groups: list[dict[str, Any]]) -> None:
         for group, params, grads in groups_with_grads(self, groups):
             lr = hyper(group, "lr")
             momentum = hyper(group, "momentum")
             steps = self._advance_steps(params)
+            low = {i for i, p in enumerate(params) if p.dtype in LOW_PRECISION}
+            if low:
+                pick = sorted(low)
+                self._low_precision_update(
+                    group,
+                    [params[i] for i in pick],
+                    [grads[i] for i in pick],
+                    [steps[i] for i in pick],
+                )
+                if len(low) == len(params):
+                    continue
+                params = [p for i, p in enumerate(params) if i not in low]
+                grads = [g for i, g in enumerate(grads) if i not in low]
+                steps = [s for i, s in enumerate(steps) if i not in low]
             grads = add_l2(grads, params, hyper(group, "weight_decay"))
             if momentum != 0:
                 bufs = state_list(self.state, params, "momentum_buffer")

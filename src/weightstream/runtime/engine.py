@@ -296,8 +296,13 @@ class StreamingEngine:
     def holds(self, p: torch.Tensor) -> bool:
         return self._params.get(id(p)) is p
 
-    def state_zeros_like(self, p: torch.Tensor) -> torch.Tensor | None:
-        return self.store.state_zeros_like(p)
+    def state_zeros_like(
+        self,
+        p: torch.Tensor,
+        dtype: torch.dtype | None = None,
+        shape: tuple[int, ...] | None = None,
+    ) -> torch.Tensor | None:
+        return self.store.state_zeros_like(p, dtype, shape)
 
     def bind_optimizer(self, optimizer) -> None:
         self.store.bind_optimizer(optimizer)

@@ -81,7 +81,13 @@ class RamTier:
             module, lambda p: torch.zeros(p.shape, dtype=p.dtype), skip=lambda _n: True
         )
 
-    def zeros_like(self, p: torch.Tensor, kind: str = "state") -> None:
+    def zeros_like(
+        self,
+        p: torch.Tensor,
+        kind: str = "state",
+        dtype: torch.dtype | None = None,
+        shape: tuple[int, ...] | None = None,
+    ) -> None:
         """None: the optimizer makes an ordinary tensor."""
         return None
 
@@ -170,11 +176,19 @@ class MemoryX:
     def owns(self, p: torch.Tensor) -> bool:
         return self.replicas.owns(p)
 
-    def state_zeros_like(self, p: torch.Tensor) -> torch.Tensor | None:
+    def state_zeros_like(
+        self,
+        p: torch.Tensor,
+        dtype: torch.dtype | None = None,
+        shape: tuple[int, ...] | None = None,
+    ) -> torch.Tensor | None:
         """Where ``p``'s optimizer state lives: a placeholder if another rank owns ``p``,
-        the tier's tensor, or None for an ordinary tensor."""
-        held_elsewhere = self.replicas.state_zeros_like(p)
-        return held_elsewhere if held_elsewhere is not None else self.tier.zeros_like(p, "state")
+        the tier's tensor, or None for an ordinary tensor. ``dtype`` and ``shape``
+        (default ``p``'s) are those of compact state (Note [compact optimizer state])."""
+        held_elsewhere = self.replicas.state_zeros_like(p, dtype, shape)
+        if held_elsewhere is not None:
+            return held_elsewhere
+        return self.tier.zeros_like(p, "state", dtype, shape)
 
     def bind_optimizer(self, optimizer) -> None:
         self.replicas.shard_optimizer_state(optimizer)

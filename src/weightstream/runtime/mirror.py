@@ -49,6 +49,15 @@ as before. Cost: host memory of the compute-dtype weights of the whole model
 (2 bytes a parameter in bf16), which is why the default is on only for
 accelerators, where it buys the asynchronous copy; on a CPU the device copy is
 a host copy either way (the bytes moved per step are the same).
+
+Masters already in the compute dtype (bf16 masters: ``runconfig.master_dtype``,
+Note [Kahan summation] in optim/compact.py) need no cast: the mirror is the
+masters themselves. The unit's masters are moved into the flat buffer once
+(each ``p.data`` a view of it), so the fetch copies the masters with no second
+host copy and nothing to write; the optimizer updates the views in place. A
+master that is not a view of the buffer any more (``p.data = t``) makes the
+mirror an ordinary one again, written as above; a tied master already in
+another unit's mirror keeps the group ordinary from the start.
 """
 
 from __future__ import annotations
@@ -64,9 +73,22 @@ from weightstream.common.flat import flatten, unflatten_views
 class HostMirror:
     """One dtype group of one unit, cast and flattened in host memory (the Note)."""
 
-    def __init__(self, flat: torch.Tensor, masters: Sequence[torch.Tensor], by_update: bool):
+    def __init__(
+        self,
+        flat: torch.Tensor,
+        masters: Sequence[torch.Tensor],
+        by_update: bool,
+        aliased: bool = False,
+    ):
         self.flat = flat
         self._views = unflatten_views(flat, masters)
+        # The masters are views of ``flat`` (same dtype: the Note's last paragraph).
+        self.aliased = aliased
+        if aliased:
+            with torch.no_grad():
+                flatten(masters, out=flat)
+                for m, view in zip(masters, self._views):
+                    m.data = view
         # Per master: (version, address) it was last written from; None: never.
         self._written: list[tuple[int, int] | None] = [None] * len(masters)
         self.generation: int | None = None  # the forward pass that last wrote it
@@ -82,6 +104,10 @@ class HostMirror:
         by the update from these very masters, or by this forward pass (``generation``;
         None: a backward fetch, which writes it only if it was never written)."""
         with self._lock:
+            if self.aliased:
+                if all(m.data_ptr() == v.data_ptr() for m, v in zip(masters, self._views)):
+                    return self.flat
+                self.aliased = False  # a master was replaced: written from now on
             if self._by_update:
                 current = all(w == _stamp(m) for w, m in zip(self._written, masters))
             else:
@@ -99,7 +125,9 @@ class HostMirror:
         """Master ``i`` was just updated: write its slice (a mirror never written
         stays so; its first fetch writes it whole)."""
         with self._lock:
-            if self.generation is None:
+            if self.generation is None or (
+                self.aliased and master.data_ptr() == self._views[i].data_ptr()
+            ):
                 return
             with torch.no_grad():
                 self._views[i].copy_(master)
@@ -107,7 +135,8 @@ class HostMirror:
 
     @property
     def nbytes(self) -> int:
-        return self.flat.numel() * self.flat.element_size()
+        """Host bytes held beside the masters (none while it is the masters)."""
+        return 0 if self.aliased else self.flat.numel() * self.flat.element_size()
 
 
 def _stamp(t: torch.Tensor) -> tuple[int, int]:

@@ -69,9 +69,12 @@ from weightstream.common.pages import release_pages
 from weightstream.runtime import swarm
 
 
-def placeholder(t: torch.Tensor) -> torch.Tensor:
-    """A tensor of ``t``'s shape and dtype over a one-element storage (no data)."""
-    return torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape)
+def placeholder(t: torch.Tensor, shape: Sequence[int] | None = None) -> torch.Tensor:
+    """A tensor of ``t``'s shape (or ``shape``) and dtype over a one-element storage (no
+    data)."""
+    return torch.zeros((), dtype=t.dtype, device=t.device).expand(
+        t.shape if shape is None else shape
+    )
 
 
 def is_placeholder(t: torch.Tensor) -> bool:
@@ -144,7 +147,7 @@ class Replicated:
     def owns(self, p: torch.Tensor) -> bool:
         return True
 
-    def state_zeros_like(self, p: torch.Tensor) -> None:
+    def state_zeros_like(self, p: torch.Tensor, dtype=None, shape=None) -> None:
         return None
 
     def shard_optimizer_state(self, optimizer) -> None:
@@ -237,9 +240,18 @@ class ShardedStore:
                         dropped.append(p)
         self.tier.forget(dropped, old)  # a disk tier's files go back to the disk
 
-    def state_zeros_like(self, p: torch.Tensor) -> torch.Tensor | None:
-        """A placeholder for the optimizer state of a parameter owned elsewhere."""
-        return None if self.owns(p) else placeholder(p)
+    def state_zeros_like(
+        self,
+        p: torch.Tensor,
+        dtype: torch.dtype | None = None,
+        shape: tuple[int, ...] | None = None,
+    ) -> torch.Tensor | None:
+        """A placeholder for the optimizer state of a parameter owned elsewhere (of
+        ``p``'s dtype and shape unless given: compact state)."""
+        if self.owns(p):
+            return None
+        like = p if dtype is None and shape is None else torch.empty(0, dtype=dtype or p.dtype)
+        return placeholder(like, p.shape if shape is None else shape)
 
     def shard_optimizer_state(self, optimizer) -> None:
         """Replace the state of parameters owned elsewhere by placeholders (idempotent).

@@ -294,9 +294,17 @@ class DiskStore:
             return Placement(self.ram_capacity)
         return self.places.actual
 
-    def zeros_like(self, p: torch.Tensor, kind: str = "state") -> torch.Tensor:
-        """A ``kind`` tensor of parameter ``p``'s shape and dtype, for ``p``."""
-        return self.zeros(p.shape, p.dtype, kind, owner=p)
+    def zeros_like(
+        self,
+        p: torch.Tensor,
+        kind: str = "state",
+        dtype: torch.dtype | None = None,
+        shape: tuple[int, ...] | None = None,
+    ) -> torch.Tensor:
+        """A ``kind`` tensor for parameter ``p``, of ``p``'s shape and dtype unless given
+        (compact optimizer state: Note [compact optimizer state])."""
+        shape = p.shape if shape is None else shape
+        return self.zeros(shape, p.dtype if dtype is None else dtype, kind, owner=p)
 
     def adopt(self, t: torch.Tensor, kind: str, owner: torch.Tensor | None = None) -> torch.Tensor:
         """A copy of ``t`` (``kind`` of parameter ``owner``) in the store (``t`` itself

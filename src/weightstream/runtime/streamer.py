@@ -384,7 +384,13 @@ class Streamer:
                 masters = [unit.params[i] for i in idx]
                 numel = sum(m.numel() for m in masters)
                 buf = self.ops.host_empty(numel, dt)
-                mirrors[dt] = mirror = HostMirror(buf, masters, self._mirror_by_update)
+                # Masters of the compute dtype are the mirror (Note [host mirror]),
+                # unless one is a tied weight already in another unit's mirror.
+                aliased = all(
+                    m.dtype == dt and m.is_contiguous() and id(m) not in self._mirror_slots
+                    for m in masters
+                )
+                mirrors[dt] = mirror = HostMirror(buf, masters, self._mirror_by_update, aliased)
                 for i, m in enumerate(masters):
                     self._mirror_slots.setdefault(id(m), []).append((mirror, i))
             self._mirrors[unit.index] = mirrors

@@ -1,0 +1,347 @@
+"""Compact optimizer state and Kahan-compensated low-precision parameters.
+
+Note [compact optimizer state]
+------------------------------
+Host bytes per parameter bound what fits and how fast a streamed step runs
+(design.md, "Bytes per parameter are the product's limit"); AdamW's two fp32
+moments are 8 of them. ``state_dtype`` (Adam, AdamW) stores them smaller:
+
+* ``torch.float32`` (default): ``exp_avg`` and ``exp_avg_sq`` in float32 (in
+  the parameter's dtype where that is wider, float64), 8 bytes a parameter.
+  For float32 parameters this is torch.optim's update, bit for bit (Note
+  [matching torch.optim bit for bit]).
+* ``torch.bfloat16``: both moments in bfloat16, 4 bytes. Each step decodes
+  them to float32, runs the float32 update and rounds them back to nearest.
+  Known limit: a change smaller than half a bfloat16 ulp (2**-9 relative) is
+  lost, so ``exp_avg_sq`` with beta2 = 0.999 does not decay while the
+  gradients shrink (it only grows); the update is then damped, never blown up.
+* ``torch.int8``: 8-bit codes shaped like the parameter plus one float32 scale
+  per block of ``BLOCK`` (256) consecutive values of the flattened parameter,
+  as bitsandbytes' 8-bit Adam: 2 bytes + 8/256 a parameter. State keys:
+  ``exp_avg`` (int8), ``exp_avg_scale`` (float32, ``ceil(numel / 256)``),
+  ``exp_avg_sq`` (uint8), ``exp_avg_sq_scale`` (float32). The scale is the
+  block's largest magnitude, so every block uses its whole code range.
+
+  The map is not linear: a code ``q`` stands for ``scale * (q / Q)**2``
+  (``Q`` = 127 signed for ``exp_avg``, 255 unsigned for the square root of
+  ``exp_avg_sq``). Why: the values of a block span orders of magnitude, and a
+  linear 8-bit grid rounds the small ones to zero; the square-law map keeps a
+  resolution of about 2/q relative (1.6% at the top of ``exp_avg``'s range)
+  and reaches ``scale / Q**2`` (1/16129, 1/65025) before zero, which is the
+  same idea as bitsandbytes' dynamic map at the cost of one sqrt and one
+  square. ``exp_avg_sq`` stores ``sqrt(v)``, what the update divides by, so
+  its error is relative to the denominator and its range is squared again.
+  A non-zero ``v`` never gets code 0 (it is clamped to code 1): a zero
+  denominator under a non-zero ``exp_avg`` would make the update ``lr * m / eps``.
+  Rounding is to nearest, deterministic, so eager and streamed runs agree.
+
+The scales are optimizer state like the codes: allocated through
+``binding.zeros_like`` (a disk store's files, a sharded store's placeholders),
+saved and loaded by ``state_dict``, gathered over ranks. The kernels work on
+one parameter at a time, on chunks of ``CHUNK`` values (a multiple of
+``BLOCK``): decode to float32, the float32 update, encode. Each chunk is a few
+whole-tensor ops, with float32 scratch of one chunk (bounded memory, cache
+sized), never a Python loop over values or blocks. A parameter's result
+depends on that parameter alone, so an update in one call (eager), per unit
+(streamed) or per parameter (a disk store's pager) gives the same bits.
+
+Note [Kahan summation]
+----------------------
+A bfloat16 master has 8 significant bits: an update smaller than half its ulp
+(a 2**-9 relative change: lr 1e-4 on a weight of 0.5) rounds back to the old
+value and is lost, every step. With ``kahan_summation=True`` (the default,
+as in the ``optimi`` library) a low-precision parameter (bfloat16, float16)
+keeps a compensation buffer ``kahan_comp`` of its own dtype holding what the
+last rounding dropped. Each step computes in float32 ``x = p + comp``, applies
+weight decay and the update to ``x``, stores ``p = round(x)`` and
+``comp = x - p`` (rounded again, but the residual is below half an ulp of
+``p`` so its own rounding error is ~2**-8 of that: about 16 significant bits
+together). The Adam family (Adam, AdamW) and SGD keep it; 2 bytes a
+parameter. For float32 (and wider) parameters it is a no-op, not an error:
+the default is on, and a float32 model must not need a flag to run; no buffer
+is allocated and the arithmetic is unchanged. ``fused=True`` (torch's fused
+kernel) keeps no compensation: it needs float32 state and parameters, or
+``kahan_summation=False``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from weightstream.optim.binding import zeros_like
+
+__all__ = ["BLOCK", "CHUNK", "LOW_PRECISION", "STATE_DTYPES", "parse_state_dtype"]
+
+#: Values sharing one scale in int8 state (Note [compact optimizer state]).
+BLOCK = 256
+#: Values one kernel call works on: float32 scratch of a few of these (256 KiB each)
+#: is live, small enough to stay in cache between the ops of one chunk.
+CHUNK = BLOCK * 256
+#: Parameter dtypes that keep a Kahan compensation buffer (Note [Kahan summation]).
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+#: ``state_dtype`` values, by the name a params file uses.
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+
+_SIGNED_Q = 127.0
+_UNSIGNED_Q = 255.0
+
+
+def parse_state_dtype(optimizer: str, value: Any) -> torch.dtype:
+    """``state_dtype`` as a torch dtype: a dtype or its name ("float32", "bfloat16",
+    "int8"); anything else is an error naming the choices."""
+    if isinstance(value, str):
+        dtype = STATE_DTYPES.get(value.removeprefix("torch."))
+    elif isinstance(value, torch.dtype):
+        dtype = value if value in STATE_DTYPES.values() else None
+    else:
+        raise TypeError(
+            f"{optimizer}: state_dtype must be a torch dtype or its name, got "
+            f"{type(value).__name__} {value!r}. Fix: one of torch.float32, torch.bfloat16, "
+            "torch.int8 (in a params file: float32, bfloat16, int8)."
+        )
+    if dtype is None:
+        raise ValueError(
+            f"{optimizer}: state_dtype {value!r} is not supported. Fix: one of "
+            f"{', '.join(STATE_DTYPES)} (Note [compact optimizer state] in optim/compact.py)."
+        )
+    return dtype
+
+
+def kahan_applies(p: Tensor, kahan_summation: bool) -> bool:
+    """Whether ``p`` keeps a compensation buffer (Note [Kahan summation])."""
+    return kahan_summation and p.dtype in LOW_PRECISION
+
+
+def moment_dtype(p: Tensor, state_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of float32 / bfloat16 moments of ``p`` (float32 state: never narrower
+    than float32, never narrower than ``p``)."""
+    if state_dtype == torch.float32:
+        return torch.promote_types(p.dtype, torch.float32)
+    return state_dtype
+
+
+def num_blocks(numel: int) -> int:
+    return max(1, math.ceil(numel / BLOCK))
+
+
+def create_moment(
+    state: dict[str, Any], p: Tensor, key: str, state_dtype: torch.dtype, signed: bool
+) -> None:
+    """Zero state ``key`` of ``p`` in ``state_dtype`` (int8: codes and ``key + "_scale"``)."""
+    if state_dtype == torch.int8:
+        state[key] = zeros_like(p, dtype=torch.int8 if signed else torch.uint8)
+        state[key + "_scale"] = zeros_like(p, dtype=torch.float32, shape=(num_blocks(p.numel()),))
+    else:
+        state[key] = zeros_like(p, dtype=moment_dtype(p, state_dtype))
+
+
+def is_compact(p: Tensor, state: dict[str, Any]) -> bool:
+    """Whether ``p``'s update takes the float32 chunk kernel (compact state or a
+    low-precision parameter), not the foreach path of torch's arithmetic."""
+    m = state.get("exp_avg", state.get("momentum_buffer"))
+    return p.dtype in LOW_PRECISION or (m is not None and m.dtype != p.dtype)
+
+
+# ------------------------------------------------------------------ codecs
+
+
+class Moment:
+    """One moment of one parameter, read and written a chunk at a time as float32.
+
+    ``read(start, end)`` returns a float32 tensor of ``padded(end - start)`` values
+    (whole blocks for int8, zeros past ``end``): a view of fp32 state itself (written
+    in place), or a decoded copy that ``write`` encodes back.
+    """
+
+    def __init__(self, state: dict[str, Any], key: str, signed: bool) -> None:
+        self.codes: Tensor = state[key].view(-1)
+        self.scale: Tensor | None = state.get(key + "_scale")
+        self.signed = signed
+        self.q = _SIGNED_Q if signed else _UNSIGNED_Q
+
+    @property
+    def in_place(self) -> bool:
+        return self.codes.dtype == torch.float32
+
+    def read(self, start: int, end: int) -> Tensor:
+        codes = self.codes[start:end]
+        if self.scale is None:
+            return codes if self.in_place else codes.float()
+        blocks = _ceil_div(end - start, BLOCK)
+        out = torch.zeros(blocks * BLOCK, dtype=torch.float32)
+        out[: end - start].copy_(codes)
+        rows = out.view(blocks, BLOCK)
+        scale = self.scale[start // BLOCK : start // BLOCK + blocks]
+        # value = scale * (q / Q)**2, with q's sign for exp_avg; exp_avg_sq stores
+        # the square root of its value.
+        factor = scale.mul(1.0 / (self.q * self.q)).unsqueeze(1)
+        if self.signed:
+            rows.mul_(rows.abs()).mul_(factor)
+        else:
+            rows.square_().mul_(factor).square_()
+        return out
+
+    def write(self, values: Tensor, start: int, end: int) -> None:
+        """Store ``values`` (from :meth:`read`, updated; int8 ``exp_avg_sq`` takes its
+        square root, which :func:`adam_step` computes for the denominator anyway)."""
+        if self.in_place:
+            return
+        codes = self.codes[start:end]
+        if self.scale is None:
+            codes.copy_(values[: end - start])
+            return
+        blocks = values.numel() // BLOCK
+        rows = values.view(blocks, BLOCK)
+        magnitude = rows.abs() if self.signed else rows.clone()
+        scale = magnitude.amax(dim=1)
+        self.scale[start // BLOCK : start // BLOCK + blocks].copy_(scale)
+        # q = round(Q * sqrt(|x| / scale)); an all-zero block has scale 0, codes 0.
+        inverse = torch.where(scale > 0, (self.q * self.q) / scale, 0.0).unsqueeze(1)
+        magnitude.mul_(inverse).sqrt_().round_()
+        if self.signed:
+            magnitude.mul_(rows.sign())
+        else:
+            # A non-zero value never gets code 0 (the zero denominator of the Note).
+            magnitude.clamp_(min=rows.sign())
+        codes.copy_(magnitude.view(-1)[: end - start])
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _chunks(numel: int) -> range:
+    return range(0, numel, CHUNK)
+
+
+# ------------------------------------------------------------------ parameters
+
+
+class Master:
+    """A parameter read and written a chunk at a time as float32, with its Kahan
+    compensation where it has one (Note [Kahan summation])."""
+
+    def __init__(self, p: Tensor, state: dict[str, Any]) -> None:
+        assert p.is_contiguous(), "the store's masters are contiguous"
+        self.flat = p.view(-1)
+        comp = state.get("kahan_comp")
+        self.comp = None if comp is None else comp.view(-1)
+        self.in_place = p.dtype == torch.float32
+
+    def read(self, start: int, end: int) -> Tensor:
+        """``p + comp`` in float32 (a view of a float32 parameter itself)."""
+        x = self.flat[start:end]
+        if self.in_place:
+            return x
+        x = x.float()
+        if self.comp is not None:
+            x.add_(self.comp[start:end])
+        return x
+
+    def write(self, x: Tensor, start: int, end: int) -> None:
+        """Round ``x`` into the parameter, the rounding error into the compensation
+        (``x`` is scratch afterwards)."""
+        if self.in_place:
+            return
+        target = self.flat[start:end]
+        target.copy_(x)
+        if self.comp is not None:
+            self.comp[start:end].copy_(x.sub_(target))
+
+
+def adam_step(
+    p: Tensor,
+    grad: Tensor,
+    state: dict[str, Any],
+    *,
+    step: float,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    correct_bias: bool,
+    amsgrad: bool,
+) -> None:
+    """One Adam/AdamW step of ``p`` in float32 on decoded state (Note [compact optimizer
+    state]), in the order of torch's single-tensor Adam."""
+    master = Master(p, state)
+    exp_avg = Moment(state, "exp_avg", signed=True)
+    exp_avg_sq = Moment(state, "exp_avg_sq", signed=False)
+    max_sq = Moment(state, "max_exp_avg_sq", signed=False) if amsgrad else None
+    g_flat = grad.reshape(-1)
+    if correct_bias:
+        step_size = lr / (1 - beta1**step)
+        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    else:
+        step_size, bias_correction2_sqrt = lr, 1.0
+    for start in _chunks(p.numel()):
+        end = min(start + CHUNK, p.numel())
+        n = end - start
+        g = g_flat[start:end].to(torch.float32)  # never written: may be the gradient itself
+        x = master.read(start, end)
+        if weight_decay != 0:
+            if decoupled:
+                x.mul_(1 - lr * weight_decay)
+            else:
+                g = g.add(x, alpha=weight_decay)
+        m = exp_avg.read(start, end)
+        v = exp_avg_sq.read(start, end)
+        m[:n].lerp_(g, 1 - beta1)
+        v[:n].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        if exp_avg_sq.scale is not None:
+            v.sqrt_()  # int8 stores sqrt(v), which the denominator needs too
+            root = v[:n]
+        elif max_sq is not None:
+            top = max_sq.read(start, end)
+            torch.maximum(top, v, out=top)
+            max_sq.write(top, start, end)
+            root = top.sqrt()
+        else:
+            root = v[:n].sqrt()
+        if correct_bias:
+            denom = root.div(bias_correction2_sqrt)
+        else:  # a view of v (int8) must stay sqrt(v) for its encoding
+            denom = root.clone() if exp_avg_sq.scale is not None else root
+        denom.add_(eps)
+        x.addcdiv_(m[:n], denom, value=-step_size)
+        exp_avg.write(m, start, end)
+        exp_avg_sq.write(v, start, end)
+        master.write(x, start, end)
+
+
+def sgd_step(
+    p: Tensor,
+    grad: Tensor,
+    state: dict[str, Any],
+    *,
+    first: bool,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+) -> None:
+    """One SGD step of a low-precision ``p`` in float32 with Kahan compensation (Note
+    [Kahan summation]); the momentum buffer keeps ``p``'s dtype, as in torch."""
+    master = Master(p, state)
+    buf_flat = state["momentum_buffer"].view(-1) if momentum != 0 else None
+    g_flat = grad.reshape(-1)
+    for start in _chunks(p.numel()):
+        end = min(start + CHUNK, p.numel())
+        g = g_flat[start:end].to(torch.float32)
+        x = master.read(start, end)
+        if weight_decay != 0:
+            g = g.add(x, alpha=weight_decay)
+        if buf_flat is not None:
+            buf = buf_flat[start:end]
+            b = g.clone() if first else buf.float().mul_(momentum).add_(g, alpha=1 - dampening)
+            buf.copy_(b)
+            g = g.add(b, alpha=momentum) if nesterov else b
+        x.add_(g, alpha=-lr)
+        master.write(x, start, end)
