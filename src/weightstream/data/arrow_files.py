@@ -16,7 +16,9 @@ may reclaim: reading a file of N GB once through its mapping grows RSS by N GB.
 The files are mapped read-only and shared (``pa.memory_map``), so their pages are
 clean: ``madvise(MADV_DONTNEED)`` drops them from RSS and a later touch reads them
 again from the page cache or the file. ``MappedFile.drop_pages`` does that for the
-arrays a pass is done with.
+arrays a pass is done with. A touch maps more than its page: the kernel maps the cached
+pages around it too (fault-around, 64 KiB by default), so reading one small thing per
+record batch (a header, a length) costs RSS in proportion to the number of batches.
 
 Written pages do not count in RSS, but they stay in the page cache, dirty until
 writeback: a write of N GB can fill the machine's memory (and a cgroup's limit,
@@ -148,6 +150,11 @@ class MappedFile:
         self._lo = whole.address // _PAGE * _PAGE
         self._hi = -(-(whole.address + whole.size) // _PAGE) * _PAGE
         self._whole = whole  # keeps the range ours for as long as this object lives
+        # Reading the stream touched every record batch's header, and the kernel maps the
+        # cached pages around each touched one too (fault-around, 64 KiB by default):
+        # tens of MB for a file of a few GB, none of it needed until an array is read.
+        if madvise is not None and self._hi > self._lo:
+            madvise(self._lo, self._hi - self._lo, mmap.MADV_DONTNEED)
 
     def drop_pages(self, arrays: Iterable[pa.Array | pa.ChunkedArray]) -> None:
         """Drop from RSS the pages under ``arrays`` that lie in this file's map (clean
