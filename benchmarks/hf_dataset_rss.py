@@ -59,13 +59,17 @@ class RssPeaks:
     """
 
     def __init__(self) -> None:
+        self.start = time.perf_counter()
         self.peak = rss_parts()
+        self.when = dict.fromkeys(self.peak, 0.0)  # seconds after start of each peak
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _sample(self) -> None:
         now = rss_parts()
-        self.peak = {k: max(v, now[k]) for k, v in self.peak.items()}
+        for key, value in now.items():
+            if value > self.peak[key]:
+                self.peak[key], self.when[key] = value, time.perf_counter() - self.start
 
     def _run(self) -> None:
         while not self._stop.wait(0.02):
@@ -172,7 +176,8 @@ def main() -> None:
         for key, what in (("RssAnon", "anonymous"), ("RssFile", "mapped file pages")):
             print(
                 f"peak {key} ({what}, sampled every 20 ms): {peaks.peak[key] / 1e9:.3f} GB, "
-                f"{(peaks.peak[key] - base[key]) / 1e9:.3f} GB above the imports"
+                f"{(peaks.peak[key] - base[key]) / 1e9:.3f} GB above the imports, "
+                f"{peaks.when[key]:.1f} s after the build started"
             )
 
 
