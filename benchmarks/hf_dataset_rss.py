@@ -153,6 +153,7 @@ def main() -> None:
             t0 = time.perf_counter()
             loader = get_data_processor("HFDatasetProcessor")(section, True)
             t_build = time.perf_counter() - t0
+            built = {**rss_parts(), "peak": peak_rss_bytes()}  # before any batch is read
             for i, _batch in enumerate(loader):
                 if i == 20:
                     break
@@ -172,6 +173,11 @@ def main() -> None:
             f"peak {peak / 1e6:.0f} MB"
         )
         print(f"peak RSS above the process start: {(peak - start_rss) / 1e9:.3f} GB")
+        print(
+            f"  of which the build (before a batch is read): peak {(built['peak'] - start_rss) / 1e9:.3f} GB "
+            f"above the start; when done, RssAnon {(built['RssAnon'] - base['RssAnon']) / 1e9:.3f} GB "
+            f"and RssFile {(built['RssFile'] - base['RssFile']) / 1e9:.3f} GB above the imports"
+        )
         print(f"peak RSS above the imports: {(peak - base_rss) / 1e9:.3f} GB")
         for key, what in (("RssAnon", "anonymous"), ("RssFile", "mapped file pages")):
             print(
