@@ -725,9 +725,10 @@ def _open_source(s: Section) -> _Source:
     return _Source(kind, [f["filename"] for f in data.cache_files], data._fingerprint)
 
 
-def _batches(source: _Source, where: str) -> Iterator[pa.Table]:
+def _batches(source: _Source, where: str, cache_dir: str | None) -> Iterator[pa.Table]:
     """The data's rows in order, as tables of at most :data:`TOKENIZE_BATCH` rows, read a
-    batch at a time (Note [hf dataset cache])."""
+    batch at a time (Note [hf dataset cache]). ``cache_dir``: where datasets keeps its
+    lock files (it writes nothing else when streaming)."""
     if source.kind == "disk":
         for name in source.files:
             mapped = MappedFile(Path(name))
@@ -741,7 +742,9 @@ def _batches(source: _Source, where: str) -> Iterator[pa.Table]:
     what = f"{files[0]!r}{f' (and {len(files) - 1} more)' if len(files) > 1 else ''}"
     try:
         # streaming: read a chunk at a time (datasets' own parsers), no Arrow copy made.
-        stream = datasets.load_dataset(source.kind, data_files=files, split="train", streaming=True)
+        stream = datasets.load_dataset(
+            source.kind, data_files=files, split="train", streaming=True, cache_dir=cache_dir
+        )
         yield from stream.with_format("arrow").iter(batch_size=TOKENIZE_BATCH)
     except (ValueError, TypeError, OSError) as e:
         raise ValueError(
@@ -773,7 +776,7 @@ _FORMAT_COLUMNS = {
 
 def _write_docs(path: Path, source: _Source, s: Section, settings: HFDataSettings, tokenizer):
     """Tokenize the data into the documents file ``path`` (Note [hf dataset cache])."""
-    batches = _batches(source, s.where("data_dir"))
+    batches = _batches(source, s.where("data_dir"), settings.cache_dir)
     first = next(batches, None)
     while first is not None and first.num_rows == 0:
         first = next(batches, None)
