@@ -2,7 +2,7 @@
 
 Writes ``--gb`` GB of prompt-completion jsonl (default 1) into a temporary folder,
 with a small byte-level BPE tokenizer built here, then builds the processor's loader
-(tokenizing into datasets' Arrow cache, then packing) and reads a few batches. Prints
+(tokenizing into the Arrow cache, then packing) and reads a few batches. Prints
 the process's peak RSS above its RSS at the start (target: below 1 GB for 1 GB of
 jsonl, Note [hf dataset cache] in weightstream/data/hf_dataset.py), and the time taken.
 
@@ -37,41 +37,52 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
-def anon_rss_bytes() -> int:
-    """Resident anonymous memory (RssAnon): the process's own, not the page cache's."""
+def rss_parts() -> dict[str, int]:
+    """Resident anonymous memory (RssAnon: the process's own) and resident pages of mapped
+    files (RssFile: page cache, reclaimable whenever memory is short), bytes."""
+    out = {"RssAnon": 0, "RssFile": 0}
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
+            key = line.split(":", 1)[0]
+            if key in out:
+                out[key] = int(line.split()[1]) * 1024
+    return out
 
 
-class AnonPeak:
-    """The peak of :func:`anon_rss_bytes`, sampled every 20 ms on a thread.
+class RssPeaks:
+    """The peaks of :func:`rss_parts`, sampled every 20 ms on a thread.
 
-    Why: the kernel keeps a peak of the whole resident set only, which counts the pages
-    of the memory-mapped Arrow files read (the page cache, reclaimable whenever memory is
-    short); the dataset sitting in the process's own memory shows in RssAnon.
+    Why: the kernel keeps a peak of the whole resident set only (VmHWM), which counts
+    the pages of the memory-mapped Arrow files read as well as the process's own memory;
+    the two peaks say which of them grew.
     Owner: main(), for the processor's build and the batches read.
     """
 
     def __init__(self) -> None:
-        self.peak = anon_rss_bytes()
+        self.start = time.perf_counter()
+        self.peak = rss_parts()
+        self.when = dict.fromkeys(self.peak, 0.0)  # seconds after start of each peak
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    def _sample(self) -> None:
+        now = rss_parts()
+        for key, value in now.items():
+            if value > self.peak[key]:
+                self.peak[key], self.when[key] = value, time.perf_counter() - self.start
+
     def _run(self) -> None:
         while not self._stop.wait(0.02):
-            self.peak = max(self.peak, anon_rss_bytes())
+            self._sample()
 
-    def __enter__(self) -> AnonPeak:
+    def __enter__(self) -> RssPeaks:
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, anon_rss_bytes())
+        self._sample()
 
 
 def write_jsonl(path: Path, size: int, seed: int = 0) -> int:
@@ -128,7 +139,7 @@ def main() -> None:
         tokenizer = make_tokenizer(root / "tokenizer")
         from weightstream.data.processors import get_data_processor
 
-        base_rss, base_anon = rss_bytes(), anon_rss_bytes()  # libraries imported
+        base_rss, base = rss_bytes(), rss_parts()  # libraries imported
         section = {
             "data_processor": "HFDatasetProcessor",
             "data_dir": str(data),
@@ -138,10 +149,11 @@ def main() -> None:
             "packing": args.packing == "true",
             "cache_dir": str(root / "cache"),
         }
-        with AnonPeak() as anon:
+        with RssPeaks() as peaks:
             t0 = time.perf_counter()
             loader = get_data_processor("HFDatasetProcessor")(section, True)
             t_build = time.perf_counter() - t0
+            built = {**rss_parts(), "peak": peak_rss_bytes()}  # before any batch is read
             for i, _batch in enumerate(loader):
                 if i == 20:
                     break
@@ -161,12 +173,18 @@ def main() -> None:
             f"peak {peak / 1e6:.0f} MB"
         )
         print(f"peak RSS above the process start: {(peak - start_rss) / 1e9:.3f} GB")
-        print(f"peak RSS above the imports: {(peak - base_rss) / 1e9:.3f} GB")
         print(
-            f"peak anonymous RSS (RssAnon, sampled every 20 ms): {anon.peak / 1e9:.3f} GB, "
-            f"{(anon.peak - base_anon) / 1e9:.3f} GB above the imports (the rest of the peak "
-            "RSS is pages of the memory-mapped Arrow files: page cache)"
+            f"  of which the build (before a batch is read): peak {(built['peak'] - start_rss) / 1e9:.3f} GB "
+            f"above the start; when done, RssAnon {(built['RssAnon'] - base['RssAnon']) / 1e9:.3f} GB "
+            f"and RssFile {(built['RssFile'] - base['RssFile']) / 1e9:.3f} GB above the imports"
         )
+        print(f"peak RSS above the imports: {(peak - base_rss) / 1e9:.3f} GB")
+        for key, what in (("RssAnon", "anonymous"), ("RssFile", "mapped file pages")):
+            print(
+                f"peak {key} ({what}, sampled every 20 ms): {peaks.peak[key] / 1e9:.3f} GB, "
+                f"{(peaks.peak[key] - base[key]) / 1e9:.3f} GB above the imports, "
+                f"{peaks.when[key]:.1f} s after the build started"
+            )
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from weightstream.data import processors
+from weightstream.data import hf_dataset, processors
 from weightstream.data.dataloader import DataLoader
 from weightstream.data.processors import get_data_processor
 from weightstream.models.tasks import model_kwargs, task_loss
@@ -164,6 +164,31 @@ def test_text_tokens_are_the_tokenizers_own(tmp_path, tokenizer_dirs, suffix):
         assert ids == tok(example["text"])["input_ids"] + [tok.eos_token_id]
         assert labels == [*ids[1:], -100]  # every next token is a target
         assert row["input_ids"].dtype == row["labels"].dtype == torch.int64
+
+
+class _Shouting:
+    """A tokenizer that changes the text in Python before its backend sees it."""
+
+    def __init__(self, tok) -> None:
+        self.tok, self.backend_tokenizer = tok, tok.backend_tokenizer
+        self.eos_token_id, self.chat_template = tok.eos_token_id, None
+
+    def __call__(self, texts, **kwargs):
+        return self.tok([t.upper() for t in texts], **kwargs)
+
+
+def test_the_fast_backend_call_is_used_only_where_it_gives_the_same_ids(tokenizer_dirs):
+    """Note [fast batches]: the first batch decides, by comparing every id."""
+    tok = _load_tokenizer(tokenizer_dirs["plain"])
+    first = [_sentence(i, 1 + i % 9) for i in range(8)]
+    second = [_sentence(i + 3, 2 + i % 5) for i in range(8)]
+    for tokenizer, fast in ((tok, True), (_Shouting(tok), False)):
+        encoder = hf_dataset.DocumentEncoder(tokenizer, "text", True)
+        for special in (True, False):
+            for texts in (first, second):
+                got = encoder.token_ids(texts, add_special_tokens=special)
+                assert got == tokenizer(texts, add_special_tokens=special)["input_ids"]
+            assert (encoder._fast[special] is not None) == fast
 
 
 def test_prompt_completion_labels_only_the_completion(tmp_path, tokenizer_dirs):

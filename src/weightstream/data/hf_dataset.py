@@ -22,10 +22,9 @@ Its keys, besides the common ones:
 - ``eval_fraction``: if given, the training section takes the documents' head and
   ``eval_input`` the tail of this fraction (give the same data and value in both); without
   it a section reads all of its ``data_dir`` (a separate eval set);
-- ``cache_dir``: where the Arrow files go (default: ``datasets``' cache,
-  ``HF_DATASETS_CACHE``, ``~/.cache/huggingface/datasets``): the files read into Arrow by
-  ``load_dataset``, and this module's tokenized and packed rows under
-  ``<cache_dir>/weightstream/``.
+- ``cache_dir``: where the tokenized documents and the rows go, as Arrow files under
+  ``<cache_dir>/weightstream/`` (default: ``datasets``' cache, ``HF_DATASETS_CACHE``,
+  ``~/.cache/huggingface/datasets``). The data itself is read where it is, not copied.
 
 What a document is, by format (its tokens are what the tokenizer itself gives):
 
@@ -72,47 +71,78 @@ which is what it must learn to stop; (3) a template without a generation prompt 
 the assistant's header as the assistant's. Rendering prefixes costs one template call per
 assistant turn, once, when the data is tokenized.
 
+Note [fast batches]
+~~~~~~~~~~~~~~~~~~~
+Plain strings (``text``, string prompts and completions) are tokenized a batch at a time,
+and the tokenizer's Rust backend, where it has one, is called directly with
+``encode_batch_fast``: the same ids as ``tokenizer(texts)``, without the character
+offsets that transformers asks for and drops (about a third of the time of a pass). That
+holds for a backend without truncation or padding set and a tokenizer that adds nothing
+in Python, so it is checked: the first batch of a pass is tokenized both ways, and the
+fast call is used only if every id agrees (else ``tokenizer(texts)`` throughout).
+
 Note [packing]
 ~~~~~~~~~~~~~~
 With ``packing: true`` documents are placed in rows of ``seq_len`` tokens in their order,
 next fit: a document goes in the current row if it fits, else it starts a new row (the
 rest of the old one is padding: one padded document). A document longer than ``seq_len`` is
 first cut by ``overflow`` (pieces of ``seq_len``, each packed as its own document; or its
-head). Packing works on batches of :data:`PACK_BATCH` documents (a batched ``.map``:
-memory bounded by one batch, whatever the data's size); a batch's last row is not filled
-from the next batch. Packed rows carry ``position_ids`` that restart at 0 at each
-document (padding counts as one more); the model call gets them and a 4-D attention mask
+head). Packing works on batches of :data:`PACK_BATCH` documents (memory bounded by one
+batch, whatever the data's size); a batch's last row is not filled from the next batch.
+Packed rows carry ``position_ids`` that restart at 0 at each document (padding counts as
+one more); the model call gets them and a 4-D attention mask
 that lets a token see only earlier tokens of its own document
 (``weightstream.models.tasks.model_kwargs``), so each document's logits are those of the
 document alone. That needs a transformers model (the zoo's models take no mask).
 
 Note [hf dataset cache]
 ~~~~~~~~~~~~~~~~~~~~~~~
-Tokenized documents and rows are Arrow files written by ``Dataset.map`` (batched, with
-``datasets``' progress bar) and read memory-mapped: a dataset of any size never sits in
-RAM, and the run command, which builds a section's loader more than once (the compile
-phase's first batch, then training), tokenizes once. Their names are fingerprints of what
-they depend on: the raw data's fingerprint (``datasets`` derives it from the files), the
-tokenizer's files, the settings and :data:`ROWS_VERSION`; a change of any gives new files.
-Concurrent ranks that build the same file each write a temporary file and rename it.
+Data are tokenized once into two Arrow stream files under ``<cache_dir>/weightstream/``:
+``docs-*`` (every document of the data: ``input_ids``, ``labels``, ``length``) and
+``rows-*`` (a section's rows, cut or packed). Training reads the rows file memory-mapped
+(:class:`HFRows`), and the run command, which builds a section's loader more than once
+(the compile phase's first batch, then training), tokenizes once.
+
+The pass that makes them holds memory bounded by a batch, whatever the data's size,
+page cache of mapped files included (a mapped page counts in RSS once touched; Note
+[arrow file pages] in ``arrow_files.py``). The data are read a chunk at a time
+(``load_dataset(..., streaming=True)``: datasets' own json, parquet and csv readers, no
+Arrow copy of the data; a save_to_disk folder's files memory-mapped, their pages given
+back batch by batch), tokenized :data:`TOKENIZE_BATCH` documents at a time (plain strings
+in one tokenizer call) and appended to the docs file; the rows are made from the docs
+file, memory-mapped, :data:`PACK_BATCH` documents at a time, their pages given back as
+each batch is done. Both files are written a batch at a time, synced every few tens of
+MB with their pages dropped from the page cache, under a temporary name renamed into
+place when complete (concurrent ranks building the same file each write their own).
+
+Their names are fingerprints of what they depend on: the data's (the files' paths, sizes
+and modification times, as datasets fingerprints local files; a save_to_disk folder's own
+fingerprint), the tokenizer's files, the settings as given (``format`` as given: the
+detected format, a function of the data and the key, is kept in the docs file's schema
+metadata) and :data:`ROWS_VERSION`; a change of any gives new files. A build that finds
+both files reads nothing of the data. The rows file is what ``datasets`` writes
+too (``Dataset.from_file`` reads it).
 """
 
 from __future__ import annotations
 
 import glob
 import hashlib
+import itertools
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 from torch.utils.data import Dataset
 
+from weightstream.data.arrow_files import ArrowStreamWriter, MappedFile
 from weightstream.data.section import SEQ_KEYS, Section
 
 log = logging.getLogger("weightstream")
@@ -125,6 +155,7 @@ __all__ = [
     "HFDataSettings",
     "HFRows",
     "build_rows",
+    "make_rows",
     "detect_format",
     "hf_tokenizer_vocab_size",
     "load_hf_tokenizer",
@@ -144,10 +175,10 @@ IGNORE_INDEX = -100
 # Suffix -> the ``datasets`` builder that reads it.
 SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 PACK_BATCH = 1000  # documents per packing batch (Note [packing])
-TOKENIZE_BATCH = 1000  # documents per tokenizing batch of .map
+TOKENIZE_BATCH = 1000  # documents per tokenizer batch (Note [hf dataset cache])
 # Part of every cache file's fingerprint: change it when the rows this module makes from
-# the same data and settings change (Note [hf dataset cache]).
-ROWS_VERSION = "1"
+# the same data and settings change, or their files' layout (Note [hf dataset cache]).
+ROWS_VERSION = "2"
 # Files of a model folder that do not define its tokenizer (weights): not hashed.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".ckpt")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -302,10 +333,9 @@ def assistant_mask_by_prefixes(tokenizer, messages: list, full: list[int]) -> li
 
 
 class DocumentEncoder:
-    """Token ids and pre-shifted labels of a batch of examples (a batched ``.map`` function).
+    """Token ids and pre-shifted labels of a batch of examples, as flat arrays.
 
-    Picklable (``datasets`` may run it in worker processes): it holds the tokenizer and
-    the settings only.
+    Holds the tokenizer and the settings only (picklable, for worker processes).
     """
 
     def __init__(self, tokenizer, fmt: str, completion_only_loss: bool) -> None:
@@ -314,42 +344,66 @@ class DocumentEncoder:
         self.completion_only_loss = completion_only_loss
         self.eos_id = tokenizer.eos_token_id
         self.markers = bool(_GENERATION_TAG.search(_chat_template(tokenizer)))
+        # add_special_tokens -> the backend's encode_batch_fast where it was found to give
+        # the tokenizer's own ids, or None (Note [fast batches]).
+        self._fast: dict[bool, Any] = {}
 
-    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
-        n = len(next(iter(batch.values())))
-        out: dict[str, list] = {"input_ids": [], "labels": [], "length": []}
-        # Plain strings are tokenized a batch at a time (on the tokenizer's threads); the
-        # tokens are those of one call per string.
+    def __call__(self, batch: dict[str, list]) -> DocBatch:
+        """The documents of ``batch`` (columns of equal length), eos-terminated."""
         pre = self._batch_tokens(batch)
+        if pre is not None:
+            return _finish(*pre, self.eos_id)
+        n = len(next(iter(batch.values())))
+        ids, trained = [], []
         for i in range(n):
-            example = {k: v[i] for k, v in batch.items()}
-            if pre is not None:
-                example["_tokens"] = tuple(column[i] for column in pre)
-            ids, trained = self.encode(example)
-            out["input_ids"].append(ids)
-            out["labels"].append(shifted_labels(ids, trained))
-            out["length"].append(len(ids))
-        return out
+            one, mask = self.encode({k: v[i] for k, v in batch.items()})
+            ids.append(one)
+            trained.append(mask)
+        flat_ids, lengths = _flatten(ids, np.int32)
+        flat_trained, _ = _flatten(trained, np.uint8)
+        return _finish(flat_ids, flat_trained, lengths, self.eos_id)
 
-    def _batch_tokens(self, batch: dict[str, list]) -> tuple[list, ...] | None:
-        tok = self.tokenizer
+    def _batch_tokens(self, batch: dict[str, list]) -> tuple[np.ndarray, ...] | None:
+        """(ids, trained, lengths) of plain strings, tokenized a batch at a time (on the
+        tokenizer's threads, Note [fast batches]; the tokens are those of one call per
+        string), not yet eos-terminated; None for conversations (one template call per
+        document)."""
         if self.format == "text":
-            return (tok(batch["text"])["input_ids"],)
-        if self.format == "prompt_completion" and not any(
-            isinstance(p, list) for p in batch["prompt"]
-        ):
-            completions = tok(batch["completion"], add_special_tokens=False)["input_ids"]
-            return tok(batch["prompt"])["input_ids"], completions
-        return None
+            ids, lengths = _flatten(self.token_ids(batch["text"]), np.int32)
+            return ids, np.ones(len(ids), np.uint8), lengths
+        if self.format != "prompt_completion" or any(isinstance(p, list) for p in batch["prompt"]):
+            return None
+        heads = self.token_ids(batch["prompt"])
+        completions = self.token_ids(batch["completion"], add_special_tokens=False)
+        # Each document is its prompt's tokens, then its completion's: interleaved.
+        ids, parts = _flatten([x for pair in zip(heads, completions) for x in pair], np.int32)
+        kind = np.tile(np.array([0, 1], np.uint8), len(heads))  # 1: completion
+        trained = np.repeat(kind if self.completion_only_loss else np.ones_like(kind), parts)
+        return ids, trained, parts.reshape(-1, 2).sum(axis=1)
+
+    def token_ids(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """``tokenizer(texts, add_special_tokens=...)["input_ids"]``, by the fastest call
+        found to give them (Note [fast batches])."""
+        tok = self.tokenizer
+        if add_special_tokens not in self._fast:  # the first batch decides
+            ids = tok(texts, add_special_tokens=add_special_tokens)["input_ids"]
+            backend = getattr(tok, "backend_tokenizer", None)
+            fast = getattr(backend, "encode_batch_fast", None)
+            if fast is not None and backend.truncation is None and backend.padding is None:
+                same = [e.ids for e in fast(texts, add_special_tokens=add_special_tokens)] == ids
+                fast = fast if same else None
+            self._fast[add_special_tokens] = fast
+            return ids
+        fast = self._fast[add_special_tokens]
+        if fast is None:
+            return tok(texts, add_special_tokens=add_special_tokens)["input_ids"]
+        return [e.ids for e in fast(texts, add_special_tokens=add_special_tokens)]
 
     def encode(self, example: dict) -> tuple[list[int], list[int]]:
-        """(token ids, 1 where the token is a target) of one document, eos-terminated.
-
-        ``example["_tokens"]``, where given, holds the tokenizer's ids of its strings."""
+        """(token ids, 1 where the token is a target) of one document, eos-terminated."""
         tok = self.tokenizer
-        pre = example.get("_tokens")
         if self.format == "text":
-            ids = list(pre[0] if pre is not None else tok(example["text"])["input_ids"])
+            ids = list(tok(example["text"])["input_ids"])
             trained = [1] * len(ids)
         elif self.format == "prompt_completion":
             prompt, completion = example["prompt"], example["completion"]
@@ -363,9 +417,6 @@ class DocumentEncoder:
                         "so the completion cannot be found. Fix: set completion_only_loss: "
                         "false, or give the data as messages."
                     )
-            elif pre is not None:
-                head = list(pre[0])
-                ids = head + list(pre[1])
             else:
                 head = list(tok(prompt)["input_ids"])
                 ids = head + list(tok(completion, add_special_tokens=False)["input_ids"])
@@ -392,79 +443,176 @@ class DocumentEncoder:
         return ids, trained
 
 
-def shifted_labels(ids: Sequence[int], trained: Sequence[int]) -> list[int]:
-    """``labels[t] = ids[t + 1]`` where that token is a target, else -100; the last is -100."""
-    labels = [nxt if keep else IGNORE_INDEX for nxt, keep in zip(ids[1:], trained[1:], strict=True)]
-    return [*labels, IGNORE_INDEX]
+@dataclass(frozen=True)
+class DocBatch:
+    """Documents as flat arrays: ``ids`` and ``labels`` int32 [sum(lengths)], the
+    documents one after another; ``lengths`` int64 [documents]."""
+
+    ids: np.ndarray
+    labels: np.ndarray
+    lengths: np.ndarray
+
+
+def _flatten(lists: Sequence[Sequence[int]], dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(the lists concatenated, their lengths int64), without a Python loop per item."""
+    lengths = np.fromiter(map(len, lists), np.int64, count=len(lists))
+    flat = np.fromiter(itertools.chain.from_iterable(lists), dtype, count=int(lengths.sum()))
+    return flat, lengths
+
+
+def _finish(ids: np.ndarray, trained: np.ndarray, lengths: np.ndarray, eos: int) -> DocBatch:
+    """Documents eos-terminated (appended where their tokens do not end with it, a target
+    when the token before it is one, or when alone) and their shifted labels:
+    ``labels[t] = ids[t + 1]`` where that token is a target, else -100; a document's
+    last is -100."""
+    ends = np.cumsum(lengths)
+    nonempty = lengths > 0
+    last_id = np.full(len(lengths), -1, np.int64)
+    last_id[nonempty] = ids[ends[nonempty] - 1]
+    need = last_id != eos  # an empty document needs one too
+    if need.any():
+        last_trained = np.ones(len(lengths), np.uint8)
+        last_trained[nonempty] = trained[ends[nonempty] - 1]
+        ids = np.insert(ids, ends[need], eos)  # equal indices insert in order
+        trained = np.insert(trained, ends[need], last_trained[need])
+        lengths = lengths + need
+        ends = np.cumsum(lengths)
+    labels = np.full(len(ids), IGNORE_INDEX, np.int32)
+    labels[:-1] = np.where(trained[1:] != 0, ids[1:], IGNORE_INDEX)
+    labels[ends - 1] = IGNORE_INDEX
+    return DocBatch(ids.astype(np.int32, copy=False), labels, lengths)
 
 
 # -- rows ------------------------------------------------------------------------------
 
 
-def _pieces(ids: list, labels: list, seq_len: int, overflow: str) -> list[tuple[list, list]]:
-    if len(ids) <= seq_len:
-        return [(ids, labels)]
+def make_rows(docs: DocBatch, seq_len: int, packing: bool, overflow: str) -> dict[str, Any]:
+    """Documents into rows of at most ``seq_len`` tokens: one piece a row, or packed
+    (Note [packing]). Returns flat ``input_ids``, ``labels`` (and ``position_ids`` when
+    packing) int32 [tokens], and per row ``length`` and ``targets`` int64 [rows]."""
+    lengths = docs.lengths
+    assert (lengths > 0).all(), "every document holds at least its eos token"
+    # Pieces: a document longer than seq_len is cut by overflow (split or truncate).
     if overflow == "truncate":
-        return [(ids[:seq_len], labels[:seq_len])]
-    return [(ids[s : s + seq_len], labels[s : s + seq_len]) for s in range(0, len(ids), seq_len)]
+        n_pieces = np.ones(len(lengths), np.int64)
+    else:
+        n_pieces = -(-lengths // seq_len)
+    doc = np.repeat(np.arange(len(lengths)), n_pieces)
+    k = np.arange(len(doc)) - np.repeat(np.cumsum(n_pieces) - n_pieces, n_pieces)
+    piece_start = (np.cumsum(lengths) - lengths)[doc] + k * seq_len
+    piece_len = np.minimum(seq_len, lengths[doc] - k * seq_len)
+    # Rows of pieces, in order: each its own, or next fit (a loop per piece, not token).
+    if packing:
+        row_of = np.empty(len(piece_len), np.int64)
+        row, fill = -1, seq_len + 1
+        for i, n in enumerate(piece_len.tolist()):
+            if fill + n > seq_len:
+                row, fill = row + 1, 0
+            row_of[i] = row
+            fill += n
+        row_len = np.bincount(row_of, weights=piece_len).astype(np.int64)
+    else:
+        row_len = piece_len
+    out_start = np.cumsum(piece_len) - piece_len  # where each piece lands in the output
+    within = np.arange(int(piece_len.sum())) - np.repeat(out_start, piece_len)
+    take = np.repeat(piece_start, piece_len) + within
+    labels = docs.labels[take]
+    row_offsets = np.cumsum(row_len) - row_len
+    out = {
+        "input_ids": docs.ids[take],
+        "labels": labels,
+        "length": row_len,
+        "targets": np.add.reduceat((labels != IGNORE_INDEX).astype(np.int64), row_offsets),
+    }
+    if packing:
+        out["position_ids"] = within.astype(np.int32)
+    return out
 
 
-class RowMaker:
-    """Documents into rows of at most ``seq_len`` tokens (a batched ``.map`` function):
-    one piece a row, or packed (Note [packing])."""
+def _list_array(flat: np.ndarray, lengths: np.ndarray) -> pa.Array:
+    """int32 lists of ``lengths`` items over ``flat`` (64-bit offsets: no size limit)."""
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.int32()))
 
-    def __init__(self, seq_len: int, packing: bool, overflow: str) -> None:
-        self.seq_len, self.packing, self.overflow = seq_len, packing, overflow
 
-    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
-        out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "targets": []}
-        if self.packing:
-            out["position_ids"] = []
-        row: tuple[list, list, list] = ([], [], [])
+def _lists(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(flat values, lengths) of a list column: zero-copy where it is one chunk."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    offsets = column.offsets.to_numpy()
+    values = column.values.to_numpy(zero_copy_only=False)[offsets[0] : offsets[-1]]
+    return values, np.diff(offsets)
 
-        def close(row: tuple[list, list, list]) -> None:
-            ids, labels, positions = row
-            if not ids:
-                return
-            out["input_ids"].append(ids)
-            out["labels"].append(labels)
-            out["length"].append(len(ids))
-            out["targets"].append(sum(x != IGNORE_INDEX for x in labels))
-            if self.packing:
-                out["position_ids"].append(positions)
 
-        for ids, labels in zip(batch["input_ids"], batch["labels"], strict=True):
-            for piece_ids, piece_labels in _pieces(ids, labels, self.seq_len, self.overflow):
-                if not self.packing or len(row[0]) + len(piece_ids) > self.seq_len:
-                    close(row)
-                    row = ([], [], [])
-                row[0].extend(piece_ids)
-                row[1].extend(piece_labels)
-                row[2].extend(range(len(piece_ids)))
-        close(row)
-        return out
+DOCS_SCHEMA = pa.schema(
+    [
+        ("input_ids", pa.large_list(pa.int32())),
+        ("labels", pa.large_list(pa.int32())),
+        ("length", pa.int64()),
+    ]
+)
+
+
+def _rows_schema(packing: bool) -> pa.Schema:
+    lists = ("input_ids", "labels") + (("position_ids",) if packing else ())
+    fields = [(name, pa.large_list(pa.int32())) for name in lists]
+    return pa.schema([*fields, ("length", pa.int64()), ("targets", pa.int64())])
 
 
 class HFRows(Dataset):
-    """Rows of the cache's Arrow file as lm batch dicts, padded to ``seq_len``.
+    """Rows of the cache's rows file as lm batch dicts, padded to ``seq_len``.
 
     int64 ``input_ids``, ``labels`` (-100 on padding) and ``attention_mask`` (0 on padding)
     [seq_len]; packed rows add ``position_ids`` [seq_len] (padding is one more document).
+    The file is memory-mapped: a row's pages are read when it is. Pickled as its path
+    (input workers map the file again).
     """
 
-    def __init__(self, rows, seq_len: int, pad_id: int, packing: bool) -> None:
-        self.rows = rows.with_format("numpy")
-        self.seq_len, self.pad_id, self.packing = seq_len, pad_id, packing
+    def __init__(self, path: Path, seq_len: int, pad_id: int, packing: bool) -> None:
+        self.path, self.seq_len, self.pad_id, self.packing = Path(path), seq_len, pad_id, packing
+        self._open()
+
+    def _open(self) -> None:
+        table = MappedFile(self.path).table
+        names = ("input_ids", "labels") + (("position_ids",) if self.packing else ())
+        # Per record batch, each list column's (offsets, values): views of the map.
+        self._batches = []
+        starts = [0]
+        for batch in table.to_batches():
+            columns = {}
+            for name in names:
+                array = batch.column(name)
+                columns[name] = (array.offsets.to_numpy(), array.values.to_numpy())
+            self._batches.append(columns)
+            starts.append(starts[-1] + batch.num_rows)
+        self._starts = np.array(starts, np.int64)
+
+    def __getstate__(self) -> dict:
+        return {k: getattr(self, k) for k in ("path", "seq_len", "pad_id", "packing")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._open()
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return int(self._starts[-1])
+
+    def _row(self, i: int, name: str) -> np.ndarray:
+        b = int(np.searchsorted(self._starts, i, side="right")) - 1
+        offsets, values = self._batches[b][name]
+        j = i - int(self._starts[b])
+        return values[offsets[j] : offsets[j + 1]]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        row = self.rows[int(i)]
-        n, pad = len(row["input_ids"]), self.seq_len - len(row["input_ids"])
+        i = int(i)
+        if not 0 <= i < len(self):
+            raise IndexError(f"row {i} of {len(self)}")
+        ids = self._row(i, "input_ids")
+        n, pad = len(ids), self.seq_len - len(ids)
         input_ids = np.full(self.seq_len, self.pad_id, dtype=np.int64)
         labels = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
-        input_ids[:n], labels[:n] = row["input_ids"], row["labels"]
+        input_ids[:n], labels[:n] = ids, self._row(i, "labels")
         attention_mask = np.zeros(self.seq_len, dtype=np.int64)
         attention_mask[:n] = 1
         out = {
@@ -474,7 +622,7 @@ class HFRows(Dataset):
         }
         if self.packing:
             positions = np.empty(self.seq_len, dtype=np.int64)
-            positions[:n] = row["position_ids"]
+            positions[:n] = self._row(i, "position_ids")
             positions[n:] = np.arange(pad)
             out["position_ids"] = torch.from_numpy(positions)
         return out
@@ -546,38 +694,138 @@ def _data_source(s: Section) -> tuple[str, list[str]]:
     return kinds.pop(), files
 
 
-def _load_raw(s: Section, cache_dir: str | None):
-    datasets = _import_datasets()
+@dataclass(frozen=True)
+class _Source:
+    """The data of ``data_dir``, not read yet: ``kind`` and ``files`` as
+    :func:`_data_source` gives them (for ``"disk"``, the folder's Arrow files), and a
+    fingerprint that changes when they do."""
+
+    kind: str
+    files: list[str]
+    fingerprint: str
+
+
+def _open_source(s: Section) -> _Source:
     kind, files = _data_source(s)
-    if kind == "disk":
-        data = datasets.load_from_disk(files[0])
-        if isinstance(data, datasets.DatasetDict):
-            split = "train" if "train" in data else None
-            if split is None:
-                raise ValueError(
-                    f"{s.where('data_dir')}: {files[0]!r} holds the splits "
-                    f"{', '.join(data)} and no 'train'. Fix: name one split's folder "
-                    f"({files[0]}/<split>)."
-                )
-            data = data[split]
-        return data
+    if kind != "disk":
+        # As datasets fingerprints local files: their paths and modification times.
+        stats = [(os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+        return _Source(kind, files, _digest(kind, stats))
+    datasets = _import_datasets()
+    data = datasets.load_from_disk(files[0])  # memory-mapped, not read: its files and state
+    if isinstance(data, datasets.DatasetDict):
+        if "train" not in data:
+            raise ValueError(
+                f"{s.where('data_dir')}: {files[0]!r} holds the splits "
+                f"{', '.join(data)} and no 'train'. Fix: name one split's folder "
+                f"({files[0]}/<split>)."
+            )
+        data = data["train"]
+    assert data._indices is None, "save_to_disk writes the rows themselves, not indices"
+    return _Source(kind, [f["filename"] for f in data.cache_files], data._fingerprint)
+
+
+def _batches(source: _Source, where: str, cache_dir: str | None) -> Iterator[pa.Table]:
+    """The data's rows in order, as tables of at most :data:`TOKENIZE_BATCH` rows, read a
+    batch at a time (Note [hf dataset cache]). ``cache_dir``: where datasets keeps its
+    lock files (it writes nothing else when streaming)."""
+    if source.kind == "disk":
+        for name in source.files:
+            mapped = MappedFile(Path(name))
+            for start in range(0, mapped.table.num_rows, TOKENIZE_BATCH):
+                batch = mapped.table.slice(start, TOKENIZE_BATCH)
+                yield batch
+                mapped.drop_pages(batch.columns)  # the caller is done with it
+        return
+    datasets = _import_datasets()
+    files = source.files
+    what = f"{files[0]!r}{f' (and {len(files) - 1} more)' if len(files) > 1 else ''}"
     try:
-        return datasets.load_dataset(kind, data_files=files, split="train", cache_dir=cache_dir)
+        # streaming: read a chunk at a time (datasets' own parsers), no Arrow copy made.
+        stream = datasets.load_dataset(
+            source.kind, data_files=files, split="train", streaming=True, cache_dir=cache_dir
+        )
+        yield from stream.with_format("arrow").iter(batch_size=TOKENIZE_BATCH)
     except (ValueError, TypeError, OSError) as e:
         raise ValueError(
-            f"{s.where('data_dir')}: cannot read {files[0]!r}"
-            f"{f' (and {len(files) - 1} more)' if len(files) > 1 else ''} as {kind}: "
-            f"{type(e).__name__}: {e}"
+            f"{where}: cannot read {what} as {source.kind}: {type(e).__name__}: {e}"
         ) from e
     except Exception as e:  # datasets' own errors (DatasetGenerationError) have no common base
         raise ValueError(
-            f"{s.where('data_dir')}: cannot read the {kind} data ({type(e).__name__}: {e}). "
+            f"{where}: cannot read the {source.kind} data ({type(e).__name__}: {e}). "
             "Fix: check that every file is valid and that all have the same columns."
         ) from e
 
 
 def _digest(*parts: object) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
+
+
+def _progress(desc: str, total: int | None):
+    """datasets' progress bar (``datasets.disable_progress_bars()`` silences it)."""
+    return _import_datasets().utils.tqdm(desc=desc, total=total, unit=" documents")
+
+
+# The columns each format reads.
+_FORMAT_COLUMNS = {
+    "text": ("text",),
+    "prompt_completion": ("prompt", "completion"),
+    "messages": ("messages",),
+}
+
+
+def _write_docs(path: Path, source: _Source, s: Section, settings: HFDataSettings, tokenizer):
+    """Tokenize the data into the documents file ``path`` (Note [hf dataset cache])."""
+    batches = _batches(source, s.where("data_dir"), settings.cache_dir)
+    first = next(batches, None)
+    while first is not None and first.num_rows == 0:
+        first = next(batches, None)
+    if first is None:
+        raise ValueError(f"{s.where('data_dir')}: the data holds no document. Fix: give data.")
+    fmt = detect_format(first.column_names, settings.format, f"{s.section} ({s.processor})")
+    if fmt != "text" and not _chat_template(tokenizer) and _uses_template(first, fmt):
+        raise ValueError(
+            f"{s.where('tokenizer')}: the data are conversations, but the tokenizer at "
+            f"{settings.tokenizer!r} has no chat template. Fix: give a tokenizer with one "
+            "(tokenizer_config.json's chat_template, or chat_template.jinja)."
+        )
+    encoder = DocumentEncoder(tokenizer, fmt, settings.completion_only_loss)
+    schema = DOCS_SCHEMA.with_metadata({"format": fmt})
+    # No total: a stream's length is known once it has been read.
+    bar = _progress(f"{s.section}: tokenizing", None)
+    with ArrowStreamWriter(path, schema) as writer, bar:
+        for table in itertools.chain([first], batches):
+            if table.num_rows == 0:
+                continue
+            docs = encoder({c: table.column(c).to_pylist() for c in _FORMAT_COLUMNS[fmt]})
+            ids = _list_array(docs.ids, docs.lengths)
+            labels = _list_array(docs.labels, docs.lengths)
+            writer.write(pa.record_batch([ids, labels, pa.array(docs.lengths)], schema=schema))
+            bar.update(len(docs.lengths))
+
+
+def _write_rows(
+    path: Path, docs: MappedFile, head: tuple[int, int], settings: HFDataSettings, desc: str
+):
+    """Cut or pack documents ``head[0]:head[1]`` of ``docs`` into the rows file ``path``,
+    :data:`PACK_BATCH` documents at a time (Note [packing])."""
+    schema = _rows_schema(settings.packing)
+    with ArrowStreamWriter(path, schema) as writer, _progress(desc, head[1] - head[0]) as bar:
+        for start in range(head[0], head[1], PACK_BATCH):
+            piece = docs.table.slice(start, min(PACK_BATCH, head[1] - start))
+            ids, lengths = _lists(piece.column("input_ids"))
+            labels, _ = _lists(piece.column("labels"))
+            rows = make_rows(
+                DocBatch(ids, labels, lengths),
+                settings.seq_len,
+                settings.packing,
+                settings.overflow,
+            )
+            columns = [_list_array(rows[name], rows["length"]) for name in schema.names[:-2]]
+            columns += [pa.array(rows["length"]), pa.array(rows["targets"])]
+            writer.write(pa.record_batch(columns, schema=schema))
+            docs.drop_pages(piece.columns)
+            bar.update(piece.num_rows)
 
 
 def build_rows(s: Section, is_training: bool) -> HFRows:
@@ -591,32 +839,25 @@ def build_rows(s: Section, is_training: bool) -> HFRows:
             "which ends every document. Fix: set eos_token in its tokenizer_config.json."
         )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    raw = _load_raw(s, settings.cache_dir)
-    fmt = detect_format(raw.column_names, settings.format, f"{s.section} ({s.processor})")
-    if fmt != "text" and not _chat_template(tokenizer) and _uses_template(raw, fmt):
-        raise ValueError(
-            f"{s.where('tokenizer')}: the data are conversations, but the tokenizer at "
-            f"{settings.tokenizer!r} has no chat template. Fix: give a tokenizer with one "
-            "(tokenizer_config.json's chat_template, or chat_template.jinja)."
-        )
+    source = _open_source(s)
     cache = Path(settings.cache_dir or _import_datasets().config.HF_DATASETS_CACHE)
     cache = cache / "weightstream"
     cache.mkdir(parents=True, exist_ok=True)
-    tok_digest = _tokenizer_digest(settings.tokenizer)
+    # The format key as given, not as detected: the detected one is a function of the
+    # data and the key, and a cached build then reads nothing of the data.
     fp_docs = _digest(
-        ROWS_VERSION, raw._fingerprint, tok_digest, fmt, settings.completion_only_loss
+        ROWS_VERSION,
+        source.fingerprint,
+        _tokenizer_digest(settings.tokenizer),
+        settings.format,
+        settings.completion_only_loss,
     )
-    docs = raw.map(
-        DocumentEncoder(tokenizer, fmt, settings.completion_only_loss),
-        batched=True,
-        batch_size=TOKENIZE_BATCH,
-        remove_columns=raw.column_names,
-        features=_features(("input_ids", "labels"), ("length",)),
-        cache_file_name=os.fspath(cache / f"docs-{fp_docs}.arrow"),
-        new_fingerprint=fp_docs,
-        desc=f"{s.section}: tokenizing",
-    )
-    n_docs, head = len(docs), (0, len(docs))
+    docs_path = cache / f"docs-{fp_docs}.arrow"
+    if not docs_path.is_file():
+        _write_docs(docs_path, source, s, settings, tokenizer)
+    docs = MappedFile(docs_path)
+    fmt = docs.table.schema.metadata[b"format"].decode()
+    n_docs, head = docs.table.num_rows, (0, docs.table.num_rows)
     if settings.eval_fraction is not None:
         cut = int(n_docs * (1.0 - settings.eval_fraction))
         head = (0, cut) if is_training else (cut, n_docs)
@@ -625,57 +866,51 @@ def build_rows(s: Section, is_training: bool) -> HFRows:
                 f"{s.where('eval_fraction')} = {settings.eval_fraction} of {n_docs} documents "
                 f"leaves none for {s.section}. Fix: give more data or another eval_fraction."
             )
-        docs = docs.select(range(*head))
     fp_rows = _digest(fp_docs, head, settings.seq_len, settings.packing, settings.overflow)
-    columns = ("input_ids", "labels") + (("position_ids",) if settings.packing else ())
-    rows = docs.map(
-        RowMaker(settings.seq_len, settings.packing, settings.overflow),
-        batched=True,
-        batch_size=PACK_BATCH,
-        remove_columns=docs.column_names,
-        features=_features(columns, ("length", "targets")),
-        cache_file_name=os.fspath(cache / f"rows-{fp_rows}.arrow"),
-        new_fingerprint=fp_rows,
-        desc=f"{s.section}: {'packing' if settings.packing else 'cutting'} rows",
-    )
-    _log_counts(s, settings, fmt, docs, rows)
+    rows_path = cache / f"rows-{fp_rows}.arrow"
+    if not rows_path.is_file():
+        verb = "packing" if settings.packing else "cutting"
+        _write_rows(rows_path, docs, head, settings, f"{s.section}: {verb} rows")
+    _log_counts(s, settings, fmt, docs, head, rows_path)
+    rows = HFRows(rows_path, settings.seq_len, pad, settings.packing)
     if len(rows) == 0:
         raise ValueError(f"{s.where('data_dir')}: the data holds no document. Fix: give data.")
-    return HFRows(rows, settings.seq_len, pad, settings.packing)
+    return rows
 
 
-def _uses_template(raw, fmt: str) -> bool:
+def _uses_template(first: pa.Table, fmt: str) -> bool:
     if fmt == "messages":
         return True
-    return len(raw) > 0 and isinstance(raw[0]["prompt"], list)
+    return isinstance(first.column("prompt")[0].as_py(), list)
 
 
-def _features(lists: Sequence[str], scalars: Sequence[str]):
-    datasets = _import_datasets()
-    spec = {name: datasets.List(datasets.Value("int32")) for name in lists}
-    spec.update({name: datasets.Value("int64") for name in scalars})
-    return datasets.Features(spec)
-
-
-def _column(data, name: str):
-    """Column ``name`` as a pyarrow array: zero-copy slices of the memory-mapped file."""
-    return data.select_columns([name]).with_format("arrow")[:][name]
-
-
-def _log_counts(s: Section, settings: HFDataSettings, fmt: str, docs, rows) -> None:
+def _log_counts(
+    s: Section,
+    settings: HFDataSettings,
+    fmt: str,
+    docs: MappedFile,
+    head: tuple[int, int],
+    rows_path: Path,
+) -> None:
     """One log line: documents, rows, what was cut, how full the rows are, how many targets.
 
-    Reads the length columns from the memory-mapped files (no copy of the tokens)."""
+    Reads the length columns from the memory-mapped files (no copy of the tokens), and
+    gives their pages back."""
     import pyarrow.compute as pc
 
-    lengths = _column(docs, "length")
-    n_docs = len(docs)
+    lengths = docs.table.column("length").slice(head[0], head[1] - head[0])
+    n_docs = head[1] - head[0]
     long = pc.greater(lengths, settings.seq_len)
     n_long = int(pc.sum(long).as_py() or 0)
     over = pc.subtract(pc.filter(lengths, long), settings.seq_len)
     excess = int(pc.sum(over).as_py() or 0)
-    tokens = int(pc.sum(_column(rows, "length")).as_py() or 0)
-    targets = int(pc.sum(_column(rows, "targets")).as_py() or 0)
+    docs.drop_pages([lengths])
+    rows = MappedFile(rows_path)
+    n_rows = rows.table.num_rows
+    row_lengths, row_targets = rows.table.column("length"), rows.table.column("targets")
+    tokens = int(pc.sum(row_lengths).as_py() or 0)
+    targets = int(pc.sum(row_targets).as_py() or 0)
+    rows.drop_pages([row_lengths, row_targets])
     if n_long == 0:
         cut = f"none longer than seq_len = {settings.seq_len}"
     elif settings.overflow == "split":
@@ -692,9 +927,9 @@ def _log_counts(s: Section, settings: HFDataSettings, fmt: str, docs, rows) -> N
         n_docs,
         fmt,
         cut,
-        len(rows),
+        n_rows,
         "packed" if settings.packing else "unpacked",
         tokens,
-        100.0 * tokens / max(1, len(rows) * settings.seq_len),
+        100.0 * tokens / max(1, n_rows * settings.seq_len),
         targets,
     )
