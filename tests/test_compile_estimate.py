@@ -1023,6 +1023,7 @@ def test_a_repetition_measured_beside_a_busy_process_is_seen_as_disturbed():
     assert calm.disturbed and calm.busiest > timing.CALM
 
 
+@pytest.mark.slow  # times a profile beside a busy process: timing-sensitive, with the slow tests
 @needs_proc_stat
 def test_a_profile_measured_beside_a_busy_process_is_not_trusted(tmp_path, monkeypatch):
     # The quick sizes, judged as a full profile is (Note [quiet timings]).

@@ -149,6 +149,7 @@ def _children(pid: int) -> list[int]:
     return [int(x) for x in path.read_text().split()] if path.exists() else []
 
 
+@pytest.mark.slow  # waits 8 s for training and asserts the stop came within 60 s: timing, with the slow tests
 def test_killing_one_rank_stops_the_run_naming_it(tmp_path):
     params = _params(tmp_path, "gpt2", max_steps=100_000)
     cmd = [

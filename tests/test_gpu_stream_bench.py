@@ -111,6 +111,7 @@ def test_tiny_cpu_run_reports_every_field(dtype):
             assert _positive(s[ratio])
 
 
+@pytest.mark.slow  # the options' smoke run (what it prints): with the slow tests
 def test_tiny_cpu_run_with_updates_in_the_backward_and_a_profile():
     """The options of a GPU session's runs (scripts/gpu_check.sh) work anywhere: the
     update in the backward behind the next forward, activation checkpointing, and the
