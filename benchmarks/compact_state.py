@@ -77,6 +77,12 @@ def train(name: str, cfg: GPTConfig, args, train_set, eval_set) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=False)  # gradients are held state, as in a real run
         losses.append(loss.item())
+        if (step + 1) % 200 == 0:
+            print(
+                f"  {name}: step {step + 1}, loss {loss.item():.4f}, "
+                f"{time.perf_counter() - start:.0f} s",
+                flush=True,
+            )
         if step + 1 == min(RSS_STEPS, args.steps):
             opt.synchronize()
             gc.collect()

@@ -20,7 +20,7 @@ from pathlib import Path
 import params_files as pf
 import pytest
 import torch
-import torch.nn.functional as F
+from eager_lm import train_eagerly
 from local_tokenizer import train_bpe
 
 from weightstream import checkpoint as ckpt
@@ -128,24 +128,8 @@ def _eager(folder: Path) -> tuple[list[float], dict]:
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
     model.config.use_cache = False
     model.train()
-    # weightstream's AdamW defaults to eps=1e-6 (the reference API), torch's to 1e-8.
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-6, weight_decay=0.0, foreach=False)
     loader = get_data_processor("TextCorpusProcessor")(_section(folder), True)
-    losses = []
-    for step, batch in enumerate(loader):
-        if step == STEPS:
-            break
-        logits = model(input_ids=batch["input_ids"]).logits
-        # The run's LM loss: the mean of the per-token losses, as a weighted sum.
-        per_token = F.cross_entropy(
-            logits.flatten(0, 1).float(), batch["labels"].flatten(), reduction="none"
-        )
-        weights = torch.ones_like(per_token)
-        loss = (per_token * weights).sum() / weights.sum().clamp_min(1.0)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses, _ = train_eagerly(model, model.parameters(), loader, STEPS, LR)
     return losses, {k: v.detach() for k, v in model.state_dict().items()}
 
 

@@ -21,6 +21,7 @@ import params_files as pf
 import pytest
 import torch
 import torch.nn.functional as F
+from eager_lm import train_eagerly
 from local_tokenizer import train_bpe
 
 from weightstream import checkpoint as ckpt
@@ -131,24 +132,8 @@ def _eager_peft(folder: Path, initial: dict[str, torch.Tensor], steps: int = STE
     assert not missing.unexpected_keys
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
-    # weightstream's AdamW defaults to eps=1e-6 (the reference API), torch's to 1e-8.
-    opt = torch.optim.AdamW(trainable, lr=LR, eps=1e-6, weight_decay=0.0, foreach=False)
     loader = get_data_processor("TextCorpusProcessor")(_section(folder), True)
-    losses = []
-    for step, batch in enumerate(loader):
-        if step == steps:
-            break
-        logits = model(input_ids=batch["input_ids"]).logits
-        # The run's LM loss: the mean of the per-token losses, as a weighted sum.
-        per_token = F.cross_entropy(
-            logits.flatten(0, 1).float(), batch["labels"].flatten(), reduction="none"
-        )
-        weights = torch.ones_like(per_token)
-        loss = (per_token * weights).sum() / weights.sum().clamp_min(1.0)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses, opt = train_eagerly(model, trainable, loader, steps, LR)
     return losses, model, opt
 
 
