@@ -599,3 +599,33 @@ def test_run_refuses_packing_for_a_zoo_model(tmp_path, tokenizer_dirs, caplog):
     assert rc == 2
     assert "train_input.packing: packed batches" in caplog.text
     assert not (tmp_path / "m").exists()
+
+
+def test_two_ranks_train_like_one_rank_on_completion_only_data(tmp_path, tokenizer_dirs):
+    """2 ranks, each with half of every global batch, end where 1 rank does: the step's
+    loss is the mean over all its counted tokens (Note [the step's token mean] in
+    train/trainer.py), though the ranks' halves count different numbers of assistant
+    tokens. Tolerances: tests/test_distributed.py's, for its reason (the ranks sum in
+    another order); averaging the ranks' own means instead puts the losses 2% apart."""
+    from test_distributed import LOSS_RTOL, WEIGHT_ATOL
+
+    from weightstream import checkpoint as ckpt
+    from weightstream.cli.main import main
+    from weightstream.train.trainer import LOSS_LOG, LossLog
+
+    data = _write(tmp_path / "chat.jsonl", _examples("messages", 40))
+    model = {"name": "hf", "hf_config": str(_tiny_llama_folder(tmp_path / "llama"))}
+    params = _run_params(tmp_path, tokenizer_dirs["generation"], data, model)
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(["run", "CPU", "-p", str(params), "-m", "train", "-o", str(one)]) == 0
+    argv = ["run", "CPU", "-p", str(params), "-m", "train", "-o", str(two), "--num_csx", "2"]
+    assert main(argv) == 0
+    a, b = LossLog.read(one / LOSS_LOG), LossLog.read(two / LOSS_LOG)
+    assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, 7))
+    torch.testing.assert_close(
+        torch.tensor([v for _, v in b]), torch.tensor([v for _, v in a]), rtol=LOSS_RTOL, atol=0
+    )
+    w1 = ckpt.load(one / "checkpoint_6.mdl", map_location="cpu")["model"]
+    w2 = ckpt.load(two / "checkpoint_6.mdl", map_location="cpu")["model"]
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=WEIGHT_ATOL, msg=k)

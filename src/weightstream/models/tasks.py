@@ -82,14 +82,32 @@ def packed_attention_mask(position_ids: torch.Tensor, attention: str = "sdpa") -
     return allowed
 
 
+def lm_weights(batch: dict, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[B*T] float32: 1 for a token the lm loss counts (label not -100, attention_mask 1
+    where there is one), else 0."""
+    labels = batch["labels"].to(device)
+    weights = (labels.flatten() != IGNORE_INDEX).to(torch.float32)
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        weights = weights * mask.to(device, torch.float32).flatten()
+    return weights
+
+
 def task_loss(
-    task: str, model: Callable, batch: dict, attention: str | None = None
+    task: str,
+    model: Callable,
+    batch: dict,
+    attention: str | None = None,
+    denominator: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Forward one batch; returns (mean loss, logits, extra) for the task's batch format.
 
     lm: the mean of the per-token cross-entropy over the tokens whose ``attention_mask``
-    is 1 (all without one) and whose label is not -100. ``attention``: the model's
-    attention implementation, for packed batches (:func:`model_kwargs`).
+    is 1 (all without one) and whose label is not -100 (:func:`lm_weights`);
+    ``denominator``, if given, divides the sum instead of this batch's count (the
+    trainer's count over a whole step: Note [the step's token mean] in
+    train/trainer.py). ``attention``: the model's attention implementation, for packed
+    batches (:func:`model_kwargs`).
     """
     if task == "lm":
         kwargs = model_kwargs(task, batch, attention)
@@ -100,11 +118,10 @@ def task_loss(
         per_token = F.cross_entropy(
             logits.flatten(0, 1).float(), labels.flatten(), reduction="none"
         )
-        weights = (labels.flatten() != IGNORE_INDEX).to(per_token.dtype)
-        mask = batch.get("attention_mask")
-        if mask is not None:
-            weights = weights * mask.to(per_token.device, per_token.dtype).flatten()
-        loss = (per_token * weights).sum() / weights.sum().clamp_min(1.0)
+        weights = lm_weights(batch, per_token.device)
+        if denominator is None:
+            denominator = weights.sum().clamp_min(1.0)
+        loss = (per_token * weights).sum() / denominator.to(per_token.device)
         return loss, logits, {"per_token": per_token, "weights": weights, "labels": labels}
     if task == "classification":
         logits = model(batch["inputs"])

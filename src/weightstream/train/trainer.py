@@ -37,7 +37,7 @@ from weightstream.amp.step_helper import apply_gradients, backward_context
 from weightstream.checkpoint.weights import load_weights
 from weightstream.data.state import aggregate_state_dict
 from weightstream.data.streaming import batch_size_of
-from weightstream.models.tasks import attention_of, task_loss
+from weightstream.models.tasks import attention_of, lm_weights, task_loss
 from weightstream.runtime import swarm
 from weightstream.runtime.performance import PerformanceTracker
 from weightstream.runtime.rng import capture_rng_state, restore_rng_state
@@ -267,15 +267,43 @@ class Trainer:
         batches = list(itertools.islice(it, self.s.grad_accum_steps))
         return batches, time.perf_counter() - t0
 
+    # Note [the step's token mean]
+    # -----------------------------
+    # An lm step's loss is the mean over every token the step counts (lm_weights), on
+    # all ranks and micro-batches together, as one device would take it over the whole
+    # global batch. Where batches count different numbers of tokens (labels -100 on
+    # prompts, padding), a mean per micro-batch and per rank, then averaged, weights
+    # each batch's tokens by the inverse of its own count: another loss, which moves
+    # with the number of ranks and of micro-batches. So the step's count W is summed
+    # over its micro-batches and over the ranks first (a collective of one number: a
+    # host sync point), and each micro-batch's loss is its tokens' sum over W / N (N
+    # ranks): SwarmX's mean of the ranks' gradients (Note [swarm reduce]) is then the
+    # gradient of sum / W. With one rank and one micro-batch this is the batch's own
+    # mean, bit for bit.
+
+    def _step_denominator(self, batches: list[dict]) -> torch.Tensor | None:
+        """W / N of the Note for an lm step (None for other tasks: each batch's mean)."""
+        if self.s.task != "lm":
+            return None
+        count = torch.zeros((), dtype=torch.float32)
+        for batch in batches:
+            count = count + lm_weights(batch).sum()
+        count = swarm.sum_over_ranks(count)  # host sync point
+        return count.clamp_min(1.0) / swarm.world_size()
+
     def _optimizer_step(self, batches: list[dict]) -> torch.Tensor:
         total = torch.zeros(())
+        denominator = self._step_denominator(batches)
         for i, batch in enumerate(batches):
             # SwarmX reduces once per optimizer step: the micro-batches before the
             # last only accumulate (Note [swarm reduce]).
             last = i == len(batches) - 1
             with contextlib.nullcontext() if last else self.compiled.no_sync():
-                loss, _, _ = _task_loss(self.s.task, self.compiled, batch, self.attention)
-                scaled = loss / len(batches)
+                loss, _, _ = _task_loss(
+                    self.s.task, self.compiled, batch, self.attention, denominator
+                )
+                # The lm loss is the micro-batch's share of the step's mean already.
+                scaled = loss if denominator is not None else loss / len(batches)
                 # The last backward may start the update (Note [updates in backward]).
                 with self._backward_context() if last else contextlib.nullcontext():
                     self.grad_scaler.scale(scaled).backward()
@@ -432,10 +460,10 @@ class Trainer:
         return results
 
 
-def _task_loss(task: str, model, batch: dict, attention: str | None = None):
+def _task_loss(task: str, model, batch: dict, attention: str | None = None, denominator=None):
     """``task_loss``, with an embedding's raw IndexError told as the data problem it is."""
     try:
-        return task_loss(task, model, batch, attention)
+        return task_loss(task, model, batch, attention, denominator)
     except IndexError as e:
         raise ValueError(
             f"a batch holds an index the model has no row for ({e}): most likely a token id "
