@@ -333,16 +333,7 @@ def test_packed_rows_give_each_document_its_own_logits(tmp_path, tokenizer_dirs,
     batch = next(iter(get_data_processor("HFDatasetProcessor")(section, True)))
     assert (batch["position_ids"] == 0).sum() > batch["input_ids"].shape[0]  # packed
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=320,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        attn_implementation=attention,
-    )
+    config = _tiny_llama_config(attn_implementation=attention)
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():
         kwargs = model_kwargs("lm", batch, attention)
@@ -553,9 +544,9 @@ def _run_params(tmp_path: Path, tokenizer: Path, data: Path, model: dict) -> Pat
     )
 
 
-def _tiny_llama_folder(folder: Path) -> Path:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
+def _tiny_llama_config(**overrides):
+    """A 2-layer Llama for the tokenizers' 320 ids."""
+    return transformers.LlamaConfig(
         vocab_size=320,
         hidden_size=32,
         intermediate_size=64,
@@ -563,7 +554,13 @@ def _tiny_llama_folder(folder: Path) -> Path:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=128,
+        **overrides,
     )
+
+
+def _tiny_llama_folder(folder: Path) -> Path:
+    torch.manual_seed(0)
+    config = _tiny_llama_config()
     config.save_pretrained(folder)
     return folder
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from eager_lm import train_eagerly
 from local_tokenizer import train_bpe
+from test_hf_finetune import _save_pretrained, _section
 
 from weightstream import checkpoint as ckpt
 from weightstream.cli.main import main
@@ -57,16 +58,7 @@ def pretrained(tmp_path_factory) -> Path:
     """The base: a Llama as save_pretrained writes it, with its tokenizer."""
     folder = tmp_path_factory.mktemp("pretrained")
     tokenizer = train_bpe(tmp_path_factory.mktemp("tokenizer"), TOKENIZER_VOCAB)
-    torch.manual_seed(0)
-    _llama().save_pretrained(folder)
-    shutil.copy(tokenizer, folder / "tokenizer.json")
-    return folder
-
-
-def _section(folder: Path) -> dict:
-    section = pf.text_input(BATCH, SEQ, shuffle=False, max_bytes=2**18, tokenizer=str(folder))
-    section["vocab_size"] = MODEL_VOCAB
-    return section
+    return _save_pretrained(_llama, folder, tokenizer)
 
 
 def _values(
