@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from eager_lm import train_eagerly
 from local_tokenizer import train_bpe
-from test_hf_finetune import _save_pretrained, _section
+from test_hf_finetune import _llama, _save_pretrained, _section
 
 from weightstream import checkpoint as ckpt
 from weightstream.cli.main import main
@@ -36,21 +36,6 @@ peft = pytest.importorskip("peft")
 BATCH, SEQ, STEPS, LR = 4, 16, 10, 5e-3
 MODEL_VOCAB, TOKENIZER_VOCAB = 320, 300
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
-
-
-def _llama():
-    return transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=MODEL_VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            tie_word_embeddings=False,
-        )
-    )
 
 
 @pytest.fixture(scope="module")
