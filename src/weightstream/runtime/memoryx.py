@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from weightstream.common.materialize import materialize
+from weightstream.runtime import swarm
 from weightstream.runtime.placement import Placement
 from weightstream.runtime.sharding import Replicated, ShardedStore
 from weightstream.runtime.store import DiskStore
@@ -210,7 +211,7 @@ class MemoryX:
                 continue
             seen.add(id(p))
             if reducer is not None:
-                self._grad_hooks.append(p.register_hook(_before_accumulate(reducer, p)))
+                self._grad_hooks.append(p.register_hook(swarm.before_accumulate_hook(reducer, p)))
             self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._accumulated))
 
     def _accumulated(self, p: nn.Parameter) -> None:
@@ -258,10 +259,3 @@ class MemoryX:
             h.remove()
         self._grad_hooks.clear()
         self.tier.close()
-
-
-def _before_accumulate(reducer, p: nn.Parameter) -> Callable[[torch.Tensor], None]:
-    def hook(_grad: torch.Tensor) -> None:
-        reducer.before_accumulate(p)  # set aside a mean reduced earlier in this step
-
-    return hook

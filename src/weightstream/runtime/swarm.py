@@ -232,8 +232,11 @@ def shutdown() -> None:
 # checked: use weightstream's optimizers (``cstorch.optim``) on a sharded store.
 
 
-def _before(reducer: GradientReducer, p: torch.nn.Parameter) -> Callable[[torch.Tensor], None]:
-    """A tensor hook of ``p`` calling ``reducer.before_accumulate(p)``."""
+def before_accumulate_hook(
+    reducer: GradientReducer, p: torch.nn.Parameter
+) -> Callable[[torch.Tensor], None]:
+    """A tensor hook of ``p`` calling ``reducer.before_accumulate(p)`` (set aside a mean
+    reduced earlier in this step)."""
 
     def hook(_grad: torch.Tensor) -> None:
         reducer.before_accumulate(p)
@@ -302,7 +305,7 @@ class GradientReducer:
         if install_hooks:
             for params in self.buckets:
                 for p in params:
-                    self._hooks.append(p.register_hook(_before(self, p)))
+                    self._hooks.append(p.register_hook(before_accumulate_hook(self, p)))
                     self._hooks.append(p.register_post_accumulate_grad_hook(self.after_accumulate))
 
     # ---- hooks (autograd thread) ---------------------------------------------------------
