@@ -54,10 +54,10 @@ def fmt(s: dict[str, float], digits: int = 3) -> str:
 
 
 def machine_profile(disk_dir: str | Path | None = None):
-    """The machine's measured limits (cached by the compiler; measured once on a miss)."""
-    from weightstream.compiler import machine
+    """The machine's measured rates (the compiler's probe, cached; measured once on a miss)."""
+    from weightstream.compiler import probe
 
-    return machine.load_or_measure("cpu", disk_dir=disk_dir)
+    return probe.load_or_measure("cpu", disk_dir=disk_dir)
 
 
 def peak_rss_bytes() -> int:

@@ -54,10 +54,6 @@ ALLOWED: dict[tuple[str, str], str] = {
         "memo of one tokenized corpus keyed by the files' identity (path, mtime, size) and "
         "the settings: a pure function of its key, whatever run asks"
     ),
-    ("weightstream.compiler.hardware", "_TRACED"): (
-        "memo of meta-device cost traces keyed by the argument shapes and dtypes: a pure "
-        "function of its key"
-    ),
     ("weightstream.checkpoint.kernel", "_broken"): (
         "the C library functions this kernel lacks (ENOSYS): a fact about the process's "
         "kernel, the same for every run"

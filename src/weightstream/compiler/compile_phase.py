@@ -5,18 +5,14 @@ a checksum over the model structure, the batch shape and the settings that
 change the plan; a later run with the same checksum reuses it (a cache hit)
 instead of costing the model again.
 
-Set ``WEIGHTSTREAM_QUICK_MACHINE_PROFILE=1`` to measure the machine with tiny
-sizes (tests); the profile is measured once per machine and cached (see
-:mod:`weightstream.compiler.machine`).
-
-What the estimate needs besides the model and the machine (see
-:mod:`weightstream.compiler.estimate`): the step's loss (the task's
-cross-entropy on meta labels, as the trainer computes it), the cost of the
-run's optimizer update (``machine.update_cost``, measured once per optimizer
-setting and cached with the profile), the attention speed of the compute dtype
-if it is not float32 (``machine.attention_curve_for``, cached likewise) and, when the training input has no
-worker processes, the seconds the input pipeline takes per batch (timed here
-on a few batches: it runs serially with every step).
+The estimate (Note [the roofline] in estimate.py) prices the counted costs with
+the probe's rates (``probe.py``: measured once per machine and torch version,
+cached; ``WEIGHTSTREAM_QUICK_MACHINE_PROFILE=1`` measures with tiny sizes, for
+tests). Besides the model and the machine it needs the step's loss (the task's
+cross-entropy on meta labels, as the trainer computes it), the optimizer's bytes
+per parameter, a disk store's predicted traffic and, when the training input
+has no worker processes, the seconds the input pipeline takes per batch (timed
+here on a few batches: it runs serially with every step).
 """
 
 from __future__ import annotations
@@ -30,12 +26,16 @@ from pathlib import Path
 import torch
 
 from weightstream.compiler.cost import StepCosts, unit_costs
-from weightstream.compiler.estimate import Estimate, EstimateSettings, estimate
-from weightstream.compiler.machine import attention_curve_for, load_or_measure, update_cost
-from weightstream.compiler.profile import MachineProfile
+from weightstream.compiler.estimate import (
+    CLIP_BYTES,
+    DEFAULT_UPDATE_BYTES,
+    UPDATE_BYTES,
+    Estimate,
+    EstimateSettings,
+    estimate,
+)
+from weightstream.compiler.probe import Probe, load_or_measure
 from weightstream.compiler.report import compile_checksum, load_compile_dir, write_compile_dir
-from weightstream.compiler.software import tiny_training_steps
-from weightstream.compiler.updates import update_spec
 from weightstream.models.tasks import attention_of, model_inputs, model_kwargs
 from weightstream.runtime import swarm
 from weightstream.runtime.config import StreamingConfig
@@ -53,28 +53,18 @@ def quick_profile() -> bool:
     return os.environ.get(ENV_QUICK) == "1"
 
 
-def _update_spec_of(
-    params, device: torch.device, weight_streaming: bool, numel: int | None = None
-) -> dict:
+def update_bytes(params) -> int:
+    """Bytes the params file's optimizer update moves per trainable parameter."""
     opt = params.optimizer
-    kwargs = opt.optimizer_kwargs()
-    return update_spec(
-        opt.optimizer_type,
-        kwargs,
-        max_gradient_norm=opt.max_gradient_norm,
-        max_gradient_value=opt.max_gradient_value,
-        grad_scaler=opt.grad_scaler_kwargs(),
-        # Weight streaming updates the host masters; layer pipelined, the device copies.
-        device="cpu" if weight_streaming else device,
-        # The run steps a scheduler whenever it has a learning rate (cli/run.py).
-        schedule=kwargs.get("learning_rate"),
-        numel=numel,
-    )
+    name = opt.optimizer_type.lower()
+    if name == "sgd" and opt.optimizer_kwargs().get("momentum"):
+        name = "sgd_momentum"
+    clip = opt.max_gradient_norm is not None or opt.max_gradient_value is not None
+    return UPDATE_BYTES.get(name, DEFAULT_UPDATE_BYTES) + (CLIP_BYTES if clip else 0)
 
 
 def settings_of(run) -> dict:
     rc = run.rc
-    compute = run._compute_dtype()
     return {
         "execution_mode": rc.execution_mode,
         "device": str(run.device),
@@ -83,10 +73,11 @@ def settings_of(run) -> dict:
         "granularity": rc.streaming.granularity,
         "unit_modules": list(rc.streaming.unit_modules or ()),
         "activation_checkpointing": rc.streaming.activation_checkpointing,
-        "compute_dtype": compute or "float32",
+        "compute_dtype": run._compute_dtype() or "float32",
         "num_csx": rc.num_csx,
         # The estimate depends on these too (a cached estimate must match them).
-        "update": _update_spec_of(run.params, run.device, run.ws),
+        "update_bytes": update_bytes(run.params),
+        "store": rc.streaming.store,
         "input_num_workers": run.params.train_input.num_workers,
     }
 
@@ -116,32 +107,23 @@ def recomputed(compiled, plan: Plan) -> tuple[int, ...]:
     return tuple(u.index for u in plan.units if id(u.module) in inside)
 
 
-def input_seconds_per_batch(section: dict, device, quick: bool = False) -> float:
-    """Seconds one batch of ``section`` costs the training process (0 with worker processes).
-
-    Each timed batch follows tiny training steps and their logging
-    (``software.tiny_training_steps``), as a batch follows a step in a run.
-    """
+def input_seconds_per_batch(section: dict, quick: bool = False) -> float:
+    """Seconds one batch of ``section`` costs the training process (0 with worker processes)."""
     if int(section.get("num_workers") or 0) > 0:
         return 0.0
     from weightstream.data.throughput import measure_input
 
     steps = 2 if quick else INPUT_TIMING_BATCHES
-    with tiny_training_steps(device) as between:
-        m = measure_input(
-            section, True, 0, steps, max_seconds=INPUT_TIMING_SECONDS, between=between
-        )
-    return m.seconds_per_batch
+    return measure_input(section, True, 0, steps, max_seconds=INPUT_TIMING_SECONDS).seconds_per_batch
 
 
 def estimate_for(
     model: torch.nn.Module,
     plan: Plan,
     args: tuple,
-    batch_size: int,
     *,
     task: str | None,
-    machine: MachineProfile,
+    probe: Probe,
     settings: EstimateSettings,
     kwargs: dict | None = None,
 ) -> tuple[StepCosts, Estimate]:
@@ -153,12 +135,12 @@ def estimate_for(
     """
     loss_fn = task_loss_fn(task, args) if task is not None else None
     costs = unit_costs(model, plan, args, kwargs or {}, loss_fn=loss_fn)
-    return costs, estimate(costs, machine, settings)
+    return costs, estimate(costs, probe, settings)
 
 
 def estimate_from_params(
     params, device: torch.device | str = "cpu", batch: dict | None = None, input_s: float = 0.0
-) -> tuple[Estimate, MachineProfile]:
+) -> tuple[Estimate, Probe]:
     """The compile phase's estimate for a params file's model and training batch,
     without a run (what the input analyzer compares the input pipeline with).
 
@@ -188,63 +170,50 @@ def estimate_from_params(
         model = params.model.build()
     kwargs = model_kwargs(task, batch, attention_of(model))
     rc = params.runconfig
-    if rc.execution_mode == "weight_streaming":
-        config = rc.streaming  # the run's streaming settings
+    ws = rc.execution_mode == "weight_streaming"
+    if ws:
         try:
-            plan = build_plan(model, config, trace_forward(model, args, kwargs))
+            plan = build_plan(model, rc.streaming, trace_forward(model, args, kwargs))
         except Exception:  # as the engine: a structural plan when the trace fails
-            plan = build_plan(model, config)
+            plan = build_plan(model, rc.streaming)
     else:
         plan = build_plan(model, StreamingConfig(granularity="module"))
-    machine = load_or_measure(device, quick=quick_profile())
-    batch_size = batch_size_of(batch)
-    ws = rc.execution_mode == "weight_streaming"
     placement = _disk_placement(rc.streaming, ws, model, plan, device)
-    settings = estimate_settings(
-        params, device, batch_size, machine, input_s, model, placement=placement
-    )
-    _, est = estimate_for(
-        model, plan, args, batch_size, task=task, machine=machine, settings=settings, kwargs=kwargs
-    )
-    return est, machine
+    probe = load_or_measure(device, quick=quick_profile(), disk_dir=_disk_dir(rc, placement))
+    settings = estimate_settings(params, batch_size_of(batch), input_s, placement=placement)
+    _, est = estimate_for(model, plan, args, task=task, probe=probe, settings=settings, kwargs=kwargs)
+    return est, probe
+
+
+def _disk_dir(rc, placement) -> str | None:
+    """Where a disk store with file traffic keeps its files (its probe figures' key)."""
+    if placement is None or not placement.disk_reads_per_step + placement.disk_writes_per_step:
+        return None
+    return str(rc.streaming.store_dir or Path(rc.model_dir) / "store")
 
 
 def estimate_settings(
-    params,
-    device: torch.device,
-    batch_size: int,
-    machine: MachineProfile,
-    input_s: float,
-    model: torch.nn.Module | None = None,
-    recompute: tuple[int, ...] = (),
-    placement=None,
+    params, batch_size: int, input_s: float, recompute: tuple[int, ...] = (), placement=None
 ) -> EstimateSettings:
-    """The estimate settings of a params file's run (the update cost measured if new,
-    on tensors as large as ``model``'s trainable parameters when given; ``recompute``:
-    the units activation checkpointing runs again; ``placement``: a disk store's
-    predicted ``runtime.placement.Placement``, whose file traffic is priced)."""
-    numel = None
-    if model is not None:
-        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    """The estimate settings of a params file's run (``recompute``: the units activation
+    checkpointing runs again; ``placement``: a disk store's predicted
+    ``runtime.placement.Placement``, whose file traffic is priced)."""
     rc = params.runconfig
     ws = rc.execution_mode == "weight_streaming"
     m = params.model
     compute = (m.fp16_type if m.mixed_precision else None) or "float32"
-    compute_dtype = compute if compute != "cbfloat16" else "float32"
-    attention_curve_for(machine, compute_dtype)
     return EstimateSettings(
         batch_size=batch_size,
         prefetch_depth=rc.streaming.prefetch_depth if ws else 0,
-        compute_dtype=compute_dtype,
+        compute_dtype=compute if compute != "cbfloat16" else "float32",
         transfer_dtype=None if compute in ("float32", "cbfloat16") or not ws else compute,
         weight_streaming=ws,
-        update=update_cost(machine, _update_spec_of(params, device, ws, numel)),
+        update_bytes=update_bytes(params),
         input_s=input_s,
-        step_overhead_s=machine.step_overhead_s,
         recompute=recompute,
         disk_read_bytes=placement.disk_reads_per_step if placement is not None else 0,
         disk_write_bytes=placement.disk_writes_per_step if placement is not None else 0,
-        forward_reads_disk=placement is not None and bool(placement.disk.get("master")),
+        disk_dir=_disk_dir(rc, placement),
     )
 
 
@@ -273,30 +242,16 @@ def run(run, compiled, args: tuple, batch_size: int, kwargs: dict | None = None)
     if plan is None:  # layer pipelined: cost the model layer by layer all the same
         plan = build_plan(model, StreamingConfig(granularity="module"))
     quick = quick_profile()
-    machine = load_or_measure(run.device, quick=quick)
-    input_s = input_seconds_per_batch(run.params.train_input.to_dict(), run.device, quick)
-    recompute = recomputed(compiled, plan)
     store = compiled.engine.store if compiled.engine is not None else None
+    placement = _disk_placement(rc.streaming, run.ws, model, compiled.plan, run.device, store)
+    probe = load_or_measure(run.device, quick=quick, disk_dir=_disk_dir(rc, placement))
+    input_s = input_seconds_per_batch(run.params.train_input.to_dict(), quick)
     settings_e = estimate_settings(
-        run.params,
-        run.device,
-        batch_size,
-        machine,
-        input_s,
-        model,
-        recompute,
-        _disk_placement(run.rc.streaming, run.ws, model, compiled.plan, run.device, store),
+        run.params, batch_size, input_s, recomputed(compiled, plan), placement
     )
     try:
         costs, est = estimate_for(
-            model,
-            plan,
-            args,
-            batch_size,
-            task=run.task,
-            machine=machine,
-            settings=settings_e,
-            kwargs=kwargs,
+            model, plan, args, task=run.task, probe=probe, settings=settings_e, kwargs=kwargs
         )
     except (RuntimeError, NotImplementedError, TypeError) as exc:
         # A forward with data-dependent Python on tensor values (transformers'
@@ -308,7 +263,7 @@ def run(run, compiled, args: tuple, batch_size: int, kwargs: dict | None = None)
             stacklevel=2,
         )
         return {"est_samples_per_sec": None, "cache_hit": False}
-    path = write_compile_dir(root, checksum, plan, costs, est, machine, settings=settings)
+    path = write_compile_dir(root, checksum, plan, costs, est, probe, settings=settings)
     log.info(
         "Compiled into %s: estimated %.3g samples/sec (bound by %s)",
         path,
@@ -319,11 +274,10 @@ def run(run, compiled, args: tuple, batch_size: int, kwargs: dict | None = None)
 
 
 def _disk_placement(streaming, ws: bool, model, plan, device, store=None):
-    """Where the run's disk store places this rank's training state (Note [disk traffic
-    in the estimate] in estimate.py): a running ``store``'s own prediction (a sharded
-    store's share), else as a store would place it, unless the store may be sharded
-    over ranks (which share is this rank's is not known without one). None for a
-    store in RAM, or where not known."""
+    """Where the run's disk store places this rank's training state: a running
+    ``store``'s own prediction (a sharded store's share), else as a store would place
+    it, unless the store may be sharded over ranks (which share is this rank's is not
+    known without one). None for a store in RAM, or where not known."""
     if not ws or streaming.store != "disk" or plan is None:
         return None
     predicted = None if store is None else store.predicted_placement()

@@ -19,11 +19,10 @@ Three instruments watch that run:
 * module hooks on the unit modules, which open and close the unit windows.
 * a TorchDispatchMode (``_OpCounter``) sees every aten operator that runs: it
   counts them (each costs a fixed dispatch and autograd overhead on a real
-  run, whatever its size), adds the bytes that non-matmul operators read and
-  write (elementwise, norms, reductions, casts: their time is memory traffic,
-  see Note [operator bytes]) and files each matmul-like operator's FLOPs
-  under its effective size (small products run far below the matmul peak).
-  The same attribution as the FLOPs decides which entry gets them.
+  run, whatever its size), keeps each matmul-like operator as (FLOPs, bytes)
+  and adds the bytes that the other operators read and write (elementwise,
+  norms, reductions, casts: Note [operator bytes]). The same attribution as
+  the FLOPs decides which entry gets them.
 
 Note [attributing FLOPs]
 ------------------------
@@ -64,10 +63,6 @@ from weightstream.compiler.operators import (
     FUSED_ON_DEVICE,
     NO_TRAFFIC,
     QUERIES,
-    SIMPLE,
-    attention_size,
-    matmul_size,
-    op_class,
     tensor_bytes,
 )
 from weightstream.runtime.partition import Plan
@@ -94,31 +89,22 @@ class UnitCost:
     tensors: int = 0  # parameter tensors fetched with the unit (each costs streaming work)
     fwd_ops: int = 0  # aten operators run in forward (views included)
     bwd_ops: int = 0
-    # bytes read + written by non-matmul operators: operator class (OP_CLASSES,
-    # or "simple") -> bytes one operator moves -> bytes moved by all such operators
-    fwd_mem: dict[str, dict[int, int]] = field(default_factory=dict)
-    bwd_mem: dict[str, dict[int, int]] = field(default_factory=dict)
-    # matmul-like FLOPs by effective size n (``matmul_size`` of one product;
-    # 0: a shape without that formula, priced at the peak). With the attention
-    # FLOPs they sum to fwd_flops / bwd_flops.
-    fwd_matmul: dict[int, int] = field(default_factory=dict)
-    bwd_matmul: dict[int, int] = field(default_factory=dict)
-    # scaled dot-product attention FLOPs (counted on its math decomposition)
-    # by effective size n (the cube root of T * S * head_dim); part of *_flops.
-    fwd_attention: dict[int, int] = field(default_factory=dict)
-    bwd_attention: dict[int, int] = field(default_factory=dict)
+    fwd_bytes: int = 0  # bytes read + written by the operators without FLOPs
+    bwd_bytes: int = 0
+    # each matmul-like operator (attention included) as (FLOPs, bytes it moves);
+    # their FLOPs sum to fwd_flops / bwd_flops
+    fwd_products: list[tuple[int, int]] = field(default_factory=list)
+    bwd_products: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def flops(self) -> int:
         return self.fwd_flops + self.bwd_flops
 
     @property
-    def fwd_mem_bytes(self) -> int:
-        return sum(sum(by_size.values()) for by_size in self.fwd_mem.values())
-
-    @property
-    def bwd_mem_bytes(self) -> int:
-        return sum(sum(by_size.values()) for by_size in self.bwd_mem.values())
+    def op_bytes(self) -> int:
+        """Bytes every operator of both passes moves (products included)."""
+        products = sum(b for _, b in (*self.fwd_products, *self.bwd_products))
+        return self.fwd_bytes + self.bwd_bytes + products
 
     @property
     def ops(self) -> int:
@@ -164,8 +150,8 @@ class StepCosts:
         return sum(e.ops for e in self.entries)
 
     @property
-    def mem_bytes(self) -> int:
-        return sum(e.fwd_mem_bytes + e.bwd_mem_bytes for e in self.entries)
+    def op_bytes(self) -> int:
+        return sum(e.op_bytes for e in self.entries)
 
 
 def default_loss(output) -> torch.Tensor | None:
@@ -188,21 +174,11 @@ class _PassStats:
     """What ``_OpCounter`` saw of one entry in one pass."""
 
     ops: int = 0
-    mem: dict[str, dict[int, int]] = field(default_factory=dict)  # class -> op bytes -> bytes
-    matmul: dict[int, int] = field(default_factory=dict)  # effective size -> FLOPs
-    attention: dict[int, int] = field(default_factory=dict)  # effective size -> FLOPs
-
-    def add_mem(self, cls: str, nbytes: int) -> None:
-        by_size = self.mem.setdefault(cls, {})
-        by_size[nbytes] = by_size.get(nbytes, 0) + nbytes
+    bytes: int = 0  # moved by the operators without FLOPs
+    products: list[tuple[int, int]] = field(default_factory=list)  # (FLOPs, bytes) each
 
     def scaled(self, k: int) -> _PassStats:
-        return _PassStats(
-            k * self.ops,
-            {c: {n: k * b for n, b in d.items()} for c, d in self.mem.items()},
-            {n: k * f for n, f in self.matmul.items()},
-            {n: k * f for n, f in self.attention.items()},
-        )
+        return _PassStats(k * self.ops, k * self.bytes, [(k * f, k * b) for f, b in self.products])
 
 
 class _Attribution:
@@ -231,7 +207,7 @@ class _Attribution:
 
 
 class _OpCounter(TorchDispatchMode):
-    """Counts operators, non-matmul bytes and matmul FLOPs by size into the open entry."""
+    """Counts operators, their bytes and the products' FLOPs into the open entry."""
 
     def __init__(self, att: _Attribution, flop_registry: dict):
         super().__init__()
@@ -239,12 +215,11 @@ class _OpCounter(TorchDispatchMode):
         self.flop_registry = flop_registry
         self.suspended = 0  # > 0: inside a fused call (its cost was credited as a whole)
 
-    def credit(self, mem_bytes: int, attention_size: int, attention_flops: int) -> None:
+    def credit(self, nbytes: int, flops: int) -> None:
         """One fused operator (Note [operator bytes])."""
         stats = self.att.stats()
         stats.ops += 1
-        stats.add_mem(SIMPLE, mem_bytes)
-        stats.attention[attention_size] = stats.attention.get(attention_size, 0) + attention_flops
+        stats.products.append((flops, nbytes))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -256,12 +231,11 @@ class _OpCounter(TorchDispatchMode):
         formula = self.flop_registry.get(func._overloadpacket)
         if formula is not None:
             flops = formula(*args, **kwargs, out_val=out)
-            size = matmul_size(func, args)
-            stats.matmul[size] = stats.matmul.get(size, 0) + flops
+            stats.products.append((flops, tensor_bytes((args, kwargs)) + tensor_bytes(out)))
         elif func is torch.ops.aten.embedding.default:
-            stats.add_mem(SIMPLE, tensor_bytes(args[1]) + 2 * tensor_bytes(out))
+            stats.bytes += tensor_bytes(args[1]) + 2 * tensor_bytes(out)
         elif not (func.is_view or func in NO_TRAFFIC):
-            stats.add_mem(op_class(func), tensor_bytes((args, kwargs)) + tensor_bytes(out))
+            stats.bytes += tensor_bytes((args, kwargs)) + tensor_bytes(out)
         return out
 
 
@@ -290,14 +264,13 @@ class _NodeTagger(TorchFunctionMode):
         finally:
             if fused:
                 self._ops.suspended -= 1
-        bwd_credit = None  # (bytes, size, FLOPs) of the fused call's backward
+        bwd_credit = None  # (bytes, FLOPs) of the fused call's backward
         if fused:
             fwd_bytes = tensor_bytes((args, kwargs)) + tensor_bytes(out)
-            size = attention_size(args, kwargs)
             fwd_flops = self._ops.att.counter.get_total_flops() - flops_before
-            self._ops.credit(fwd_bytes, size, fwd_flops)
+            self._ops.credit(fwd_bytes, fwd_flops)
             # Backward of the math path: 4 products for forward's 2 (dQ, dK, dV, dP).
-            bwd_credit = (2 * fwd_bytes, size, 2 * fwd_flops)
+            bwd_credit = (2 * fwd_bytes, 2 * fwd_flops)
         outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         tops = {t.grad_fn for t in outs if t.grad_fn is not None}
         todo = list(tops)
@@ -437,12 +410,10 @@ def unit_costs(
             activation_bytes=activation[i],
             fwd_ops=f.ops,
             bwd_ops=b.ops,
-            fwd_mem={c: dict(sorted(d.items())) for c, d in sorted(f.mem.items())},
-            bwd_mem={c: dict(sorted(d.items())) for c, d in sorted(b.mem.items())},
-            fwd_matmul=dict(sorted(f.matmul.items())),
-            bwd_matmul=dict(sorted(b.matmul.items())),
-            fwd_attention=dict(sorted(f.attention.items())),
-            bwd_attention=dict(sorted(b.attention.items())),
+            fwd_bytes=f.bytes,
+            bwd_bytes=b.bytes,
+            fwd_products=f.products,
+            bwd_products=b.products,
         )
 
     units = []
@@ -482,8 +453,8 @@ class _Function(torch.nn.Module):
 def function_costs(fn: Callable, example_args: tuple, loss_fn: Callable | None = None) -> UnitCost:
     """The costs of one forward and backward of ``fn(*example_args)``, as one entry.
 
-    The same instruments as :func:`unit_costs` (the machine profile counts
-    the operators it times with this, so that counting and timing agree).
+    The same instruments as :func:`unit_costs` (the probe counts the operators
+    it times with this, so that counting and timing agree).
     """
     costs = unit_costs(_Function(fn), Plan([], traced=True), example_args, loss_fn=loss_fn)
     return costs.outside

@@ -1,116 +1,42 @@
-"""Estimated step time and samples/sec of a training run, before any step.
+"""Estimated step time and samples/sec of a training run, before any step: a roofline.
 
-Inputs: the measured per-unit costs (``cost.py``), the machine profile
-(``machine.py``) and the run settings. Every term is written out here.
+Inputs: the counted per-unit costs (``cost.py``), the probe's rates
+(``probe.py``) and the run settings. Note [the roofline] says what each term
+prices and why.
 
-Per entry (a streaming unit, or everything outside the units) and pass
-(forward, backward), the work on the compute device is:
+Note [the roofline]
+-------------------
+Per streaming unit, with the probe's rates (peak FLOP/s of the compute dtype,
+memory, link and disk bandwidths, fixed costs: Note [fixed costs] in probe.py):
 
-* compute: matmul-like FLOPs by effective size n / the matmul throughput at n
-  (``MachineProfile.matmul_throughput``: the measured curve, the dtype's peak
-  for large or unknown shapes), plus attention FLOPs by effective size / the
-  attention throughput at n, plus any other counted FLOPs / the peak;
-* memory: for each non-matmul operator, the bytes it reads and writes / the
-  measured throughput of its class at its size
-  (``MachineProfile.op_throughput``; Note [operator bytes] in ``operators.py``),
-  at most the simple operators' throughput on operands larger than the caches
-  (``MachineProfile.cold_op_throughput``: a step's operands are cold, Note [in situ]);
-* overhead: operators run x the fixed cost of one operator in that pass
-  (``op_overhead_fwd_s`` / ``op_overhead_bwd_s``; Note [fixed costs] in
-  ``software.py``).
+* compute: each matmul-like operator at max(FLOPs / peak, bytes / memory
+  bandwidth) (Note [operator bytes] in operators.py): a thin product is bound
+  by its operands, a square one by its arithmetic;
+* memory: the bytes every other operator reads and writes, and the unit's
+  saved activations once more in each pass (written into fresh pages the
+  kernel must fault in and zero in the forward, read back cold in the
+  backward: GPT-2 small's eager step on a CPU spent ~60% of its time in the
+  kernel), over the memory bandwidth;
+* overhead: operators x ``op_s`` and trainable parameter tensors x ``tensor_s``;
+* update: the optimizer's bytes per trainable parameter (``update_bytes``)
+  over the bandwidth of the memory holding the masters (the host's when
+  streaming);
+* link: what streaming moves, 2 fetches of the weights and the gradients back,
+  over the host -> device link (on the CPU a fetch is a host copy: each byte
+  read and written at the memory bandwidth);
+* disk: the disk store's file traffic a step (its placement's prediction),
+  shared among the units by their trainable parameters, at the disk's
+  bandwidths.
 
-work = (compute + memory) x ``in_situ_factor`` + overhead: the profile's figures
-time each kind of work alone, and a training step runs its work on data slower
-than the sum of its parts (cold operands, outputs on fresh memory, the prefetch
-thread beside the compute); the factor is measured on a proxy training step
-(Note [in situ] in ``software.py``). The fixed costs (operators, streaming
-bookkeeping) and a measured update below are not scaled: they are measured as
-they occur in a step. Compute in a dtype slower than float32 takes
-a diluted factor (``MachineProfile.in_situ_compute_factor``).
-
-Weight streaming adds, per unit:
-
-* transfer: forward = weight bytes / streaming bandwidth (the forward
-  fetch); backward = (weight bytes + gradient bytes) / streaming bandwidth
-  (the backward fetch, and the gradients of trainable parameters going back
-  to the host). The streaming bandwidth is the one the runtime was measured
-  to achieve (``MachineProfile.stream_bandwidth``), or the copy bandwidth;
-* the unit's share of a pass: with prefetch_depth >= 1 the fetch of the next
-  unit of the pass (forward: the next unit; backward: the previous one) runs
-  behind this unit's work, so max(work, next unit's transfer), and the first
-  unit of each pass (forward: the first; backward: the last) also waits for
-  its own fetch, which nothing hides; with 0, work + its own transfer;
-* stream: ``unit_overhead_s`` per unit per step (hooks, the two fetches'
-  bookkeeping, the background hand-off, the stream-in autograd node), plus
-  ``param_overhead_s`` per parameter tensor the unit streams (its view of the
-  flat buffer, its slot swapped in and out, its saved weight rebuilt in
-  backward, its gradient routed back to the master);
-
-and once per step, whatever the units, ``stream_call_s`` (the streamed call:
-the input moved to the device, the pass opened and closed, the first unit's
-prefetch handed to the background thread), a fixed cost like the stream term.
-
-Layer pipelined runs (``weight_streaming=False``) have no transfer and no
-stream term: a unit's share is its work.
-
-A unit whose forward runs again in its backward (``activation_checkpointing``;
-``EstimateSettings.recompute``) adds its forward work to its backward work; its
-backward fetch is counted already.
-
-update: the optimizer step after the backward (no overlap). With a measured
-``UpdateCost`` (``machine.update_cost``: the trainer's whole update sequence,
-clipping, loss scaler and learning-rate scheduler included): fixed + trainable
-tensors x per tensor + trainable elements x per element, split per unit by its
-tensors and elements (the fixed part is the step's); each timed update follows
-tiny training steps, as it follows a backward in a run (Note [update in context]
-in ``updates.py``). Without one: trainable
-parameters x optimizer bytes per parameter / host memory bandwidth (AdamW in
-fp32 streams 7 tensors of 4 bytes per parameter: it reads param, grad,
-exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq: 28 bytes).
-
-input: seconds the training process spends producing one batch (measured by
-the compile phase when the data loader has no worker processes; 0 with
-workers, whose throughput the input analyzer compares with the model's).
-
-step overhead: the run loop's bookkeeping per step (``step_overhead_s``:
-reading the loss back, logging TensorBoard scalars), and the step's passes
-starting cold after the last update (``software.py``).
-
-step = sum over units (forward share + backward share + stream) + stream call +
-outside work (forward + backward) + update + step overhead + input; est. samples/sec =
-batch / step, and the model's own consumption rate is batch / (step - input). With
-a disk store whose files hold part of the training state, at least its file
-traffic bound (Note [disk traffic in the estimate]).
-
-Note [disk traffic in the estimate]
------------------------------------
-A disk store keeps what its RAM tier cannot hold in files (Note [disk tier] in
-runtime/store.py), and a step reads and writes them: its placement predicts the
-bytes (``Placement.disk_reads_per_step`` / ``disk_writes_per_step``), priced at
-the profile's disk bandwidths (a 64 MiB file written with fsync and read back
-cold, on the profile's disk directory). A step cannot take less than the file
-traffic plus what cannot overlap it: while the masters are in RAM the forward
-reads no file (state is read for each unit's update, once its gradient exists,
-and written after it), so the floor is the forward + the traffic; with masters in
-the files the traffic spans the whole step. Measured at 1.39x RAM
-(``benchmarks/larger_than_ram.py``, 15.6 GiB a step, two runs): forward 3.8 and
-4.9 s, the traffic at that run's burst bandwidths 8.6 and 12.6 s, compute alone
-7.3 and 9.5 s, the step 15.3 and 20.3 s. The floor is 0.81 and 0.86 of the
-step; the compute alone, all an estimate without this term could see, 0.48 and
-0.47. Bursts run faster than a step's sustained mix of reads beside writes, so
-the floor stays below the step while the disk keeps the speed it was profiled
-at (this VM's disk varies 1.5-2.5x over hours: the profile's figures are
-measured once); what the tier costs besides (the store's per-tensor I/O) is not
-priced: a 0.9M-parameter model with 19 MB of traffic a step ran at half its
-estimate. The report shows the term (``disk``) whether or not it binds, so the
-cost of a budget is visible before any step.
-
-The physical limit (design.md, "Performance") is the larger of the compute
-time (all FLOPs / peak) and the busiest link's time (bytes it moves / its
-bandwidth): the device link carries 2 x weights + gradients, host RAM the
-optimizer traffic. When the compute device is the CPU the link *is* host
-RAM, so both traffics and the non-matmul operators' bytes are added on that
-one link (a copy of n bytes moves 2n).
+Compute, memory, overhead and update run one after the other on a CPU (the
+same cores and memory); on an accelerator the host's operator overhead hides
+under the device's work, so the larger of the two counts. With prefetching
+(``prefetch_depth`` >= 1) link and disk overlap that work and the unit takes
+the largest of the three; without, their sum. A unit whose forward runs again
+in the backward (activation checkpointing) has its forward's terms twice. The
+step is the sum over the units, plus what runs outside them (the loss, root
+operators), ``step_s`` of the probe and the input pipeline's seconds per batch
+when the training process itself makes the batches.
 """
 
 from __future__ import annotations
@@ -120,47 +46,49 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from weightstream.compiler.cost import StepCosts, UnitCost
-from weightstream.compiler.profile import MachineProfile, UpdateCost
+from weightstream.compiler.probe import Probe
 
-ADAMW_FP32_BYTES_PER_PARAM = 7 * 4  # see the module docstring
+# Bytes each trainable parameter moves in an optimizer update, by optimizer
+# (fp32 state; each foreach operator of weightstream's optimizers reads its
+# operands and writes its result). AdamW: decay p (rw), lerp m with g
+# (r m g, w m), v * b2 + g*g (r v g, w v), denom = sqrt(v) (r v, w), its bias
+# correction and eps (rw twice), p += m / denom (r p m d, w p): 80. Other
+# optimizers: the state they read and write (SGD: p rw and g; momentum: its
+# buffer rw twice more).
+UPDATE_BYTES = {"adamw": 80, "adam": 80, "sgd": 12, "sgd_momentum": 28}
+DEFAULT_UPDATE_BYTES = 80
+CLIP_BYTES = 12  # gradient clipping: the norm reads each gradient, the scaling rw
 
 
 @dataclass
 class EstimateSettings:
-    """The run settings the estimate depends on.
+    """What the estimate needs to know of the run besides the costs.
 
     Attributes:
-        batch_size: samples per step (per rank).
-        prefetch_depth: as ``StreamingConfig.prefetch_depth``; >= 1 overlaps copies.
-        compute_dtype: dtype whose matmul throughput prices the FLOPs.
-        transfer_dtype: dtype the weights (and their gradients) cross the link
-            in; None: the masters' own dtype (what the engine streams today).
-        optimizer_bytes_per_param: host bytes read + written per trainable
-            parameter by one optimizer update (used without ``update``).
-        weight_streaming: False for a layer pipelined run (nothing streams).
-        update: the measured cost of the run's optimizer update, or None.
-        input_s: seconds per batch the input pipeline costs the training process.
-        step_overhead_s: seconds per step of the training loop's own bookkeeping.
-        recompute: indices of the units whose forward runs again in their backward
-            (``activation_checkpointing``): their backward work includes it.
-        disk_read_bytes, disk_write_bytes: bytes the disk store's files move a step
-            (its placement's prediction; 0 for a store in RAM).
-        forward_reads_disk: whether the forward reads some of them (masters in the files).
+        batch_size: samples per step.
+        prefetch_depth: 0 serializes link and disk with the work (Note [the roofline]).
+        compute_dtype: the dtype whose matmul peak prices the FLOPs.
+        transfer_dtype: the dtype weights and gradients travel in (None: their own).
+        weight_streaming: False prices layer pipelined (no link, update on the device).
+        update_bytes: bytes moved per trainable parameter by the optimizer update.
+        input_s: seconds the input pipeline costs the training process per batch.
+        recompute: indices of the units whose forward runs again in their backward.
+        disk_read_bytes, disk_write_bytes: bytes the disk store's files move a step.
+        disk_dir: the directory of those files (the probe's disk figures are per
+            directory).
     """
 
     batch_size: int
     prefetch_depth: int = 1
     compute_dtype: str = "float32"
     transfer_dtype: str | None = None
-    optimizer_bytes_per_param: int = ADAMW_FP32_BYTES_PER_PARAM
     weight_streaming: bool = True
-    update: UpdateCost | None = None
+    update_bytes: int = DEFAULT_UPDATE_BYTES
     input_s: float = 0.0
-    step_overhead_s: float = 0.0
     recompute: tuple[int, ...] = ()
     disk_read_bytes: int = 0
     disk_write_bytes: int = 0
-    forward_reads_disk: bool = False
+    disk_dir: str | None = None
 
     def __post_init__(self) -> None:
         self.recompute = tuple(sorted(self.recompute))
@@ -177,86 +105,66 @@ class EstimateSettings:
                 raise ValueError(
                     f"{name} must name a torch dtype (e.g. 'bfloat16'), got {value!r}."
                 )
-        if self.optimizer_bytes_per_param < 0:
-            raise ValueError(
-                f"optimizer_bytes_per_param must be >= 0, got {self.optimizer_bytes_per_param!r}."
-            )
-        for name in ("input_s", "step_overhead_s"):
+        for name in ("update_bytes", "input_s", "disk_read_bytes", "disk_write_bytes"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 seconds, got {getattr(self, name)!r}.")
-
-
-@dataclass
-class PassWork:
-    """The work of one entry in one pass (seconds), term by term."""
-
-    compute_s: float = 0.0  # FLOPs at the throughput of their size
-    memory_s: float = 0.0  # non-matmul operators' bytes at their class's throughput
-    overhead_s: float = 0.0  # operators x fixed cost per operator
-
-    @property
-    def work_s(self) -> float:
-        return self.compute_s + self.memory_s + self.overhead_s
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}.")
 
 
 @dataclass
 class UnitEstimate:
+    """One unit's (or, index -1, what runs outside the units') seconds, term by term."""
+
     index: int
     name: str
-    fwd_compute_s: float
-    bwd_compute_s: float
-    fwd_transfer_s: float  # forward fetch
-    bwd_transfer_s: float  # backward fetch + gradients back
-    update_s: float
-    fwd_s: float  # the unit's share of the step in forward
-    bwd_s: float
-    bound: str  # "compute", "memory", "overhead" or "transfer": the largest, both passes
+    fwd_compute_s: float = 0.0
+    bwd_compute_s: float = 0.0
     fwd_memory_s: float = 0.0
     bwd_memory_s: float = 0.0
     fwd_overhead_s: float = 0.0
     bwd_overhead_s: float = 0.0
-    stream_s: float = 0.0  # streaming bookkeeping per step (weight streaming only)
+    stream_s: float = 0.0  # its parameter tensors' fixed costs (Note [fixed costs])
+    update_s: float = 0.0
+    transfer_s: float = 0.0  # link: 2 fetches + gradients back
+    disk_s: float = 0.0
+    time_s: float = 0.0  # its share of the step
+    bound: str = "compute"  # the term that sets time_s
 
     @property
-    def fwd_work_s(self) -> float:
-        return self.fwd_compute_s + self.fwd_memory_s + self.fwd_overhead_s
-
-    @property
-    def bwd_work_s(self) -> float:
-        return self.bwd_compute_s + self.bwd_memory_s + self.bwd_overhead_s
-
-    @property
-    def share_s(self) -> float:
-        """The unit's part of the step: both passes and the streaming bookkeeping."""
-        return self.fwd_s + self.bwd_s + self.stream_s
+    def terms(self) -> dict[str, float]:
+        return {
+            "compute": self.fwd_compute_s + self.bwd_compute_s,
+            "memory": self.fwd_memory_s + self.bwd_memory_s,
+            "overhead": self.fwd_overhead_s + self.bwd_overhead_s + self.stream_s,
+            "update": self.update_s,
+            "link": self.transfer_s,
+            "disk": self.disk_s,
+        }
 
 
 @dataclass
 class Estimate:
     settings: EstimateSettings
     units: list[UnitEstimate]
-    outside_fwd_s: float
-    outside_bwd_s: float
-    update_s: float
+    outside: UnitEstimate
     step_s: float
     est_samples_per_sec: float
-    compute_s: float  # every FLOP at its throughput, units and outside
-    transfer_s: float  # every weight and gradient byte over the link
-    bound: str  # the largest of compute, memory, overhead, transfer, update, input, disk
+    bound: str  # the largest term of the step: compute, memory, overhead, update, link, disk, input
+    compute_s: float
+    memory_s: float
+    overhead_s: float  # operators, parameter tensors and the probe's step_s
+    update_s: float
+    transfer_s: float
+    disk_s: float
+    input_s: float
     total_flops: int
+    ops: int
+    op_bytes: int
     link_bytes: int  # 2 x weights fetched + gradients back
-    host_bytes: int  # optimizer traffic in host RAM
-    limit_s: float  # physical limit of one step (see the module docstring)
-    limit_bound: str  # "compute" or the busiest link: "device link", "host memory"
+    host_bytes: int  # the update's traffic
+    limit_s: float  # the physical limit of one step (design: max over the resources)
+    limit_bound: str
     limit_samples_per_sec: float
     notes: list[str] = field(default_factory=list)
-    memory_s: float = 0.0  # non-matmul operators, units and outside
-    overhead_s: float = 0.0  # operators' fixed costs, streaming and loop bookkeeping
-    input_s: float = 0.0
-    ops: int = 0  # aten operators per step
-    op_bytes: int = 0  # bytes the non-matmul operators move per step
-    stream_call_s: float = 0.0  # the streamed call's own cost per step (weight streaming)
-    disk_s: float = 0.0  # the disk store's file traffic a step at the disk's bandwidths
 
     @property
     def model_samples_per_sec(self) -> float:
@@ -275,248 +183,127 @@ def _itemsize(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
-def _transfer_bytes(u: UnitCost, transfer_dtype: str | None) -> tuple[int, int]:
-    """(weight bytes per fetch, gradient bytes back) of one unit."""
+def _link_bytes(u: UnitCost, transfer_dtype: str | None) -> int:
+    """2 fetches of the weights + the gradients back, in the transfer dtype."""
     if transfer_dtype is None:
-        return u.weight_bytes, u.trainable_bytes
-    size = _itemsize(transfer_dtype)
-    return u.numel * size, u.trainable_numel * size
+        return 2 * u.weight_bytes + u.trainable_bytes
+    return (2 * u.numel + u.trainable_numel) * _itemsize(transfer_dtype)
 
 
-def pass_work(
-    flops: int,
-    matmul: dict[int, int],
-    attention: dict[int, int],
-    mem: dict[str, dict[int, int]],
-    ops: int,
-    op_overhead_s: float,
-    machine: MachineProfile,
-    dtype: str,
-) -> PassWork:
-    """The work of one pass of one entry (see the module docstring)."""
-    compute = 0.0
-    rest = flops
-    for n, f in matmul.items():
-        compute += f / machine.matmul_throughput(int(n), dtype)
-        rest -= f
-    for n, f in attention.items():
-        compute += f / machine.attention_throughput(int(n), dtype)
-        rest -= f
-    compute += max(rest, 0) / machine.peak_flops(dtype)
-    memory = 0.0
-    cold = machine.cold_op_throughput()  # a step's operands are not in cache (Note [in situ])
-    for cls, by_size in mem.items():
-        for nbytes, total in by_size.items():
-            memory += total / min(machine.op_throughput(cls, int(nbytes)), cold)
-    return PassWork(
-        machine.in_situ_compute_factor(dtype) * compute,
-        machine.in_situ_factor * memory,
-        ops * op_overhead_s,
-    )
+def _pass_terms(
+    products: list[tuple[int, int]], nbytes: int, ops: int, peak: float, probe: Probe
+) -> tuple[float, float, float]:
+    """(compute, memory, overhead) seconds of one pass of one entry."""
+    bw = probe.memory_bandwidth
+    compute = sum(max(f / peak, b / bw) for f, b in products)
+    return compute, nbytes / bw, ops * probe.op_s
 
 
-def _entry_work(e: UnitCost, machine: MachineProfile, dtype: str) -> tuple[PassWork, PassWork]:
-    fwd = pass_work(
-        e.fwd_flops,
-        e.fwd_matmul,
-        e.fwd_attention,
-        e.fwd_mem,
-        e.fwd_ops,
-        machine.op_overhead_fwd_s,
-        machine,
-        dtype,
-    )
-    bwd = pass_work(
-        e.bwd_flops,
-        e.bwd_matmul,
-        e.bwd_attention,
-        e.bwd_mem,
-        e.bwd_ops,
-        machine.op_overhead_bwd_s,
-        machine,
-        dtype,
-    )
-    return fwd, bwd
+def _entry(
+    e: UnitCost, probe: Probe, settings: EstimateSettings, recomputed: bool
+) -> UnitEstimate:
+    """An entry's work terms; link, disk and update are the caller's."""
+    peak = probe.peak_flops(settings.compute_dtype)
+    act = e.activation_bytes / probe.memory_bandwidth  # Note [the roofline]
+    fc, fm, fo = _pass_terms(e.fwd_products, e.fwd_bytes, e.fwd_ops, peak, probe)
+    bc, bm, bo = _pass_terms(e.bwd_products, e.bwd_bytes, e.bwd_ops, peak, probe)
+    if recomputed:  # activation checkpointing: the forward again in the backward
+        bc, bm, bo = bc + fc, bm + fm, bo + fo
+    return UnitEstimate(e.index, e.name, fc, bc, fm + act, bm + act, fo, bo)
 
 
-def estimate(costs: StepCosts, machine: MachineProfile, settings: EstimateSettings) -> Estimate:
-    """Estimate one step of ``costs`` on ``machine`` (see the module docstring)."""
-    dtype = settings.compute_dtype
-    peak = machine.peak_flops(dtype)
-    link_bw = machine.copy_bandwidth
-    stream_bw = machine.stream_bandwidth or link_bw
-    ram_bw = machine.host_memory_bandwidth
-    ws = settings.weight_streaming
-    overlap = settings.prefetch_depth >= 1
-    upd = settings.update
-    recompute = set(settings.recompute)
-    units = []
-    link_bytes = host_bytes = 0
-    n = len(costs.units)
-    transfers = []  # (forward fetch, backward fetch + gradients back) per unit, seconds
-    for u in costs.units:
-        weights, grads = _transfer_bytes(u, settings.transfer_dtype)
-        if ws:
-            link_bytes += 2 * weights + grads
-        transfers.append((weights / stream_bw, (weights + grads) / stream_bw) if ws else (0.0, 0.0))
-    for i, u in enumerate(costs.units):
-        upd_bytes = u.trainable_numel * settings.optimizer_bytes_per_param
-        host_bytes += upd_bytes
-        fwd, bwd = _entry_work(u, machine, dtype)
-        if u.index in recompute:  # activation checkpointing: the forward again
-            bwd = PassWork(
-                bwd.compute_s + fwd.compute_s,
-                bwd.memory_s + fwd.memory_s,
-                bwd.overhead_s + fwd.overhead_s,
-            )
-        ft, bt = transfers[i]
-        if overlap:
-            next_ft = transfers[i + 1][0] if i + 1 < n else 0.0
-            next_bt = transfers[i - 1][1] if i > 0 else 0.0
-            fs = max(fwd.work_s, next_ft) + (ft if i == 0 else 0.0)
-            bs = max(bwd.work_s, next_bt) + (bt if i == n - 1 else 0.0)
-        else:
-            fs, bs = fwd.work_s + ft, bwd.work_s + bt
-        if upd is not None:
-            # Measured in its context (Note [update in context]): not scaled.
-            update = u.trainable_tensors * upd.per_tensor_s + u.trainable_numel * upd.per_element_s
-        else:
-            update = upd_bytes / ram_bw
-        sides = {
-            "compute": fwd.compute_s + bwd.compute_s,
-            "memory": fwd.memory_s + bwd.memory_s,
-            "overhead": fwd.overhead_s + bwd.overhead_s,
-            "transfer": ft + bt,
-        }
-        units.append(
-            UnitEstimate(
-                index=u.index,
-                name=u.name,
-                fwd_compute_s=fwd.compute_s,
-                bwd_compute_s=bwd.compute_s,
-                fwd_transfer_s=ft,
-                bwd_transfer_s=bt,
-                update_s=update,
-                fwd_s=fs,
-                bwd_s=bs,
-                bound=max(sides.items(), key=lambda x: x[1])[0],
-                fwd_memory_s=fwd.memory_s,
-                bwd_memory_s=bwd.memory_s,
-                fwd_overhead_s=fwd.overhead_s,
-                bwd_overhead_s=bwd.overhead_s,
-                stream_s=(
-                    machine.unit_overhead_s + u.tensors * machine.param_overhead_s if ws else 0.0
-                ),
-            )
-        )
-    out_fwd, out_bwd = _entry_work(costs.outside, machine, dtype)
-    fixed = upd.fixed_s if upd is not None else 0.0
-    update = sum(e.update_s for e in units) + fixed
-    call = machine.stream_call_s if ws and units else 0.0
-    step = (
-        sum(e.share_s for e in units)
-        + call
-        + out_fwd.work_s
-        + out_bwd.work_s
-        + update
-        + settings.step_overhead_s
-        + settings.input_s
-    )
-    disk = _disk_seconds(settings, machine)
-    if disk > 0:  # Note [disk traffic in the estimate]
-        forward = sum(e.fwd_s for e in units) + out_fwd.work_s + call
-        floor = (0.0 if settings.forward_reads_disk else forward) + disk
-        step = max(step, floor + settings.step_overhead_s + settings.input_s)
-    compute = (
-        sum(e.fwd_compute_s + e.bwd_compute_s for e in units)
-        + out_fwd.compute_s
-        + out_bwd.compute_s
-    )
-    memory = sum(e.fwd_memory_s + e.bwd_memory_s for e in units) + (
-        out_fwd.memory_s + out_bwd.memory_s
-    )
-    overhead = (
-        sum(e.fwd_overhead_s + e.bwd_overhead_s + e.stream_s for e in units)
-        + call
-        + out_fwd.overhead_s
-        + out_bwd.overhead_s
-        + settings.step_overhead_s
-    )
-    transfer = sum(e.fwd_transfer_s + e.bwd_transfer_s for e in units)
-    sides = {
-        "compute": compute,
-        "memory": memory,
-        "overhead": overhead,
-        "transfer": transfer,
-        "update": update,
-        "input": settings.input_s,
-        "disk": disk,
-    }
-    bound = max(sides.items(), key=lambda x: x[1])[0]
-
-    notes = []
-    if not costs.backward_measured:
-        notes.append(f"backward FLOPs and operators are 2 x forward ({costs.backward_error})")
-    if machine.quick:
-        notes.append("the machine profile was measured with tiny sizes (quick=True)")
-    if machine.other_load is not None and machine.other_load > 0.1:
-        notes.append(
-            f"other processes used {machine.other_load:.0%} of the CPUs while the machine "
-            "profile was measured: its figures may be low (remeasure on a quiet machine)"
-        )
-    if settings.disk_read_bytes + settings.disk_write_bytes and not disk:
-        notes.append(
-            "the disk store's file traffic is not priced: the machine profile has no disk figures"
-        )
-    if upd is None:
-        notes.append(
-            f"the optimizer update is priced as {settings.optimizer_bytes_per_param} bytes per "
-            "parameter over the host memory bandwidth (no measured update cost)"
-        )
-    op_bytes = costs.mem_bytes
-    if machine.device_type == "cpu":
-        # One memory for everything: a copy of n bytes reads n and writes n.
-        links = {"host memory": (2 * link_bytes + host_bytes + op_bytes) / ram_bw}
+def _close(u: UnitEstimate, on_cpu: bool, overlap: bool) -> None:
+    """Set ``u.time_s`` and ``u.bound`` from its terms (Note [the roofline])."""
+    t = u.terms
+    data = t["compute"] + t["memory"]
+    work = data + t["overhead"] if on_cpu else max(data, t["overhead"])
+    work += t["update"]
+    u.time_s = max(work, t["link"], t["disk"]) if overlap else work + t["link"] + t["disk"]
+    if overlap and u.time_s > work:
+        u.bound = "link" if t["link"] >= t["disk"] else "disk"
     else:
-        links = {"device link": link_bytes / link_bw, "host memory": host_bytes / ram_bw}
-    limit_bound, limit = max([("compute", costs.flops / peak), *links.items()], key=lambda x: x[1])
-    if step <= 0 or limit <= 0:
+        u.bound = max(("compute", "memory", "overhead", "update"), key=t.__getitem__)
+
+
+def estimate(costs: StepCosts, probe: Probe, settings: EstimateSettings) -> Estimate:
+    """Estimate one step of ``costs`` on ``probe``'s machine (Note [the roofline])."""
+    ws = settings.weight_streaming
+    on_cpu = probe.device_type == "cpu"
+    overlap = settings.prefetch_depth >= 1
+    host_bw = probe.host_memory_bandwidth if ws else probe.memory_bandwidth
+    disk_s = 0.0
+    notes = []
+    if settings.disk_read_bytes + settings.disk_write_bytes:
+        rates = probe.disk.get(str(settings.disk_dir))
+        if rates:
+            disk_s = settings.disk_read_bytes / rates["read"]
+            disk_s += settings.disk_write_bytes / rates["write"]
+        else:
+            notes.append(f"the disk store's file traffic is not priced: no disk figures for "
+                         f"{settings.disk_dir!r} in the probe")
+    trainable = sum(u.trainable_numel for u in costs.units) or 1
+    link_bytes = host_bytes = 0
+    units = []
+    for u in costs.units:
+        e = _entry(u, probe, settings, u.index in settings.recompute)
+        e.stream_s = u.trainable_tensors * probe.tensor_s
+        upd_bytes = u.trainable_numel * settings.update_bytes
+        host_bytes += upd_bytes
+        e.update_s = upd_bytes / host_bw
+        if ws:
+            nbytes = _link_bytes(u, settings.transfer_dtype)
+            link_bytes += nbytes
+            # On the CPU a fetch is a host copy: each byte read and written.
+            e.transfer_s = (
+                2 * nbytes / probe.memory_bandwidth if on_cpu else nbytes / probe.link_bandwidth
+            )
+        e.disk_s = disk_s * u.trainable_numel / trainable
+        _close(e, on_cpu, overlap)
+        units.append(e)
+    outside = _entry(costs.outside, probe, settings, False)
+    _close(outside, on_cpu, overlap)
+    step = sum(e.time_s for e in units) + outside.time_s + probe.step_s + settings.input_s
+    if step <= 0:
         raise ValueError(
-            "the step has no measured cost (no FLOPs and no weights): nothing to estimate. "
+            "the step has no cost (no FLOPs, no bytes, no operators): nothing to estimate. "
             "Check that the model has parameters and the example batch reaches them."
         )
+    totals = {k: sum(e.terms[k] for e in (*units, outside)) for k in outside.terms}
+    totals["overhead"] += probe.step_s
+    totals["input"] = settings.input_s
+    peak = probe.peak_flops(settings.compute_dtype)
+    if on_cpu:  # one memory for everything: a copy of n bytes reads n and writes n
+        limits = {"host memory": (2 * link_bytes + host_bytes + costs.op_bytes) / host_bw}
+    else:
+        limits = {"device link": link_bytes / probe.link_bandwidth if ws else 0.0}
+        limits["host memory"] = host_bytes / host_bw
+    limits["disk"] = disk_s
+    limit_bound, limit = max([("compute", costs.flops / peak), *limits.items()], key=lambda x: x[1])
+    if not costs.backward_measured:
+        notes.append(f"backward FLOPs and operators are 2 x forward ({costs.backward_error})")
+    if probe.quick:
+        notes.append("the probe was measured with tiny sizes (quick=True)")
     return Estimate(
         settings=settings,
         units=units,
-        outside_fwd_s=out_fwd.work_s,
-        outside_bwd_s=out_bwd.work_s,
-        update_s=update,
+        outside=outside,
         step_s=step,
         est_samples_per_sec=settings.batch_size / step,
-        compute_s=compute,
-        transfer_s=transfer,
-        bound=bound,
+        bound=max(totals, key=totals.__getitem__),
+        compute_s=totals["compute"],
+        memory_s=totals["memory"],
+        overhead_s=totals["overhead"],
+        update_s=totals["update"],
+        transfer_s=totals["link"],
+        disk_s=totals["disk"],
+        input_s=settings.input_s,
         total_flops=costs.flops,
+        ops=costs.ops,
+        op_bytes=costs.op_bytes,
         link_bytes=link_bytes,
         host_bytes=host_bytes,
         limit_s=limit,
         limit_bound=limit_bound,
-        limit_samples_per_sec=settings.batch_size / limit,
+        limit_samples_per_sec=settings.batch_size / limit if limit > 0 else float("inf"),
         notes=notes,
-        memory_s=memory,
-        overhead_s=overhead,
-        input_s=settings.input_s,
-        ops=costs.ops,
-        op_bytes=op_bytes,
-        stream_call_s=call,
-        disk_s=disk,
     )
-
-
-def _disk_seconds(settings: EstimateSettings, machine: MachineProfile) -> float:
-    """Seconds the disk store's files take a step at the profile's disk bandwidths; 0
-    without traffic or without disk figures (Note [disk traffic in the estimate])."""
-    read_bw, write_bw = machine.disk_read_bandwidth, machine.disk_write_bandwidth
-    if not read_bw or not write_bw:
-        return 0.0
-    return settings.disk_read_bytes / read_bw + settings.disk_write_bytes / write_bw

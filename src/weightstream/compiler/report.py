@@ -26,10 +26,10 @@ from weightstream.common.files import write_text_atomic
 from weightstream.common.units import format_bytes
 from weightstream.compiler.cost import StepCosts
 from weightstream.compiler.estimate import Estimate
-from weightstream.compiler.profile import MachineProfile
+from weightstream.compiler.probe import Probe
 from weightstream.runtime.partition import Plan
 
-SCHEMA = 2
+SCHEMA = 3  # 3: the roofline's terms (Note [the roofline] in estimate.py)
 PLAN_FILE = "plan.json"
 REPORT_FILE = "compile_report.txt"
 _REQUIRED = ("schema", "checksum", "settings", "units", "totals", "estimate", "est_samples_per_sec")
@@ -119,13 +119,26 @@ def compile_dir_path(root: str | Path, checksum: str) -> Path:
     return Path(root) / f"ws_{checksum}"
 
 
+def _terms(e) -> dict:
+    """An entry's estimated seconds, term by term (``estimate.UnitEstimate``)."""
+    return {
+        "est_fwd_compute_s": e.fwd_compute_s,
+        "est_bwd_compute_s": e.bwd_compute_s,
+        "est_fwd_memory_s": e.fwd_memory_s,
+        "est_bwd_memory_s": e.bwd_memory_s,
+        "est_fwd_overhead_s": e.fwd_overhead_s,
+        "est_bwd_overhead_s": e.bwd_overhead_s,
+        "est_stream_s": e.stream_s,
+        "est_update_s": e.update_s,
+        "est_transfer_s": e.transfer_s,
+        "est_disk_s": e.disk_s,
+        "est_s": e.time_s,
+        "bound": e.bound,
+    }
+
+
 def _plan_dict(
-    checksum: str,
-    plan: Plan,
-    costs: StepCosts,
-    est: Estimate,
-    machine: MachineProfile,
-    settings: dict | None,
+    checksum: str, plan: Plan, costs: StepCosts, est: Estimate, probe: Probe, settings: dict | None
 ) -> dict:
     units = []
     for spec, cost, e in zip(plan.units, costs.units, est.units, strict=True):
@@ -143,23 +156,10 @@ def _plan_dict(
                 "activation_bytes": cost.activation_bytes,
                 "fwd_ops": cost.fwd_ops,
                 "bwd_ops": cost.bwd_ops,
-                "fwd_op_bytes": cost.fwd_mem_bytes,
-                "bwd_op_bytes": cost.bwd_mem_bytes,
+                "op_bytes": cost.op_bytes,
                 "trainable_tensors": cost.trainable_tensors,
                 "pinned": spec.pinned,
-                "est_fwd_compute_s": e.fwd_compute_s,
-                "est_bwd_compute_s": e.bwd_compute_s,
-                "est_fwd_memory_s": e.fwd_memory_s,
-                "est_bwd_memory_s": e.bwd_memory_s,
-                "est_fwd_overhead_s": e.fwd_overhead_s,
-                "est_bwd_overhead_s": e.bwd_overhead_s,
-                "est_stream_s": e.stream_s,
-                "est_fwd_transfer_s": e.fwd_transfer_s,
-                "est_bwd_transfer_s": e.bwd_transfer_s,
-                "est_update_s": e.update_s,
-                "est_fwd_s": e.fwd_s,
-                "est_bwd_s": e.bwd_s,
-                "bound": e.bound,
+                **_terms(e),
             }
         )
     out = costs.outside
@@ -179,10 +179,8 @@ def _plan_dict(
             "activation_bytes": out.activation_bytes,
             "fwd_ops": out.fwd_ops,
             "bwd_ops": out.bwd_ops,
-            "fwd_op_bytes": out.fwd_mem_bytes,
-            "bwd_op_bytes": out.bwd_mem_bytes,
-            "est_fwd_s": est.outside_fwd_s,
-            "est_bwd_s": est.outside_bwd_s,
+            "op_bytes": out.op_bytes,
+            **_terms(est.outside),
         },
         "totals": {
             "params": sum(u.numel for u in costs.units),
@@ -192,7 +190,7 @@ def _plan_dict(
             "flops": costs.flops,
             "activation_bytes": costs.activation_bytes,
             "ops": costs.ops,
-            "op_bytes": costs.mem_bytes,
+            "op_bytes": costs.op_bytes,
             "largest_unit_bytes": plan.largest_unit_bytes,
             "pinned_bytes": plan.pinned_bytes,
             "weight_bound_bytes": plan.weight_bound(est.settings.prefetch_depth),
@@ -208,7 +206,6 @@ def _plan_dict(
             "disk_s": est.disk_s,
             "disk_bytes": est.settings.disk_read_bytes + est.settings.disk_write_bytes,
             "model_samples_per_sec": est.model_samples_per_sec,
-            "update_measured": est.settings.update is not None,
             "bound": est.bound,
             "link_bytes": est.link_bytes,
             "host_bytes": est.host_bytes,
@@ -218,7 +215,7 @@ def _plan_dict(
             "notes": est.notes,
         },
         "est_samples_per_sec": est.est_samples_per_sec,
-        "machine": machine.to_dict(),
+        "machine": probe.to_dict(),
     }
 
 
@@ -233,6 +230,17 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f}"
 
 
+def _row(u: dict) -> str:
+    """The estimate's columns of one entry."""
+    return (
+        f"{_ms(u['est_fwd_compute_s'] + u['est_bwd_compute_s']):>9} "
+        f"{_ms(u['est_fwd_memory_s'] + u['est_bwd_memory_s']):>9} "
+        f"{_ms(u['est_fwd_overhead_s'] + u['est_bwd_overhead_s'] + u['est_stream_s']):>9} "
+        f"{_ms(u['est_update_s']):>9} {_ms(u['est_transfer_s']):>9} {_ms(u['est_disk_s']):>9} "
+        f"{_ms(u['est_s']):>9}  {u['bound']:<9}"
+    )
+
+
 def _report_text(data: dict) -> str:
     est = data["estimate"]
     es = data["estimate_settings"]
@@ -240,9 +248,9 @@ def _report_text(data: dict) -> str:
     name_w = max([len("unit"), len("<outside units>")] + [len(u["name"]) for u in data["units"]])
     head = (
         f"{'#':>3}  {'unit':<{name_w}} {'params':>12} {'weights':>11} {'fwd FLOP':>11} "
-        f"{'bwd FLOP':>11} {'activations':>11} {'ops':>6} {'op bytes':>11} {'fwd ms':>9} "
-        f"{'bwd ms':>9} {'flop ms':>9} {'mem ms':>9} {'ovh ms':>9} {'xfer ms':>9} "
-        f"{'upd ms':>9}  bound     pinned"
+        f"{'bwd FLOP':>11} {'activations':>11} {'ops':>6} {'op bytes':>11} {'flop ms':>9} "
+        f"{'mem ms':>9} {'ovh ms':>9} {'upd ms':>9} {'link ms':>9} {'disk ms':>9} "
+        f"{'time ms':>9}  bound     pinned"
     )
     lines = [
         f"weightstream compile report  ws_{data['checksum']}",
@@ -259,24 +267,19 @@ def _report_text(data: dict) -> str:
     for u in data["units"]:
         lines.append(
             f"{u['index']:>3}  {u['name']:<{name_w}} {u['params']:>12,} "
-            f"{format_bytes(u['weight_bytes']):>11} {_si(u['fwd_flops']):>11} {_si(u['bwd_flops']):>11} "
-            f"{format_bytes(u['activation_bytes']):>11} {u['fwd_ops'] + u['bwd_ops']:>6} "
-            f"{format_bytes(u['fwd_op_bytes'] + u['bwd_op_bytes']):>11} "
-            f"{_ms(u['est_fwd_s']):>9} {_ms(u['est_bwd_s']):>9} "
-            f"{_ms(u['est_fwd_compute_s'] + u['est_bwd_compute_s']):>9} "
-            f"{_ms(u['est_fwd_memory_s'] + u['est_bwd_memory_s']):>9} "
-            f"{_ms(u['est_fwd_overhead_s'] + u['est_bwd_overhead_s'] + u['est_stream_s']):>9} "
-            f"{_ms(u['est_fwd_transfer_s'] + u['est_bwd_transfer_s']):>9} "
-            f"{_ms(u['est_update_s']):>9}  {u['bound']:<9} {'yes' if u['pinned'] else ''}"
+            f"{format_bytes(u['weight_bytes']):>11} {_si(u['fwd_flops']):>11} "
+            f"{_si(u['bwd_flops']):>11} {format_bytes(u['activation_bytes']):>11} "
+            f"{u['fwd_ops'] + u['bwd_ops']:>6} {format_bytes(u['op_bytes']):>11} "
+            f"{_row(u)} {'yes' if u['pinned'] else ''}"
         )
     o = data["outside_units"]
     lines.append(
         f"{'':>3}  {'<outside units>':<{name_w}} {'':>12} {'':>11} {_si(o['fwd_flops']):>11} "
         f"{_si(o['bwd_flops']):>11} {format_bytes(o['activation_bytes']):>11} "
-        f"{o['fwd_ops'] + o['bwd_ops']:>6} {format_bytes(o['fwd_op_bytes'] + o['bwd_op_bytes']):>11} "
-        f"{_ms(o['est_fwd_s']):>9} {_ms(o['est_bwd_s']):>9}"
+        f"{o['fwd_ops'] + o['bwd_ops']:>6} {format_bytes(o['op_bytes']):>11} {_row(o)}"
     )
     t = data["totals"]
+    disk = f", disk {_ms(est['disk_s'])} ms" if est["disk_s"] else ""
     lines += [
         "",
         "summary",
@@ -286,41 +289,35 @@ def _report_text(data: dict) -> str:
         "matmul-like operators and attention only)",
         f"  activations kept      {format_bytes(t['activation_bytes'])}",
         f"  device weight bound   {format_bytes(t['weight_bound_bytes'])} ((prefetch_depth + 1) x "
-        f"largest unit {format_bytes(t['largest_unit_bytes'])} + pinned {format_bytes(t['pinned_bytes'])})",
-        f"  operators per step    {t['ops']:,} (non-matmul ones move {format_bytes(t['op_bytes'])})",
+        f"largest unit {format_bytes(t['largest_unit_bytes'])} + pinned "
+        f"{format_bytes(t['pinned_bytes'])})",
+        f"  operators per step    {t['ops']:,} (moving {format_bytes(t['op_bytes'])})",
         f"  step time             {_ms(est['step_s'])} ms (compute {_ms(est['compute_s'])} ms, "
         f"memory {_ms(est['memory_s'])} ms, overhead {_ms(est['overhead_s'])} ms, "
-        f"transfer {_ms(est['transfer_s'])} ms, update {_ms(est['update_s'])} ms, "
-        f"input {_ms(est['input_s'])} ms"
-        + (f", disk {_ms(est['disk_s'])} ms" if est.get("disk_s") else "")
-        + ")",
-        "                        (units overlap transfer with work: the terms can sum to more)",
+        f"update {_ms(est['update_s'])} ms, link {_ms(est['transfer_s'])} ms{disk}, "
+        f"input {_ms(est['input_s'])} ms)",
+        "                        (per unit the larger of work, link and disk with prefetching: "
+        "the terms can sum to more)",
         f"  est. samples/sec      {data['est_samples_per_sec']:.2f}  (bound by {est['bound']})",
         f"  model consumes        {est['model_samples_per_sec']:.2f} samples/sec "
         "(the step without its input)",
         f"  physical limit        {est['limit_samples_per_sec']:.2f} samples/sec "
         f"(bound by {est['limit_bound']})",
         "",
-        f"machine: {m['device']} ({m['device_name']}), torch {m['torch_version']}, "
-        f"{m['num_threads']} threads",
+        f"probe: {m['device']} ({m['device_name']}), torch {m['torch_version']}, "
+        f"{m['num_threads']} threads, measured {m['measured_at']}",
         "  matmul peak  "
         + ", ".join(f"{k} {_si(v, 'FLOP/s')}" for k, v in sorted(m["matmul_flops"].items())),
-        f"  copy (host->device) {_si(m['copy_bandwidth'], 'B/s')}, host memory "
-        f"{_si(m['host_memory_bandwidth'], 'B/s')}",
-        f"  per operator {m['op_overhead_fwd_s'] * 1e6:.1f} us forward, "
-        f"{m['op_overhead_bwd_s'] * 1e6:.1f} us backward; per streamed unit "
-        f"{m['unit_overhead_s'] * 1e6:.0f} us and per streamed parameter tensor "
-        f"{m['param_overhead_s'] * 1e6:.0f} us per step, per streamed call "
-        f"{m['stream_call_s'] * 1e6:.0f} us, streaming "
-        f"{_si(m['stream_bandwidth'], 'B/s')}; loop bookkeeping "
-        f"{m['step_overhead_s'] * 1e6:.0f} us per step",
-        f"  in a training step work on data runs {m['in_situ_factor']:.2f} x slower than timed alone "
-        "(measured on a proxy step)",
+        f"  memory {_si(m['memory_bandwidth'], 'B/s')}, host memory "
+        f"{_si(m['host_memory_bandwidth'], 'B/s')}"
+        + (f", link {_si(m['link_bandwidth'], 'B/s')}" if m["link_bandwidth"] else ""),
+        f"  fixed costs: {m['op_s'] * 1e6:.1f} us per operator, {m['tensor_s'] * 1e6:.1f} us per "
+        f"parameter tensor, {m['step_s'] * 1e6:.0f} us per step",
     ]
-    if m["disk_read_bandwidth"] is not None:
+    for directory, rates in sorted(m["disk"].items()):
         lines.append(
-            f"  disk {m['disk_dir']}: write {_si(m['disk_write_bandwidth'], 'B/s')}, "
-            f"read {_si(m['disk_read_bandwidth'], 'B/s')}"
+            f"  disk {directory}: write {_si(rates['write'], 'B/s')}, "
+            f"read {_si(rates['read'], 'B/s')}"
         )
     lines += [f"note: {n}" for n in est["notes"]]
     return "\n".join(lines) + "\n"
@@ -332,11 +329,11 @@ def write_compile_dir(
     plan: Plan,
     costs: StepCosts,
     estimate: Estimate,
-    machine: MachineProfile,
+    probe: Probe,
     settings: dict | None = None,
 ) -> Path:
     """Write ``<root>/ws_<checksum>/{compile_report.txt, plan.json}``; return the directory."""
-    data = _plan_dict(checksum, plan, costs, estimate, machine, settings)
+    data = _plan_dict(checksum, plan, costs, estimate, probe, settings)
     directory = compile_dir_path(root, checksum)
     directory.mkdir(parents=True, exist_ok=True)
     write_text_atomic(directory / REPORT_FILE, _report_text(data))
