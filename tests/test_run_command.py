@@ -137,7 +137,7 @@ def test_disk_store_run_and_resume_equal_the_ram_store_run(tmp_path):
 
 def test_compile_prices_the_disk_stores_file_traffic(tmp_path):
     """A disk store whose files hold part of the state: the compile estimate prices
-    the bytes its placement moves a step (Note [disk traffic in the estimate]); with
+    the bytes its placement moves a step (Note [the roofline] in compiler/estimate.py); with
     the whole state in RAM there are none."""
     priced = {}
     for name, budget in (("tight", 400_000), ("roomy", 2**30)):
