@@ -114,7 +114,9 @@ def input_seconds_per_batch(section: dict, quick: bool = False) -> float:
     from weightstream.data.throughput import measure_input
 
     steps = 2 if quick else INPUT_TIMING_BATCHES
-    return measure_input(section, True, 0, steps, max_seconds=INPUT_TIMING_SECONDS).seconds_per_batch
+    return measure_input(
+        section, True, 0, steps, max_seconds=INPUT_TIMING_SECONDS
+    ).seconds_per_batch
 
 
 def estimate_for(
@@ -181,7 +183,9 @@ def estimate_from_params(
     placement = _disk_placement(rc.streaming, ws, model, plan, device)
     probe = load_or_measure(device, quick=quick_profile(), disk_dir=_disk_dir(rc, placement))
     settings = estimate_settings(params, batch_size_of(batch), input_s, placement=placement)
-    _, est = estimate_for(model, plan, args, task=task, probe=probe, settings=settings, kwargs=kwargs)
+    _, est = estimate_for(
+        model, plan, args, task=task, probe=probe, settings=settings, kwargs=kwargs
+    )
     return est, probe
 
 

@@ -199,9 +199,7 @@ def _pass_terms(
     return compute, nbytes / bw, ops * probe.op_s
 
 
-def _entry(
-    e: UnitCost, probe: Probe, settings: EstimateSettings, recomputed: bool
-) -> UnitEstimate:
+def _entry(e: UnitCost, probe: Probe, settings: EstimateSettings, recomputed: bool) -> UnitEstimate:
     """An entry's work terms; link, disk and update are the caller's."""
     peak = probe.peak_flops(settings.compute_dtype)
     act = e.activation_bytes / probe.memory_bandwidth  # Note [the roofline]
@@ -239,8 +237,10 @@ def estimate(costs: StepCosts, probe: Probe, settings: EstimateSettings) -> Esti
             disk_s = settings.disk_read_bytes / rates["read"]
             disk_s += settings.disk_write_bytes / rates["write"]
         else:
-            notes.append(f"the disk store's file traffic is not priced: no disk figures for "
-                         f"{settings.disk_dir!r} in the probe")
+            notes.append(
+                f"the disk store's file traffic is not priced: no disk figures for "
+                f"{settings.disk_dir!r} in the probe"
+            )
     trainable = sum(u.trainable_numel for u in costs.units) or 1
     link_bytes = host_bytes = 0
     units = []

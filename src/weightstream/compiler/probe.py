@@ -250,8 +250,11 @@ def _fixed_costs(device: torch.device, sizes: _Sizes) -> dict[str, float]:
 
     many, many_tensors = step_seconds(8)
     few, few_tensors = step_seconds(2)
-    tensor_s = max(0.0, (many - few) / (many_tensors - few_tensors))
-    return {"op_s": op_s, "tensor_s": tensor_s, "step_s": max(0.0, few - few_tensors * tensor_s)}
+    tensor_s = (many - few) / (many_tensors - few_tensors)
+    if tensor_s <= 0 or few < few_tensors * tensor_s:
+        # Noise larger than the difference: all of it per tensor, none per step.
+        return {"op_s": op_s, "tensor_s": max(0.0, many / many_tensors), "step_s": 0.0}
+    return {"op_s": op_s, "tensor_s": tensor_s, "step_s": few - few_tensors * tensor_s}
 
 
 def _disk_bandwidths(directory: Path, nbytes: int) -> dict[str, float]:
