@@ -17,8 +17,7 @@ import models as zoo
 import pytest
 import torch
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from weightstream.compiler import probe as probe_mod
 from weightstream.compiler.cost import (
@@ -28,6 +27,7 @@ from weightstream.compiler.cost import (
     unit_costs,
 )
 from weightstream.compiler.estimate import EstimateSettings, estimate
+from weightstream.compiler.operators import EXTRA_FLOP_FORMULAS
 from weightstream.compiler.probe import Probe, load_or_measure
 from weightstream.compiler.report import compile_checksum, load_compile_dir, write_compile_dir
 from weightstream.models import GPT, GPTConfig
@@ -109,9 +109,9 @@ def _per_unit_reference(model, plan, args):
     ref = {}
     for u in plan.units:
         inputs = captured[u.index]
-        with FlopCounterMode(display=False) as fwd:
+        with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as fwd:
             out = u.module(*inputs)
-        with FlopCounterMode(display=False) as bwd:
+        with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as bwd:
             out.backward(torch.ones_like(out))
         ref[u.index] = (fwd.get_total_flops(), bwd.get_total_flops())
     return ref
@@ -125,13 +125,11 @@ def test_gpt_flops_per_unit_match_flop_counter_on_the_real_model():
     plan = _plan(model, idx)
     costs = unit_costs(model, plan, (idx,), {})
     assert costs.backward_measured
-    # On the meta device attention takes the math path (bmm, counted); the CPU
-    # flash kernel is not in FlopCounterMode's table, so the real run uses the
-    # math kernel too: the same products.
-    with sdpa_kernel(SDPBackend.MATH):
-        ref = _per_unit_reference(model, plan, (idx,))
-        with FlopCounterMode(display=False) as whole:
-            model(idx).sum().backward()
+    # The count runs the CPU's own attention kernel (flash), as the real run does;
+    # torch's table lacks its formulas, which operators.py adds from torch's own.
+    ref = _per_unit_reference(model, plan, (idx,))
+    with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as whole:
+        model(idx).sum().backward()
     model.zero_grad(set_to_none=True)
     for u in costs.units:
         assert (u.fwd_flops, u.bwd_flops) == ref[u.index], u.name
@@ -258,8 +256,10 @@ def test_operator_counts_and_bytes_of_a_chain():
     for u, (i, o) in zip(costs.units, itertools.pairwise(DIMS)):
         # forward: t (a view: no bytes) + addmm (a product: reads x, W, b, writes y)
         assert (u.fwd_ops, u.fwd_bytes) == (2, 0)
-        assert u.fwd_products == [(2 * B * i * o, (B * i + i * o + o + B * o) * F32)]
-        assert sum(f for f, _ in u.bwd_products) == u.bwd_flops
+        assert [(f, b) for _, f, b in u.fwd_kernels] == [
+            (2 * B * i * o, (B * i + i * o + o + B * o) * F32)
+        ]
+        assert sum(f for _, f, _ in u.bwd_kernels) == u.bwd_flops
     first, second, last = costs.units
     # backward of the first layer: dW = mm, and the bias gradient sums dY [B, 16]
     # over the batch: reads B*16*4 bytes, writes 16*4 (nothing upstream needs dX)
@@ -278,23 +278,33 @@ def test_operator_counts_and_bytes_of_a_chain():
     assert costs.op_bytes == sum(e.op_bytes for e in costs.entries)
 
 
-def test_attention_counts_as_one_fused_operator():
+def test_attention_is_the_devices_own_kernel_each_way():
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, d_model=32, n_head=4)
     model = GPT(cfg)
     idx = torch.randint(0, 64, (2, 16))
     costs = unit_costs(model, _plan(model, idx), (idx,), {})
     block = costs.units[[u.name for u in costs.units].index("blocks.0")]
-    # B=2, H=4, T=S=16, D=8: the math path's 2 products forward, 4 backward, as one
-    # operator moving q, k, v and the output forward ([2, 4, 16, 8] each), twice that
-    # backward: what a fused kernel moves
-    fwd_attention = 2 * (2 * 2 * 4 * 16 * 16 * 8)
-    qkvo = 4 * 2 * 4 * 16 * 8 * F32
-    assert (fwd_attention, qkvo) in block.fwd_products
-    assert (2 * fwd_attention, 2 * qkvo) in block.bwd_products
-    # FLOP totals are unchanged by the fused view
-    assert block.fwd_flops == 2 * 32 * 32 * (3 * 32 + 32 + 4 * 32 + 4 * 32) + fwd_attention
-    assert sum(f for f, _ in block.fwd_products) == block.fwd_flops
+    # B=2, H=4, T=S=16, D=8: the CPU's flash kernel, one operator each way, with
+    # torch's own attention formulas
+    q = torch.empty(2, 4, 16, 8)
+    fwd = [(f, b) for k, f, b in block.fwd_kernels if "flash_attention_for_cpu.default" in k]
+    bwd = [(f, b) for k, f, b in block.bwd_kernels if "flash_attention_for_cpu_backward" in k]
+    assert [f for f, _ in fwd] == [sdpa_flop_count(q.shape, q.shape, q.shape)]
+    assert [f for f, _ in bwd] == [sdpa_backward_flop_count(q.shape, q.shape, q.shape, q.shape)]
+    assert fwd[0][1] >= 4 * q.numel() * F32  # q, k, v read, the output written
+    assert block.fwd_flops == 2 * 32 * 32 * (3 * 32 + 32 + 4 * 32 + 4 * 32) + fwd[0][0]
+    assert sum(f for _, f, _ in block.fwd_kernels) == block.fwd_flops
+
+
+def test_a_new_output_of_32_mib_or_more_counts_as_fresh_pages():
+    # A [4096, 2048] fp32 product is 32 MiB: fresh; its input [4096, 1024] is not.
+    model = Chain([1024, 2048, 4])
+    x = torch.randn(4096, 1024)
+    costs = unit_costs(model, _plan(model, x), (x,), {})
+    assert costs.units[0].fresh_bytes == 4096 * 2048 * F32  # its output; no input grad
+    # the last layer's backward makes its input's gradient, [4096, 2048]: fresh
+    assert costs.units[1].fresh_bytes == 4096 * 2048 * F32
 
 
 # ---- estimate ------------------------------------------------------------------------------
@@ -322,7 +332,9 @@ def _unit(index=0, **kw) -> UnitCost:
 def test_a_product_is_priced_at_the_larger_of_its_flops_and_its_bytes():
     # (FLOPs, bytes): 2e6 FLOPs at 1 GFLOP/s = 2 ms against 1 MB at 1 GB/s = 1 ms;
     # 1e5 FLOPs = 0.1 ms against 4 MB = 4 ms
-    unit = _unit(fwd_products=[(2_000_000, 1_000_000), (100_000, 4_000_000)], fwd_flops=2_100_000)
+    unit = _unit(
+        fwd_kernels=[("k0", 2_000_000, 1_000_000), ("k1", 100_000, 4_000_000)], fwd_flops=2_100_000
+    )
     est = estimate(StepCosts([unit], UnitCost(-1, OUTSIDE_NAME)), _probe(), EstimateSettings(1))
     assert est.units[0].fwd_compute_s == pytest.approx(2e-3 + 4e-3)
 
@@ -330,13 +342,14 @@ def test_a_product_is_priced_at_the_larger_of_its_flops_and_its_bytes():
 def test_roofline_terms_of_one_unit_written_out():
     """Every term of Note [the roofline] with numbers: a GPU-like probe."""
     unit = _unit(
-        fwd_products=[(1_000_000, 0)],
-        bwd_products=[(2_000_000, 0)],
+        fwd_kernels=[("k0", 1_000_000, 0)],
+        bwd_kernels=[("k0", 2_000_000, 0)],
         fwd_flops=1_000_000,
         bwd_flops=2_000_000,
         fwd_bytes=3_000_000,
         bwd_bytes=5_000_000,
-        activation_bytes=1_000_000,
+        activation_bytes=1_000_000,  # not a term: the kernels' timings read them cold
+        fresh_bytes=500_000,
         fwd_ops=10,
         bwd_ops=20,
         trainable_tensors=2,
@@ -347,13 +360,13 @@ def test_roofline_terms_of_one_unit_written_out():
     est = estimate(StepCosts([unit], outside), probe, settings)
     u = est.units[0]
     assert (u.fwd_compute_s, u.bwd_compute_s) == pytest.approx((1e-3, 2e-3))
-    # operators' bytes + the activations once more in each pass, at 1 GB/s
-    assert (u.fwd_memory_s, u.bwd_memory_s) == pytest.approx((4e-3, 6e-3))
+    # operators' bytes at 1 GB/s; no fresh pages off the CPU
+    assert (u.fwd_memory_s, u.bwd_memory_s) == pytest.approx((3e-3, 5e-3))
     assert (u.fwd_overhead_s, u.bwd_overhead_s, u.stream_s) == pytest.approx((1e-4, 2e-4, 2e-4))
     assert u.update_s == pytest.approx(1000 * 80 / 4e8)  # host memory, 0.2 ms
     assert u.transfer_s == pytest.approx((2 * 4000 + 4000) / 1e8)  # link, 0.12 ms
-    # on a device the operators' overhead hides under the data work (13 ms); link overlaps
-    assert u.time_s == pytest.approx(13e-3 + 0.2e-3) and u.bound == "memory"
+    # on a device the operators' overhead hides under the data work (11 ms); link overlaps
+    assert u.time_s == pytest.approx(11e-3 + 0.2e-3) and u.bound == "memory"
     assert est.outside.time_s == pytest.approx(1e-3)  # 1 MB; 5 x 10 us hidden under it
     step = u.time_s + 1e-3 + 2e-3 + 1e-3
     assert est.step_s == pytest.approx(step)
@@ -363,15 +376,26 @@ def test_roofline_terms_of_one_unit_written_out():
     # without prefetching the link adds; on a CPU the overheads add too and a fetch
     # is a host copy at the memory bandwidth
     serial = estimate(StepCosts([unit], outside), probe, EstimateSettings(4, prefetch_depth=0))
-    assert serial.units[0].time_s == pytest.approx(13e-3 + 1000 * 80 / 4e8 + 0.12e-3)
-    cpu = estimate(StepCosts([unit], outside), _probe("cpu", op_s=1e-5, tensor_s=1e-4), settings)
-    c = cpu.units[0]
+    assert serial.units[0].time_s == pytest.approx(11e-3 + 1000 * 80 / 4e8 + 0.12e-3)
+    cpu_probe = _probe("cpu", op_s=1e-5, tensor_s=1e-4, fresh_bandwidth=5e8)
+    c = estimate(StepCosts([unit], outside), cpu_probe, settings).units[0]
     assert c.transfer_s == pytest.approx(2 * 12_000 / 1e9)
-    assert c.time_s == pytest.approx(13e-3 + 5e-4 + 1000 * 80 / 4e8)
+    # on the CPU: the fresh pages' 0.5 MB at 0.5 GB/s, and every term in turn
+    assert c.fwd_memory_s == pytest.approx(3e-3 + 1e-3)
+    assert c.time_s == pytest.approx(12e-3 + 5e-4 + 1000 * 80 / 4e8)
+
+
+def test_a_timed_kernel_is_priced_at_its_timing():
+    unit = _unit(fwd_kernels=[("mm", 2_000_000, 1_000_000), ("gelu", 0, 4_000_000)])
+    costs = StepCosts([unit], UnitCost(-1, OUTSIDE_NAME))
+    probe = _probe(kernel_s={"mm": 5e-3, "gelu": 7e-3})
+    u = estimate(costs, probe, EstimateSettings(1)).units[0]
+    # a kernel with FLOPs is compute, one without is memory, each at its timing
+    assert (u.fwd_compute_s, u.fwd_memory_s) == pytest.approx((5e-3, 7e-3))
 
 
 def test_layer_pipelined_has_no_link_and_updates_in_device_memory():
-    unit = _unit(fwd_products=[(1_000_000, 0)], fwd_flops=1_000_000)
+    unit = _unit(fwd_kernels=[("k0", 1_000_000, 0)], fwd_flops=1_000_000)
     settings = EstimateSettings(batch_size=1, weight_streaming=False, update_bytes=80)
     est = estimate(StepCosts([unit], UnitCost(-1, OUTSIDE_NAME)), _probe(), settings)
     assert est.units[0].transfer_s == 0 and est.link_bytes == 0
@@ -380,7 +404,7 @@ def test_layer_pipelined_has_no_link_and_updates_in_device_memory():
 
 def test_link_bound_unit_and_transfer_dtype():
     unit = _unit(numel=10**6, trainable_numel=10**6, weight_bytes=4 * 10**6,
-                 trainable_bytes=4 * 10**6, fwd_products=[(10**6, 0)], fwd_flops=10**6)  # fmt: skip
+                 trainable_bytes=4 * 10**6, fwd_kernels=[('k0', 10**6, 0)], fwd_flops=10**6)  # fmt: skip
     outside = UnitCost(-1, OUTSIDE_NAME)
     est = estimate(StepCosts([unit], outside), _probe(), EstimateSettings(1, update_bytes=0))
     assert est.link_bytes == 12 * 10**6 and est.units[0].bound == "link"
@@ -391,7 +415,7 @@ def test_link_bound_unit_and_transfer_dtype():
 
 
 def test_a_recomputed_unit_does_its_forward_work_again_in_the_backward():
-    unit = _unit(fwd_products=[(10**6, 0)], fwd_flops=10**6, fwd_bytes=10**6, fwd_ops=7)
+    unit = _unit(fwd_kernels=[("k0", 10**6, 0)], fwd_flops=10**6, fwd_bytes=10**6, fwd_ops=7)
     costs = StepCosts([unit], UnitCost(-1, OUTSIDE_NAME))
     plain = estimate(costs, _probe(op_s=1e-6), EstimateSettings(1)).units[0]
     again = estimate(costs, _probe(op_s=1e-6), EstimateSettings(1, recompute=(0,))).units[0]
@@ -401,8 +425,8 @@ def test_a_recomputed_unit_does_its_forward_work_again_in_the_backward():
 
 
 def test_a_disk_stores_traffic_is_shared_by_the_units_and_overlaps_their_work():
-    units = [_unit(0, fwd_products=[(10**5, 0)], fwd_flops=10**5),
-             _unit(1, trainable_numel=3000, fwd_products=[(10**5, 0)], fwd_flops=10**5)]  # fmt: skip
+    units = [_unit(0, fwd_kernels=[('k0', 10**5, 0)], fwd_flops=10**5),
+             _unit(1, trainable_numel=3000, fwd_kernels=[('k0', 10**5, 0)], fwd_flops=10**5)]  # fmt: skip
     costs = StepCosts(units, UnitCost(-1, OUTSIDE_NAME))
     probe = _probe(disk={"/store": {"read": 1e6, "write": 5e5}})
     settings = EstimateSettings(1, update_bytes=0, disk_read_bytes=10**4,
@@ -540,7 +564,7 @@ def test_the_probe_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert first.memory_bandwidth > 0 and first.host_memory_bandwidth > 0
     assert first.link_bandwidth is None  # the CPU: no link
     assert first.op_s > 0 and first.tensor_s >= 0 and first.step_s >= 0
-    assert first.disk == {}
+    assert first.disk == {} and first.kernel_s == {} and first.fresh_bandwidth > 0
 
     calls = []
 
@@ -557,6 +581,28 @@ def test_the_probe_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert not (tmp_path / "store").exists()  # measured beside it: the store makes its own
     assert load_or_measure("cpu", quick=True).disk == with_disk.disk and calls == []
     path.write_text("{not json")
-    with pytest.warns(UserWarning, match="measuring again"):
+    with pytest.warns(UserWarning, match="ignoring the probe"):
         load_or_measure("cpu", quick=True)
     assert len(calls) == 1
+
+
+def test_kernels_are_timed_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("WEIGHTSTREAM_CACHE_DIR", str(tmp_path))
+    model = Chain([64, 128, 4])  # kernels of well under a millisecond
+    x = torch.randn(1024, 64)
+    costs = unit_costs(model, _plan(model, x), (x,), {})
+    probe = load_or_measure("cpu", quick=True)
+    probe_mod.time_kernels(probe, costs.kernels)
+    assert set(probe.kernel_s) == set(costs.kernels) and all(t > 0 for t in probe.kernel_s.values())
+    est = estimate(costs, probe, EstimateSettings(1))
+    assert est.timed_kernels == f"{len(costs.kernels)} / {len(costs.kernels)}"
+    assert load_or_measure("cpu", quick=True).kernel_s == probe.kernel_s  # in the file
+    # a kernel too large for the free memory stays untimed: the roofline prices it
+    untimed = load_or_measure("cpu", quick=True)
+    untimed.kernel_s.clear()
+    monkeypatch.setattr(probe_mod, "_free_bytes", lambda device: 0)
+    probe_mod.time_kernels(untimed, costs.kernels)
+    assert untimed.kernel_s == {}
+    assert (
+        estimate(costs, untimed, EstimateSettings(1)).timed_kernels == f"0 / {len(costs.kernels)}"
+    )

@@ -2,17 +2,16 @@
 
 The compile directory ``<compile_dir or model_dir>/ws_<checksum>/`` is keyed by
 a checksum over the model structure, the batch shape and the settings that
-change the plan; a later run with the same checksum reuses it (a cache hit)
-instead of costing the model again.
+change the plan (``report.py``); a later run with the same checksum reuses it.
 
 The estimate (Note [the roofline] in estimate.py) prices the counted costs with
 the probe's rates (``probe.py``: measured once per machine and torch version,
 cached; ``WEIGHTSTREAM_QUICK_MACHINE_PROFILE=1`` measures with tiny sizes, for
 tests). Besides the model and the machine it needs the step's loss (the task's
-cross-entropy on meta labels, as the trainer computes it), the optimizer's bytes
-per parameter, a disk store's predicted traffic and, when the training input
-has no worker processes, the seconds the input pipeline takes per batch (timed
-here on a few batches: it runs serially with every step).
+on meta labels, as the trainer computes it), the optimizer's bytes per
+parameter, a disk store's predicted traffic and, when the training input has no
+worker processes, the seconds the input pipeline takes per batch (timed here on
+a few batches: it runs serially with every step).
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from weightstream.compiler.cost import StepCosts, unit_costs
+from weightstream.compiler.cost import unit_costs
 from weightstream.compiler.estimate import (
     CLIP_BYTES,
     DEFAULT_UPDATE_BYTES,
@@ -34,7 +33,7 @@ from weightstream.compiler.estimate import (
     EstimateSettings,
     estimate,
 )
-from weightstream.compiler.probe import Probe, load_or_measure
+from weightstream.compiler.probe import Probe, load_or_measure, time_kernels
 from weightstream.compiler.report import compile_checksum, load_compile_dir, write_compile_dir
 from weightstream.models.tasks import attention_of, model_inputs, model_kwargs
 from weightstream.runtime import swarm
@@ -64,20 +63,20 @@ def update_bytes(params) -> int:
 
 
 def settings_of(run) -> dict:
-    rc = run.rc
+    """The settings a cached compile must match."""
+    rc, s = run.rc, run.rc.streaming
     return {
         "execution_mode": rc.execution_mode,
         "device": str(run.device),
-        "prefetch_depth": rc.streaming.prefetch_depth,
-        "unit_size_target": rc.streaming.unit_size_target,
-        "granularity": rc.streaming.granularity,
-        "unit_modules": list(rc.streaming.unit_modules or ()),
-        "activation_checkpointing": rc.streaming.activation_checkpointing,
+        "prefetch_depth": s.prefetch_depth,
+        "unit_size_target": s.unit_size_target,
+        "granularity": s.granularity,
+        "unit_modules": list(s.unit_modules or ()),
+        "activation_checkpointing": s.activation_checkpointing,
         "compute_dtype": run._compute_dtype() or "float32",
         "num_csx": rc.num_csx,
-        # The estimate depends on these too (a cached estimate must match them).
         "update_bytes": update_bytes(run.params),
-        "store": rc.streaming.store,
+        "store": s.store,
         "input_num_workers": run.params.train_input.num_workers,
     }
 
@@ -89,17 +88,13 @@ def task_loss_fn(task: str, args: tuple) -> Callable:
     inputs = args[0]
     shape = inputs.shape if task == "lm" else inputs.shape[:1]
     labels = torch.empty(shape, dtype=torch.long, device="meta")
-    key = "input_ids" if task == "lm" else "inputs"
-
-    def loss_fn(out):
-        return task_loss(task, lambda *_args, **_kwargs: out, {key: inputs, "labels": labels})[0]
-
-    return loss_fn
+    batch = {"input_ids" if task == "lm" else "inputs": inputs, "labels": labels}
+    return lambda out: task_loss(task, lambda *_a, **_k: out, batch)[0]
 
 
 def recomputed(compiled, plan: Plan) -> tuple[int, ...]:
-    """The units of ``plan`` whose forward runs again in the backward: the streamer's
-    choice (weight streaming), or those inside a checkpointed module (layer pipelined)."""
+    """The units whose forward runs again in the backward: the streamer's choice
+    (weight streaming), or those inside a checkpointed module (layer pipelined)."""
     engine = compiled.engine
     if engine is not None and engine.streamer is not None:
         return tuple(sorted(engine.streamer.recompute))
@@ -119,51 +114,34 @@ def input_seconds_per_batch(section: dict, quick: bool = False) -> float:
     ).seconds_per_batch
 
 
-def estimate_for(
-    model: torch.nn.Module,
-    plan: Plan,
-    args: tuple,
-    *,
-    task: str | None,
-    probe: Probe,
-    settings: EstimateSettings,
-    kwargs: dict | None = None,
-) -> tuple[StepCosts, Estimate]:
-    """Cost ``model`` on ``plan`` for ``args`` (and keyword inputs ``kwargs``) and
-    estimate it: what a run reports.
-
-    Reusable without a run (the input analyzer): ``task`` picks the loss
-    (None: the sum of the outputs).
-    """
+def estimate_for(model, plan: Plan, args: tuple, *, task, probe: Probe, settings, kwargs=None):
+    """Cost ``model`` on ``plan`` for ``args`` and ``kwargs``, time the kernels the
+    probe has not met, and estimate: what a run reports. ``task`` picks the loss
+    (None: the sum of the outputs)."""
     loss_fn = task_loss_fn(task, args) if task is not None else None
-    costs = unit_costs(model, plan, args, kwargs or {}, loss_fn=loss_fn)
+    mixed = None if settings.compute_dtype == "float32" else getattr(torch, settings.compute_dtype)
+    costs = unit_costs(model, plan, args, kwargs or {}, loss_fn, probe.device, mixed)
+    time_kernels(probe, costs.kernels)
     return costs, estimate(costs, probe, settings)
 
 
 def estimate_from_params(
     params, device: torch.device | str = "cpu", batch: dict | None = None, input_s: float = 0.0
 ) -> tuple[Estimate, Probe]:
-    """The compile phase's estimate for a params file's model and training batch,
-    without a run (what the input analyzer compares the input pipeline with).
-
-    ``params``: parsed params (``cli.params.parse_params``). ``batch``: one
-    training batch (default: the first of the train_input pipeline). The model
-    is built on the meta device when it can be (no weights are allocated) and
-    planned as the run plans it: traced units for weight streaming, one unit per
-    module for layer pipelined.
-    """
+    """The compile phase's estimate for a params file's model and training batch
+    (default: the first of its train_input), without a run (the input analyzer's).
+    The model is built on the meta device where it can be and planned as the run
+    plans it."""
     from weightstream.data.streaming import batch_size_of
     from weightstream.data.throughput import section_with_workers
     from weightstream.runtime.trace import trace_forward
 
-    device = torch.device(device)
     task = params.model.spec.task
     if batch is None:
         from weightstream.data.processors import get_data_processor
 
         section = section_with_workers(params.train_input.to_dict(), 0)
-        loader = get_data_processor(section["data_processor"])(section, True)
-        batch = next(iter(loader))
+        batch = next(iter(get_data_processor(section["data_processor"])(section, True)))
     args = model_inputs(task, batch)
     try:
         with torch.device("meta"):
@@ -173,14 +151,13 @@ def estimate_from_params(
     kwargs = model_kwargs(task, batch, attention_of(model))
     rc = params.runconfig
     ws = rc.execution_mode == "weight_streaming"
+    plan = build_plan(model, StreamingConfig(granularity="module"))
     if ws:
         try:
             plan = build_plan(model, rc.streaming, trace_forward(model, args, kwargs))
         except Exception:  # as the engine: a structural plan when the trace fails
             plan = build_plan(model, rc.streaming)
-    else:
-        plan = build_plan(model, StreamingConfig(granularity="module"))
-    placement = _disk_placement(rc.streaming, ws, model, plan, device)
+    placement = _disk_placement(rc.streaming, ws, model, plan, torch.device(device))
     probe = load_or_measure(device, quick=quick_profile(), disk_dir=_disk_dir(rc, placement))
     settings = estimate_settings(params, batch_size_of(batch), input_s, placement=placement)
     _, est = estimate_for(
@@ -200,11 +177,9 @@ def estimate_settings(
     params, batch_size: int, input_s: float, recompute: tuple[int, ...] = (), placement=None
 ) -> EstimateSettings:
     """The estimate settings of a params file's run (``recompute``: the units activation
-    checkpointing runs again; ``placement``: a disk store's predicted
-    ``runtime.placement.Placement``, whose file traffic is priced)."""
-    rc = params.runconfig
+    checkpointing runs again; ``placement``: a disk store's predicted placement)."""
+    rc, m = params.runconfig, params.model
     ws = rc.execution_mode == "weight_streaming"
-    m = params.model
     compute = (m.fp16_type if m.mixed_precision else None) or "float32"
     return EstimateSettings(
         batch_size=batch_size,
@@ -222,12 +197,9 @@ def estimate_settings(
 
 
 def run(run, compiled, args: tuple, batch_size: int, kwargs: dict | None = None) -> dict:
-    """Compile for ``args`` and ``kwargs`` (the model inputs of one batch, as
-    ``models.tasks.model_inputs`` / ``model_kwargs`` give them); returns what the run
-    reports."""
-    rc = run.rc
-    kwargs = kwargs or {}
-    model = compiled._orig_mod
+    """Compile for the model inputs of one batch (``models.tasks.model_inputs`` /
+    ``model_kwargs``); returns what the run reports."""
+    rc, kwargs, model = run.rc, kwargs or {}, compiled._orig_mod
     root = Path(rc.compile_dir) if rc.compile_dir else run.model_dir
     settings = settings_of(run)
     batch = [(tuple(a.shape), a.dtype) for a in args]
@@ -239,12 +211,9 @@ def run(run, compiled, args: tuple, batch_size: int, kwargs: dict | None = None)
         log.info("Compile cache hit: %s", root / f"ws_{checksum}")
         return {"est_samples_per_sec": cached["est_samples_per_sec"], "cache_hit": True}
     if rc.validate_only:
-        # validate_only: the trace and the budget checks ran in prepare(); nothing to write.
         log.info("Validation passed: the model traces and every unit fits the device budget.")
         return {"est_samples_per_sec": None, "cache_hit": False}
-    plan = compiled.plan
-    if plan is None:  # layer pipelined: cost the model layer by layer all the same
-        plan = build_plan(model, StreamingConfig(granularity="module"))
+    plan = compiled.plan or build_plan(model, StreamingConfig(granularity="module"))
     quick = quick_profile()
     store = compiled.engine.store if compiled.engine is not None else None
     placement = _disk_placement(rc.streaming, run.ws, model, compiled.plan, run.device, store)
@@ -258,8 +227,7 @@ def run(run, compiled, args: tuple, batch_size: int, kwargs: dict | None = None)
             model, plan, args, task=run.task, probe=probe, settings=settings_e, kwargs=kwargs
         )
     except (RuntimeError, NotImplementedError, TypeError) as exc:
-        # A forward with data-dependent Python on tensor values (transformers'
-        # mask helpers read mask values) cannot run on the meta device.
+        # A forward with data-dependent Python on tensor values cannot run on fakes.
         warnings.warn(
             "weightstream: no compile estimate: the model's forward does not run on the meta "
             f"device ({type(exc).__name__}: {exc}). Training is unaffected; the run reports "
@@ -278,10 +246,9 @@ def run(run, compiled, args: tuple, batch_size: int, kwargs: dict | None = None)
 
 
 def _disk_placement(streaming, ws: bool, model, plan, device, store=None):
-    """Where the run's disk store places this rank's training state: a running
-    ``store``'s own prediction (a sharded store's share), else as a store would place
-    it, unless the store may be sharded over ranks (which share is this rank's is not
-    known without one). None for a store in RAM, or where not known."""
+    """Where the run's disk store places this rank's state: a running store's own
+    prediction (a sharded store's share), else as a store would place it unless the
+    store may be sharded over ranks. None for a store in RAM, or where not known."""
     if not ws or streaming.store != "disk" or plan is None:
         return None
     predicted = None if store is None else store.predicted_placement()

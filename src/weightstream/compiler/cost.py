@@ -1,53 +1,36 @@
-"""What one training step costs per streaming unit, measured on the meta device.
+"""What one training step costs per streaming unit, counted without computing.
 
 The model is shadowed by the trace's copy (``trace.shadow_copy``: FakeTensors
-over meta storages, no data copied; the run is under their FakeTensorMode, so
-that libraries skip their data-dependent checks), and the shadow runs one
-forward and one backward of a scalar loss on meta inputs of the real batch
-shape, under the RNG fork, so no real random number is drawn.
-Three instruments watch that run:
-
-* ``FlopCounterMode`` (torch.utils.flop_counter) counts FLOPs. It counts
-  matmul-like operators only (mm, addmm, bmm, convolution, attention);
-  elementwise work, norms and reductions count 0. See Note [attributing FLOPs].
-* a saved-tensors pack hook sees every tensor autograd keeps for backward:
-  the activation bytes of the unit whose window is open when it is saved.
-  Weights (views of a parameter) and buffers are not counted: the streamer
-  replaces saved weights by a record and fetches them again in backward, and
-  buffers stay resident anyway. Each storage counts once (a tensor saved by
-  two operators, or a view of an already saved tensor, is memory held once).
-* module hooks on the unit modules, which open and close the unit windows.
-* a TorchDispatchMode (``_OpCounter``) sees every aten operator that runs: it
-  counts them (each costs a fixed dispatch and autograd overhead on a real
-  run, whatever its size), keeps each matmul-like operator as (FLOPs, bytes)
-  and adds the bytes that the other operators read and write (elementwise,
-  norms, reductions, casts: Note [operator bytes]). The same attribution as
-  the FLOPs decides which entry gets them.
+over meta storages that claim the run's device, so that the device's own kernels
+are chosen, CPU flash attention rather than its math decomposition, and autocast
+applies; no data is copied), and the shadow runs one forward and one backward of
+a scalar loss on fake inputs of the real batch shape, under the RNG fork.
+``_Counter`` (a TorchDispatchMode, with ``FlopCounterMode`` counting the FLOPs
+of matmul-like operators) sees every aten operator: it counts them, adds the
+bytes each moves (Note [operator bytes] in operators.py), keeps the large ones
+as kernels for the probe to time (Note [timed kernels]) and adds the new outputs
+that take fresh pages (Note [fresh pages]). A saved-tensors hook sees every
+tensor autograd keeps: the activation bytes (not weights or buffers; each
+storage once). Module hooks on the units open and close their windows.
 
 Note [attributing FLOPs]
 ------------------------
-Forward: FLOPs go to the innermost unit whose forward window is open (so a
-pinned unit that encloses others, like a root with its own parameters, gets
-only what runs outside its children's windows); with no window open, to the
-"outside units" entry (the loss, root-level operators of a root that is not
-a unit). Backward: every autograd node created while a window was open is
-tagged with that unit (a TorchFunctionMode walks the new part of the graph
-after each torch call), and a pre-hook / post-hook pair on the node makes the
-FLOPs counted while the node runs belong to the unit. The counter is read at
-each switch, so each FLOP goes to exactly one entry, and the entries sum to
-``FlopCounterMode``'s global total. FlopCounterMode's own module hierarchy is
-not used for backward: it tracks modules through hooks on module inputs and
-outputs and misattributes backward FLOPs around identity modules (a
-``Dropout(0.0)`` returns its input).
-
-If the backward cannot run on the meta device, backward FLOPs fall back to
-2 x forward per entry (exact for matmul-like operators whose inputs all need
-gradients: one product for the input gradient, one for the weight gradient)
-and ``StepCosts.backward_measured`` is False.
+Forward: work goes to the innermost unit whose forward window is open (a unit
+that encloses others gets only what runs outside its children's windows); with
+no window open, to the "outside units" entry (the loss, root-level operators).
+Backward: every autograd node created while a window was open is tagged with
+that unit (a TorchFunctionMode walks the new part of the graph after each torch
+call), and a pre-hook / post-hook pair on the node gives the unit the work done
+while it runs. The FLOP counter is read at each switch, so the entries sum to
+``FlopCounterMode``'s total (whose own module tracking misattributes backward
+FLOPs around identity modules such as ``Dropout(0.0)``). If the backward cannot
+run on fakes, it counts as twice the forward per entry (exact for products whose
+inputs all need gradients) and ``StepCosts.backward_measured`` is False.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -60,13 +43,15 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from weightstream.compiler.operators import (
     EXTRA_FLOP_FORMULAS,
-    FUSED_ON_DEVICE,
+    KERNEL_BYTES,
     NO_TRAFFIC,
     QUERIES,
+    Kernel,
+    fresh_bytes,
     tensor_bytes,
 )
 from weightstream.runtime.partition import Plan
-from weightstream.runtime.trace import _to_meta, clear_hooks, shadow_copy
+from weightstream.runtime.trace import clear_hooks, fake_like, shadow_copy
 
 OUTSIDE_NAME = "<outside units>"
 
@@ -86,72 +71,51 @@ class UnitCost:
     activation_bytes: int = 0  # saved for backward while its window was open
     pinned: bool = False
     trainable_tensors: int = 0  # parameter tensors the optimizer updates
-    tensors: int = 0  # parameter tensors fetched with the unit (each costs streaming work)
+    tensors: int = 0  # parameter tensors fetched with the unit
     fwd_ops: int = 0  # aten operators run in forward (views included)
     bwd_ops: int = 0
-    fwd_bytes: int = 0  # bytes read + written by the operators without FLOPs
+    fwd_bytes: int = 0  # bytes read + written by the operators that are not kernels
     bwd_bytes: int = 0
-    # each matmul-like operator (attention included) as (FLOPs, bytes it moves);
-    # their FLOPs sum to fwd_flops / bwd_flops
-    fwd_products: list[tuple[int, int]] = field(default_factory=list)
-    bwd_products: list[tuple[int, int]] = field(default_factory=list)
+    fresh_bytes: int = 0  # new outputs in fresh pages, both passes
+    # each kernel as (key, FLOPs, bytes it moves)
+    fwd_kernels: list[tuple[str, int, int]] = field(default_factory=list)
+    bwd_kernels: list[tuple[str, int, int]] = field(default_factory=list)
 
-    @property
-    def flops(self) -> int:
-        return self.fwd_flops + self.bwd_flops
+    flops = property(lambda self: self.fwd_flops + self.bwd_flops)
+    ops = property(lambda self: self.fwd_ops + self.bwd_ops)
 
     @property
     def op_bytes(self) -> int:
-        """Bytes every operator of both passes moves (products included)."""
-        products = sum(b for _, b in (*self.fwd_products, *self.bwd_products))
-        return self.fwd_bytes + self.bwd_bytes + products
-
-    @property
-    def ops(self) -> int:
-        return self.fwd_ops + self.bwd_ops
+        """Bytes every operator of both passes moves (kernels included)."""
+        kernels = self.fwd_kernels + self.bwd_kernels
+        return self.fwd_bytes + self.bwd_bytes + sum(b for *_, b in kernels)
 
 
 @dataclass
 class StepCosts:
-    """Per-unit costs in plan order, and what ran outside every unit window."""
+    """Per-unit costs in plan order, what ran outside every unit window, the kernels."""
 
     units: list[UnitCost]
     outside: UnitCost
     backward_measured: bool = True
-    backward_error: str | None = None  # why backward FLOPs are 2 x forward
+    backward_error: str | None = None  # why backward is 2 x forward
     batch: list = field(default_factory=list)  # (shape, dtype) of the example inputs
+    kernels: dict[str, Kernel] = field(default_factory=dict)  # by key
 
     @property
     def entries(self) -> list[UnitCost]:
         return [*self.units, self.outside]
 
-    @property
-    def fwd_flops(self) -> int:
-        return sum(e.fwd_flops for e in self.entries)
+    def total(self, name: str) -> int:
+        return sum(getattr(e, name) for e in self.entries)
 
-    @property
-    def bwd_flops(self) -> int:
-        return sum(e.bwd_flops for e in self.entries)
-
-    @property
-    def flops(self) -> int:
-        return self.fwd_flops + self.bwd_flops
-
-    @property
-    def weight_bytes(self) -> int:
-        return sum(u.weight_bytes for u in self.units)
-
-    @property
-    def activation_bytes(self) -> int:
-        return sum(e.activation_bytes for e in self.entries)
-
-    @property
-    def ops(self) -> int:
-        return sum(e.ops for e in self.entries)
-
-    @property
-    def op_bytes(self) -> int:
-        return sum(e.op_bytes for e in self.entries)
+    fwd_flops = property(lambda self: self.total("fwd_flops"))
+    bwd_flops = property(lambda self: self.total("bwd_flops"))
+    flops = property(lambda self: self.total("flops"))
+    activation_bytes = property(lambda self: self.total("activation_bytes"))
+    ops = property(lambda self: self.total("ops"))
+    op_bytes = property(lambda self: self.total("op_bytes"))
+    weight_bytes = property(lambda self: sum(u.weight_bytes for u in self.units))
 
 
 def default_loss(output) -> torch.Tensor | None:
@@ -161,119 +125,67 @@ def default_loss(output) -> torch.Tensor | None:
         for t in pytree.tree_leaves(output)
         if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
     ]
-    if not leaves:
-        return None
-    loss = leaves[0].sum()
-    for t in leaves[1:]:
-        loss = loss + t.sum()
-    return loss
+    return sum((t.sum() for t in leaves[1:]), leaves[0].sum()) if leaves else None
 
 
-@dataclass
-class _PassStats:
-    """What ``_OpCounter`` saw of one entry in one pass."""
+class _Counter(TorchDispatchMode):
+    """Credits every operator to the entry and pass that own it now (see the module
+    docstring); reads the FLOP counter at every switch."""
 
-    ops: int = 0
-    bytes: int = 0  # moved by the operators without FLOPs
-    products: list[tuple[int, int]] = field(default_factory=list)  # (FLOPs, bytes) each
-
-    def scaled(self, k: int) -> _PassStats:
-        return _PassStats(k * self.ops, k * self.bytes, [(k * f, k * b) for f, b in self.products])
-
-
-class _Attribution:
-    """Reads the FLOP counter at every switch of the entry that owns the work."""
-
-    def __init__(self, counter: FlopCounterMode, n_units: int):
-        self.counter = counter
-        self.fwd = [0] * (n_units + 1)  # index n_units: outside
-        self.bwd = [0] * (n_units + 1)
-        self.fwd_stats = [_PassStats() for _ in range(n_units + 1)]
-        self.bwd_stats = [_PassStats() for _ in range(n_units + 1)]
-        self.outside = n_units
-        self.phase = self.fwd
-        self.current = n_units
-        self._seen = 0
-
-    def switch(self, phase: list[int], entry: int) -> None:
-        total = self.counter.get_total_flops()
-        self.phase[self.current] += total - self._seen
-        self._seen = total
-        self.phase, self.current = phase, entry
-
-    def stats(self) -> _PassStats:
-        """The operator statistics of the entry and pass open now."""
-        return (self.fwd_stats if self.phase is self.fwd else self.bwd_stats)[self.current]
-
-
-class _OpCounter(TorchDispatchMode):
-    """Counts operators, their bytes and the products' FLOPs into the open entry."""
-
-    def __init__(self, att: _Attribution, flop_registry: dict):
+    def __init__(self, flops: FlopCounterMode, n_units: int):
         super().__init__()
-        self.att = att
-        self.flop_registry = flop_registry
-        self.suspended = 0  # > 0: inside a fused call (its cost was credited as a whole)
+        self.counter = flops
+        entries = range(n_units + 1)  # index n_units: outside
+        # per pass and entry: FLOPs, operators, bytes, fresh bytes, kernels
+        self.stats = {p: [[0, 0, 0, 0, []] for _ in entries] for p in ("fwd", "bwd")}
+        self.kernels: dict[str, Kernel] = {}
+        self.outside = self.current = n_units
+        self.phase, self._seen = "fwd", 0
 
-    def credit(self, nbytes: int, flops: int) -> None:
-        """One fused operator (Note [operator bytes])."""
-        stats = self.att.stats()
-        stats.ops += 1
-        stats.products.append((flops, nbytes))
+    def switch(self, phase: str, entry: int) -> None:
+        total = self.counter.get_total_flops()
+        self.stats[self.phase][self.current][0] += total - self._seen
+        self._seen, self.phase, self.current = total, phase, entry
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.suspended or func in QUERIES:
+        if func in QUERIES:
             return out
-        stats = self.att.stats()
-        stats.ops += 1
-        formula = self.flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            flops = formula(*args, **kwargs, out_val=out)
-            stats.products.append((flops, tensor_bytes((args, kwargs)) + tensor_bytes(out)))
-        elif func is torch.ops.aten.embedding.default:
-            stats.bytes += tensor_bytes(args[1]) + 2 * tensor_bytes(out)
-        elif not (func.is_view or func in NO_TRAFFIC):
-            stats.bytes += tensor_bytes((args, kwargs)) + tensor_bytes(out)
+        formula = self.counter.flop_registry.get(func._overloadpacket)
+        flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
+        if func is torch.ops.aten.embedding.default:
+            nbytes = tensor_bytes(args[1]) + 2 * tensor_bytes(out)
+        elif func.is_view or func in NO_TRAFFIC:
+            nbytes = 0
+        else:
+            nbytes = tensor_bytes((args, kwargs)) + tensor_bytes(out)
+        stats = self.stats[self.phase][self.current]
+        stats[1] += 1
+        if not (func.is_view or func._schema.is_mutable):  # a new tensor
+            stats[3] += fresh_bytes(out)
+        if flops or nbytes >= KERNEL_BYTES:
+            k = self.kernels.setdefault(
+                *(lambda k: (k.key, k))(Kernel.of(func, args, kwargs, flops))
+            )
+            stats[4].append((k.key, flops, nbytes))
+        else:
+            stats[2] += nbytes
         return out
 
 
 class _NodeTagger(TorchFunctionMode):
-    """Tags the autograd nodes each torch call creates with the open unit (see the Note).
+    """Tags the autograd nodes each torch call creates with the open unit (Note
+    [attributing FLOPs])."""
 
-    A call in ``FUSED_ON_DEVICE`` is counted by ``ops`` as one operator (see
-    Note [operator bytes]); its new nodes are tagged ``fused`` ("top" for the
-    node of its output, which carries the backward's credit, "inner" else).
-    """
-
-    def __init__(self, current_unit: Callable[[], int], on_new_node: Callable, ops: _OpCounter):
+    def __init__(self, current_unit: Callable[[], int], on_new_node: Callable):
         super().__init__()
-        self._current_unit = current_unit
-        self._on_new_node = on_new_node
-        self._ops = ops
+        self._current_unit, self._on_new_node = current_unit, on_new_node
         self.tagged: set = set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        fused = func in FUSED_ON_DEVICE and not self._ops.suspended
-        if fused:
-            flops_before = self._ops.att.counter.get_total_flops()
-            self._ops.suspended += 1
-        try:
-            out = func(*args, **(kwargs or {}))
-        finally:
-            if fused:
-                self._ops.suspended -= 1
-        bwd_credit = None  # (bytes, FLOPs) of the fused call's backward
-        if fused:
-            fwd_bytes = tensor_bytes((args, kwargs)) + tensor_bytes(out)
-            fwd_flops = self._ops.att.counter.get_total_flops() - flops_before
-            self._ops.credit(fwd_bytes, fwd_flops)
-            # Backward of the math path: 4 products for forward's 2 (dQ, dK, dV, dP).
-            bwd_credit = (2 * fwd_bytes, 2 * fwd_flops)
-        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        tops = {t.grad_fn for t in outs if t.grad_fn is not None}
-        todo = list(tops)
+        out = func(*args, **(kwargs or {}))
+        todo = [t.grad_fn for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         entry = self._current_unit()
         while todo:
             node = todo.pop()
@@ -281,11 +193,7 @@ class _NodeTagger(TorchFunctionMode):
                 continue
             self.tagged.add(node)
             if type(node).__name__ != "AccumulateGrad":  # a leaf: no compute of its own
-                if bwd_credit is None:
-                    self._on_new_node(node, entry)
-                else:
-                    role = "top" if node in tops else "inner"
-                    self._on_new_node(node, entry, role, bwd_credit)
+                self._on_new_node(node, entry)
             todo.extend(n for n, _ in node.next_functions)
         return out
 
@@ -296,133 +204,115 @@ def unit_costs(
     example_args: tuple = (),
     example_kwargs: dict | None = None,
     loss_fn: Callable | None = None,
+    device: torch.device | str = "cpu",
+    autocast: torch.dtype | None = None,
 ) -> StepCosts:
-    """Measure one training step of ``model`` per unit of ``plan`` on the meta device.
+    """Count one training step of ``model`` per unit of ``plan`` on FakeTensors.
 
-    ``example_args`` / ``example_kwargs``: a batch (real or meta tensors; only
-    shapes, dtypes and ``requires_grad`` are used). ``loss_fn(output)`` makes
-    the scalar whose backward is measured; default: the sum of the floating
-    outputs (:func:`default_loss`). Raises what the model raises on meta
-    tensors in forward (the caller decides what to do without costs).
+    ``example_args`` / ``example_kwargs``: a batch (only shapes, dtypes and
+    ``requires_grad`` are used). ``loss_fn(output)`` makes the scalar whose
+    backward is counted (default: :func:`default_loss`). ``device``: the device
+    the run computes on, ``autocast``: its forward's autocast dtype (mixed
+    precision). Raises what the model raises on fakes in forward.
     """
-    example_kwargs = example_kwargs or {}
-    loss_fn = loss_fn or default_loss
-    n = len(plan.units)
-    # Under a FakeTensorMode, as in trace.py: libraries skip their data-dependent
-    # checks for FakeTensors (transformers' mask helpers), not for meta tensors.
+    n, device = len(plan.units), torch.device(device)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    shadow = shadow_copy(model, fake)
-    # The weights' storages: a saved view of one is not an activation (``pack``).
+    shadow = shadow_copy(model, fake, device)
     resident = {t.untyped_storage()._cdata for t in (*shadow.parameters(), *shadow.buffers())}
     shadow_of = {id(r): s for r, s in zip(model.modules(), shadow.modules())}
     for m in shadow.modules():
         clear_hooks(m)  # the user's hooks (and a streamer's) must not run in a dry run
-
-    counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
-    att = _Attribution(counter, n)
-    ops = _OpCounter(att, counter.flop_registry)
-    stack: list[int] = []  # open unit windows (unit indices), innermost last
+    flops = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
+    c = _Counter(flops, n)
+    stack: list[int] = []  # open unit windows, innermost last
     activation = [0] * (n + 1)
-    saved_storages: dict[int, torch.Tensor] = {}  # keeps the storages alive: ids stay unique
-    handles = []
+    saved: dict[int, torch.Tensor] = {}  # keeps the storages alive: ids stay unique
 
     def open_unit() -> int:
         return stack[-1] if stack else n
 
-    def make_pre(index: int):
-        def pre(_mod, _args):
-            att.switch(att.fwd, index)
+    def pre(index: int):
+        def hook(_mod, _args) -> None:  # returns None: the arguments stay
+            c.switch("fwd", index)
             stack.append(index)
 
-        return pre
+        return hook
 
     def post(_mod, _args, _out):
         stack.pop()
-        att.switch(att.fwd, open_unit())
+        c.switch("fwd", open_unit())
 
+    handles = []
     for u in plan.units:
         mod = shadow_of[id(u.module)]
-        handles.append(mod.register_forward_pre_hook(make_pre(u.index)))
+        handles.append(mod.register_forward_pre_hook(pre(u.index)))
         handles.append(mod.register_forward_hook(post, always_call=True))
 
-    def on_new_node(node, entry: int, fused: str | None = None, credit=None) -> None:
-        def node_pre(_grad_outputs):
-            att.switch(att.bwd, entry)
-            if fused == "top":
-                ops.credit(*credit)
-            if fused is not None:
-                ops.suspended += 1
-
-        def node_post(_grad_inputs, _grad_outputs):
-            if fused is not None:
-                ops.suspended -= 1
-            att.switch(att.bwd, att.outside)
-
-        node.register_prehook(node_pre)
-        node.register_hook(node_post)
+    def on_new_node(node, entry: int) -> None:
+        node.register_prehook(lambda _grad_outputs: c.switch("bwd", entry))
+        node.register_hook(lambda _grad_inputs, _grad_outputs: c.switch("bwd", c.outside))
 
     def pack(t: torch.Tensor):
-        storage = t.untyped_storage()
-        key = storage._cdata
-        if key not in resident and key not in saved_storages:
-            saved_storages[key] = t
-            activation[open_unit()] += storage.nbytes()
+        key = t.untyped_storage()._cdata
+        if key not in resident and key not in saved:
+            saved[key] = t
+            activation[open_unit()] += t.untyped_storage().nbytes()
         return t
 
-    meta_args, meta_kwargs = pytree.tree_map(_to_meta, (tuple(example_args), example_kwargs))
+    def to_fake(x):
+        return (
+            fake_like(x, fake, device).requires_grad_(x.requires_grad)
+            if isinstance(x, torch.Tensor)
+            else x
+        )
+
+    args, kwargs = pytree.tree_map(to_fake, (tuple(example_args), example_kwargs or {}))
     batch = [
         (list(t.shape), str(t.dtype))
-        for t in pytree.tree_leaves((meta_args, meta_kwargs))
+        for t in pytree.tree_leaves((args, kwargs))
         if isinstance(t, torch.Tensor)
     ]
+    mixed = torch.autocast(device.type, autocast) if autocast else contextlib.nullcontext()
     devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-    backward_error = None
+    error = None
     try:
-        with torch.random.fork_rng(devices=devices), fake, counter, ops:
-            tagger = _NodeTagger(open_unit, on_new_node, ops)
-            with torch.enable_grad(), tagger, torch.autograd.graph.saved_tensors_hooks(pack, _id):
-                out = shadow(*meta_args, **meta_kwargs)
-                loss = loss_fn(out)
-            att.switch(att.bwd, att.outside)
+        with torch.random.fork_rng(devices=devices), fake, flops, c:
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            with torch.enable_grad(), _NodeTagger(open_unit, on_new_node), hooks:
+                with mixed:
+                    out = shadow(*args, **kwargs)
+                loss = (loss_fn or default_loss)(out)
+            c.switch("bwd", c.outside)
             if loss is not None:
                 try:
                     loss.backward()
-                except Exception as exc:  # an operator without a meta backward
-                    backward_error = f"{type(exc).__name__}: {exc}"
-            att.switch(att.bwd, att.outside)
+                except Exception as exc:  # an operator without a fake backward
+                    error = f"{type(exc).__name__}: {exc}"
+            c.switch("bwd", c.outside)
     finally:
         for h in handles:
             h.remove()
+    fwd, bwd = c.stats["fwd"], c.stats["bwd"]
+    if error is not None:  # twice the forward (see the Note)
+        bwd = [
+            [2 * s[0], 2 * s[1], 2 * s[2], 2 * s[3], [(k, 2 * f, 2 * b) for k, f, b in s[4]]]
+            for s in fwd
+        ]
 
-    fwd, bwd = att.fwd, att.bwd
-    fwd_stats, bwd_stats = att.fwd_stats, att.bwd_stats
-    if backward_error is not None:
-        # Twice the forward, also for the operators: a backward operator per
-        # input of each forward one, roughly.
-        bwd = [2 * f for f in fwd]
-        bwd_stats = [s.scaled(2) for s in fwd_stats]
-
-    def op_fields(i: int) -> dict:
-        f, b = fwd_stats[i], bwd_stats[i]
+    def fields(i: int) -> dict:
+        (ff, fo, fb, fr, fk), (bf, bo, bb, br, bk) = fwd[i], bwd[i]
         return dict(
-            fwd_flops=fwd[i],
-            bwd_flops=bwd[i],
-            activation_bytes=activation[i],
-            fwd_ops=f.ops,
-            bwd_ops=b.ops,
-            fwd_bytes=f.bytes,
-            bwd_bytes=b.bytes,
-            fwd_products=f.products,
-            bwd_products=b.products,
-        )
+            fwd_flops=ff, bwd_flops=bf, activation_bytes=activation[i], fwd_ops=fo, bwd_ops=bo,
+            fwd_bytes=fb, bwd_bytes=bb, fresh_bytes=fr + br, fwd_kernels=fk, bwd_kernels=bk,
+        )  # fmt: skip
 
     units = []
     for u in plan.units:
         trainable = [p for p in u.params if p.requires_grad]
         units.append(
             UnitCost(
-                index=u.index,
-                name=u.display_name,
+                u.index,
+                u.display_name,
                 numel=u.numel,
                 trainable_numel=sum(p.numel() for p in trainable),
                 weight_bytes=u.weight_bytes,
@@ -430,15 +320,11 @@ def unit_costs(
                 pinned=u.pinned,
                 trainable_tensors=len(trainable),
                 tensors=len(u.params),
-                **op_fields(u.index),
+                **fields(u.index),
             )
         )
-    outside = UnitCost(index=-1, name=OUTSIDE_NAME, **op_fields(n))
-    return StepCosts(units, outside, backward_error is None, backward_error, batch)
-
-
-def _id(x):
-    return x
+    outside = UnitCost(-1, OUTSIDE_NAME, **fields(n))
+    return StepCosts(units, outside, error is None, error, batch, c.kernels)
 
 
 class _Function(torch.nn.Module):
@@ -450,11 +336,7 @@ class _Function(torch.nn.Module):
         return self.fn(*args)
 
 
-def function_costs(fn: Callable, example_args: tuple, loss_fn: Callable | None = None) -> UnitCost:
-    """The costs of one forward and backward of ``fn(*example_args)``, as one entry.
-
-    The same instruments as :func:`unit_costs` (the probe counts the operators
-    it times with this, so that counting and timing agree).
-    """
-    costs = unit_costs(_Function(fn), Plan([], traced=True), example_args, loss_fn=loss_fn)
-    return costs.outside
+def function_costs(fn: Callable, example_args: tuple) -> UnitCost:
+    """The costs of one forward and backward of ``fn(*example_args)``, as one entry
+    (the probe counts the operators it times with this)."""
+    return unit_costs(_Function(fn), Plan([], traced=True), example_args).outside

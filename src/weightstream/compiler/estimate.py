@@ -1,42 +1,35 @@
 """Estimated step time and samples/sec of a training run, before any step: a roofline.
 
 Inputs: the counted per-unit costs (``cost.py``), the probe's rates
-(``probe.py``) and the run settings. Note [the roofline] says what each term
-prices and why.
+(``probe.py``) and the run settings.
 
 Note [the roofline]
 -------------------
-Per streaming unit, with the probe's rates (peak FLOP/s of the compute dtype,
-memory, link and disk bandwidths, fixed costs: Note [fixed costs] in probe.py):
+Per streaming unit, with the probe's rates:
 
-* compute: each matmul-like operator at max(FLOPs / peak, bytes / memory
-  bandwidth) (Note [operator bytes] in operators.py): a thin product is bound
-  by its operands, a square one by its arithmetic;
-* memory: the bytes every other operator reads and writes, and the unit's
-  saved activations once more in each pass (written into fresh pages the
-  kernel must fault in and zero in the forward, read back cold in the
-  backward: GPT-2 small's eager step on a CPU spent ~60% of its time in the
-  kernel), over the memory bandwidth;
-* overhead: operators x ``op_s`` and trainable parameter tensors x ``tensor_s``;
-* update: the optimizer's bytes per trainable parameter (``update_bytes``)
-  over the bandwidth of the memory holding the masters (the host's when
-  streaming);
-* link: what streaming moves, 2 fetches of the weights and the gradients back,
-  over the host -> device link (on the CPU a fetch is a host copy: each byte
-  read and written at the memory bandwidth);
-* disk: the disk store's file traffic a step (its placement's prediction),
-  shared among the units by their trainable parameters, at the disk's
-  bandwidths.
+* compute and memory: each kernel (Note [timed kernels] in operators.py) at its
+  timed seconds, or, untimed, at max(FLOPs / peak, bytes / memory bandwidth);
+  kernels with FLOPs count as compute, the others as memory. Memory also holds
+  the bytes of the operators that are not kernels at the memory bandwidth, and
+  on the CPU the large outputs at the first-touch bandwidth of fresh pages
+  (Note [fresh pages] in operators.py);
+* overhead: operators x ``op_s`` and trainable parameter tensors x ``tensor_s``
+  (Note [fixed costs] in probe.py);
+* update: the optimizer's bytes per trainable parameter (``update_bytes``) over
+  the bandwidth of the memory holding the masters (the host's when streaming);
+* link: 2 fetches of the weights and the gradients back, over the host -> device
+  link (on the CPU a fetch is a host copy: each byte read and written);
+* disk: the disk store's file traffic a step, shared among the units by their
+  trainable parameters.
 
-Compute, memory, overhead and update run one after the other on a CPU (the
-same cores and memory); on an accelerator the host's operator overhead hides
-under the device's work, so the larger of the two counts. With prefetching
-(``prefetch_depth`` >= 1) link and disk overlap that work and the unit takes
-the largest of the three; without, their sum. A unit whose forward runs again
-in the backward (activation checkpointing) has its forward's terms twice. The
-step is the sum over the units, plus what runs outside them (the loss, root
-operators), ``step_s`` of the probe and the input pipeline's seconds per batch
-when the training process itself makes the batches.
+On a CPU compute, memory, overhead and update run one after the other; on an
+accelerator the host's operator overhead hides under the device's work, so the
+larger of the two counts. With prefetching (``prefetch_depth`` >= 1) link and
+disk overlap that work and the unit takes the largest; without, their sum. A
+unit whose forward runs again in the backward (activation checkpointing) has its
+forward's terms twice. The step is the sum over the units, plus what runs
+outside them, ``step_s`` and the input pipeline's seconds per batch when the
+training process itself makes the batches.
 """
 
 from __future__ import annotations
@@ -48,34 +41,26 @@ import torch
 from weightstream.compiler.cost import StepCosts, UnitCost
 from weightstream.compiler.probe import Probe
 
-# Bytes each trainable parameter moves in an optimizer update, by optimizer
-# (fp32 state; each foreach operator of weightstream's optimizers reads its
-# operands and writes its result). AdamW: decay p (rw), lerp m with g
-# (r m g, w m), v * b2 + g*g (r v g, w v), denom = sqrt(v) (r v, w), its bias
-# correction and eps (rw twice), p += m / denom (r p m d, w p): 80. Other
-# optimizers: the state they read and write (SGD: p rw and g; momentum: its
-# buffer rw twice more).
+# Bytes each trainable parameter moves in an update, by optimizer (fp32 state;
+# each foreach operator reads its operands and writes its result). AdamW: decay
+# p (rw), lerp m with g (r m g, w m), v * b2 + g*g (r v g, w v), sqrt(v) (r v, w),
+# bias correction and eps (rw twice), p += m / denom (r p m d, w p): 80.
 UPDATE_BYTES = {"adamw": 80, "adam": 80, "sgd": 12, "sgd_momentum": 28}
 DEFAULT_UPDATE_BYTES = 80
 CLIP_BYTES = 12  # gradient clipping: the norm reads each gradient, the scaling rw
+TERMS = ("compute", "memory", "overhead", "update", "link", "disk")
 
 
 @dataclass
 class EstimateSettings:
     """What the estimate needs to know of the run besides the costs.
 
-    Attributes:
-        batch_size: samples per step.
-        prefetch_depth: 0 serializes link and disk with the work (Note [the roofline]).
-        compute_dtype: the dtype whose matmul peak prices the FLOPs.
-        transfer_dtype: the dtype weights and gradients travel in (None: their own).
-        weight_streaming: False prices layer pipelined (no link, update on the device).
-        update_bytes: bytes moved per trainable parameter by the optimizer update.
-        input_s: seconds the input pipeline costs the training process per batch.
-        recompute: indices of the units whose forward runs again in their backward.
-        disk_read_bytes, disk_write_bytes: bytes the disk store's files move a step.
-        disk_dir: the directory of those files (the probe's disk figures are per
-            directory).
+    ``prefetch_depth`` 0 serializes link and disk with the work;
+    ``transfer_dtype`` is the dtype weights and gradients travel in (None: their
+    own); ``weight_streaming`` False prices layer pipelined; ``input_s``: seconds
+    the input pipeline costs the training process per batch; ``recompute``: the
+    units whose forward runs again in their backward; ``disk_*``: the disk
+    store's file traffic a step and its directory (the probe's key).
     """
 
     batch_size: int
@@ -92,19 +77,20 @@ class EstimateSettings:
 
     def __post_init__(self) -> None:
         self.recompute = tuple(sorted(self.recompute))
-        self.compute_dtype = str(self.compute_dtype).removeprefix("torch.")
-        if self.transfer_dtype is not None:
-            self.transfer_dtype = str(self.transfer_dtype).removeprefix("torch.")
+        for name in ("compute_dtype", "transfer_dtype"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            value = str(value).removeprefix("torch.")
+            setattr(self, name, value)
+            if not isinstance(getattr(torch, value, None), torch.dtype):
+                raise ValueError(
+                    f"{name} must name a torch dtype (e.g. 'bfloat16'), got {value!r}."
+                )
         if not isinstance(self.batch_size, int) or self.batch_size <= 0:
             raise ValueError(f"batch_size must be a positive int, got {self.batch_size!r}.")
         if not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be an int >= 0, got {self.prefetch_depth!r}.")
-        for name in ("compute_dtype", "transfer_dtype"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(getattr(torch, value, None), torch.dtype):
-                raise ValueError(
-                    f"{name} must name a torch dtype (e.g. 'bfloat16'), got {value!r}."
-                )
         for name in ("update_bytes", "input_s", "disk_read_bytes", "disk_write_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}.")
@@ -122,7 +108,7 @@ class UnitEstimate:
     bwd_memory_s: float = 0.0
     fwd_overhead_s: float = 0.0
     bwd_overhead_s: float = 0.0
-    stream_s: float = 0.0  # its parameter tensors' fixed costs (Note [fixed costs])
+    stream_s: float = 0.0  # its parameter tensors' fixed costs
     update_s: float = 0.0
     transfer_s: float = 0.0  # link: 2 fetches + gradients back
     disk_s: float = 0.0
@@ -148,7 +134,7 @@ class Estimate:
     outside: UnitEstimate
     step_s: float
     est_samples_per_sec: float
-    bound: str  # the largest term of the step: compute, memory, overhead, update, link, disk, input
+    bound: str  # the largest term of the step (TERMS or input)
     compute_s: float
     memory_s: float
     overhead_s: float  # operators, parameter tensors and the probe's step_s
@@ -161,9 +147,10 @@ class Estimate:
     op_bytes: int
     link_bytes: int  # 2 x weights fetched + gradients back
     host_bytes: int  # the update's traffic
-    limit_s: float  # the physical limit of one step (design: max over the resources)
+    limit_s: float  # the physical limit of one step: max over the resources
     limit_bound: str
     limit_samples_per_sec: float
+    timed_kernels: str  # "timed / all" kernels priced by the probe's timings
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -171,66 +158,59 @@ class Estimate:
         """What the model consumes when the input costs the training process nothing."""
         return self.settings.batch_size / (self.step_s - self.input_s)
 
-    def fraction_of_limit(self, samples_per_sec: float) -> float:
-        """A measured throughput as a fraction of the physical limit."""
-        return samples_per_sec / self.limit_samples_per_sec
-
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _itemsize(dtype: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 def _link_bytes(u: UnitCost, transfer_dtype: str | None) -> int:
     """2 fetches of the weights + the gradients back, in the transfer dtype."""
     if transfer_dtype is None:
         return 2 * u.weight_bytes + u.trainable_bytes
-    return (2 * u.numel + u.trainable_numel) * _itemsize(transfer_dtype)
+    return (2 * u.numel + u.trainable_numel) * getattr(torch, transfer_dtype).itemsize
 
 
-def _pass_terms(
-    products: list[tuple[int, int]], nbytes: int, ops: int, peak: float, probe: Probe
-) -> tuple[float, float, float]:
+def _pass(kernels, nbytes: int, ops: int, peak: float, probe: Probe) -> tuple[float, float, float]:
     """(compute, memory, overhead) seconds of one pass of one entry."""
     bw = probe.memory_bandwidth
-    compute = sum(max(f / peak, b / bw) for f, b in products)
-    return compute, nbytes / bw, ops * probe.op_s
+    compute, memory = 0.0, nbytes / bw
+    for key, flops, b in kernels:
+        s = probe.kernel_s.get(key)
+        s = max(flops / peak, b / bw) if s is None else s
+        if flops:
+            compute += s
+        else:
+            memory += s
+    return compute, memory, ops * probe.op_s
 
 
 def _entry(e: UnitCost, probe: Probe, settings: EstimateSettings, recomputed: bool) -> UnitEstimate:
     """An entry's work terms; link, disk and update are the caller's."""
     peak = probe.peak_flops(settings.compute_dtype)
-    act = e.activation_bytes / probe.memory_bandwidth  # Note [the roofline]
-    fc, fm, fo = _pass_terms(e.fwd_products, e.fwd_bytes, e.fwd_ops, peak, probe)
-    bc, bm, bo = _pass_terms(e.bwd_products, e.bwd_bytes, e.bwd_ops, peak, probe)
+    fresh = e.fresh_bytes / probe.fresh_bandwidth if probe.fresh_bandwidth else 0.0
+    fc, fm, fo = _pass(e.fwd_kernels, e.fwd_bytes, e.fwd_ops, peak, probe)
+    bc, bm, bo = _pass(e.bwd_kernels, e.bwd_bytes, e.bwd_ops, peak, probe)
     if recomputed:  # activation checkpointing: the forward again in the backward
         bc, bm, bo = bc + fc, bm + fm, bo + fo
-    return UnitEstimate(e.index, e.name, fc, bc, fm + act, bm + act, fo, bo)
+    return UnitEstimate(e.index, e.name, fc, bc, fm + fresh, bm, fo, bo)
 
 
 def _close(u: UnitEstimate, on_cpu: bool, overlap: bool) -> None:
     """Set ``u.time_s`` and ``u.bound`` from its terms (Note [the roofline])."""
     t = u.terms
     data = t["compute"] + t["memory"]
-    work = data + t["overhead"] if on_cpu else max(data, t["overhead"])
-    work += t["update"]
+    work = (data + t["overhead"] if on_cpu else max(data, t["overhead"])) + t["update"]
     u.time_s = max(work, t["link"], t["disk"]) if overlap else work + t["link"] + t["disk"]
     if overlap and u.time_s > work:
         u.bound = "link" if t["link"] >= t["disk"] else "disk"
     else:
-        u.bound = max(("compute", "memory", "overhead", "update"), key=t.__getitem__)
+        u.bound = max(TERMS[:4], key=t.__getitem__)
 
 
 def estimate(costs: StepCosts, probe: Probe, settings: EstimateSettings) -> Estimate:
     """Estimate one step of ``costs`` on ``probe``'s machine (Note [the roofline])."""
-    ws = settings.weight_streaming
-    on_cpu = probe.device_type == "cpu"
-    overlap = settings.prefetch_depth >= 1
+    ws, on_cpu = settings.weight_streaming, probe.device_type == "cpu"
     host_bw = probe.host_memory_bandwidth if ws else probe.memory_bandwidth
-    disk_s = 0.0
-    notes = []
+    disk_s, notes = 0.0, []
     if settings.disk_read_bytes + settings.disk_write_bytes:
         rates = probe.disk.get(str(settings.disk_dir))
         if rates:
@@ -238,8 +218,7 @@ def estimate(costs: StepCosts, probe: Probe, settings: EstimateSettings) -> Esti
             disk_s += settings.disk_write_bytes / rates["write"]
         else:
             notes.append(
-                f"the disk store's file traffic is not priced: no disk figures for "
-                f"{settings.disk_dir!r} in the probe"
+                f"the disk store's traffic is not priced: no disk figures for {settings.disk_dir!r}"
             )
     trainable = sum(u.trainable_numel for u in costs.units) or 1
     link_bytes = host_bytes = 0
@@ -247,28 +226,26 @@ def estimate(costs: StepCosts, probe: Probe, settings: EstimateSettings) -> Esti
     for u in costs.units:
         e = _entry(u, probe, settings, u.index in settings.recompute)
         e.stream_s = u.trainable_tensors * probe.tensor_s
-        upd_bytes = u.trainable_numel * settings.update_bytes
-        host_bytes += upd_bytes
-        e.update_s = upd_bytes / host_bw
+        host_bytes += u.trainable_numel * settings.update_bytes
+        e.update_s = u.trainable_numel * settings.update_bytes / host_bw
         if ws:
             nbytes = _link_bytes(u, settings.transfer_dtype)
             link_bytes += nbytes
-            # On the CPU a fetch is a host copy: each byte read and written.
             e.transfer_s = (
                 2 * nbytes / probe.memory_bandwidth if on_cpu else nbytes / probe.link_bandwidth
             )
         e.disk_s = disk_s * u.trainable_numel / trainable
-        _close(e, on_cpu, overlap)
+        _close(e, on_cpu, settings.prefetch_depth >= 1)
         units.append(e)
     outside = _entry(costs.outside, probe, settings, False)
-    _close(outside, on_cpu, overlap)
+    _close(outside, on_cpu, settings.prefetch_depth >= 1)
     step = sum(e.time_s for e in units) + outside.time_s + probe.step_s + settings.input_s
     if step <= 0:
         raise ValueError(
             "the step has no cost (no FLOPs, no bytes, no operators): nothing to estimate. "
             "Check that the model has parameters and the example batch reaches them."
         )
-    totals = {k: sum(e.terms[k] for e in (*units, outside)) for k in outside.terms}
+    totals = {k: sum(e.terms[k] for e in (*units, outside)) for k in TERMS}
     totals["overhead"] += probe.step_s
     totals["input"] = settings.input_s
     peak = probe.peak_flops(settings.compute_dtype)
@@ -283,6 +260,7 @@ def estimate(costs: StepCosts, probe: Probe, settings: EstimateSettings) -> Esti
         notes.append(f"backward FLOPs and operators are 2 x forward ({costs.backward_error})")
     if probe.quick:
         notes.append("the probe was measured with tiny sizes (quick=True)")
+    timed = sum(key in probe.kernel_s for key in costs.kernels)
     return Estimate(
         settings=settings,
         units=units,
@@ -305,5 +283,6 @@ def estimate(costs: StepCosts, probe: Probe, settings: EstimateSettings) -> Esti
         limit_s=limit,
         limit_bound=limit_bound,
         limit_samples_per_sec=settings.batch_size / limit if limit > 0 else float("inf"),
+        timed_kernels=f"{timed} / {len(costs.kernels)}",
         notes=notes,
     )

@@ -1,47 +1,42 @@
 """The probe: this machine's rates, the denominators of the roofline (``estimate.py``).
 
-Measured once per machine and torch version in a few seconds, and cached as JSON
-under ``$WEIGHTSTREAM_CACHE_DIR`` (default ``~/.cache/weightstream``) in a file
-named by a hash of the device, its name, the torch version and the thread count.
-Each rate is the median of ``torch.utils.benchmark.Timer.blocked_autorange``:
+Measured once per machine and torch version and cached as JSON under
+``$WEIGHTSTREAM_CACHE_DIR`` (default ``~/.cache/weightstream``), in a file named
+by a hash of the device, its name, the torch version and the thread count. Each
+figure is the median of ``torch.utils.benchmark.Timer.blocked_autorange``:
 
-* ``matmul_flops``: FLOP/s of an n x n x n product, per dtype the device runs;
+* ``matmul_flops``: FLOP/s of a large square product, per dtype the device runs;
 * ``memory_bandwidth``: bytes read + written per second by an elementwise add
-  on the compute device, its output fresh memory as an operator's is in a step;
-* ``host_memory_bandwidth``: the same on the host (the optimizer's memory; on the
-  CPU the same figure);
-* ``link_bandwidth``: bytes per second of a pinned host -> device copy (None on
-  the CPU: the host is the device);
+  on the compute device; ``host_memory_bandwidth`` the same on
+  the host (on the CPU the same figure);
+* ``link_bandwidth``: a pinned host -> device copy (None on the CPU);
+* ``fresh_bandwidth``: on the CPU, bytes per second of a new mapping of 4 KiB
+  pages written once and unmapped (faults, zeroing, the write; Note [fresh pages]
+  in operators.py);
+* ``kernel_s``: seconds of each kernel a run has met (Note [timed kernels] in
+  operators.py), timed when a compile first meets it (``time_kernels``);
 * ``disk``: write (with ``fsync``) and read (page cache dropped) bandwidths of a
   directory, measured when a run first keeps a disk store there;
 * ``op_s``, ``tensor_s``, ``step_s``: fixed costs (Note [fixed costs]).
 
-Nothing is measured again when the library changes, and nothing watches for
-other processes: a probe measured on a busy machine stays until the cache file
-is deleted (``WEIGHTSTREAM_CACHE_DIR`` names where it is).
+Nothing is measured again when the library changes and nothing watches other
+processes: a probe measured on a busy machine stays until its file is deleted.
 
 Note [fixed costs]
 ------------------
-A training step of a small model is mostly overhead, not data: each aten
-operator costs microseconds of Python, dispatch and autograd bookkeeping
-whatever its size, each streamed parameter tensor costs hooks, views and a
-gradient routed back, and each step its loss read back and its update's Python.
-A roofline sees none of it (FC-MNIST's step is 3 ms of which its products are a
-fraction), so the probe measures three constants on tiny workloads whose data
-work is nil, and the estimate adds them to the data terms:
+A small model's step is mostly overhead: each aten operator costs microseconds
+of Python, dispatch and autograd bookkeeping whatever its size, each streamed
+parameter tensor costs hooks, views and a gradient routed back, and each step
+its loss read back and its update's Python. The probe measures three constants
+on tiny workloads whose data work is nil:
 
-* ``op_s``: seconds per operator, a forward + backward of a chain of tiny blocks
-  (LayerNorm, Linear, GELU, Linear, residual; 4 x 16 activations) over the
-  operators ``cost.function_costs`` counts on that chain;
-* ``tensor_s`` and ``step_s``: a tiny training step (streamed forward and
-  backward, AdamW update, loss read back) of the chain with 8 blocks and with 2,
-  less their operators at ``op_s``: the difference over the difference in
-  parameter tensors is ``tensor_s``, what is left of the 2-block step ``step_s``.
-
-They are measured with the streaming runtime of this checkout, but cached per
-machine and torch version only (a runtime change that moves them needs the cache
-file deleted); layer pipelined runs are charged ``tensor_s`` too, a small
-overestimate of their update's per-tensor Python.
+* ``op_s``: a forward + backward of a chain of tiny blocks (LayerNorm, Linear,
+  GELU, Linear, residual; 4 x 16 activations) over the operators
+  ``cost.function_costs`` counts on it;
+* ``tensor_s`` and ``step_s``: a tiny streamed training step (AdamW, loss read
+  back) of the chain with 8 blocks and with 2, less their operators at ``op_s``:
+  the difference per parameter tensor is ``tensor_s``, what is left of the
+  2-block step ``step_s``.
 """
 
 from __future__ import annotations
@@ -49,8 +44,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import mmap
 import os
-import platform
 import tempfile
 import time
 import warnings
@@ -65,7 +60,7 @@ from torch.utils.benchmark import Timer
 from weightstream.common.files import write_text_atomic
 
 ENV_CACHE_DIR = "WEIGHTSTREAM_CACHE_DIR"
-SCHEMA = 1
+SCHEMA = 2  # 2: kernel_s, fresh_bandwidth
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -78,14 +73,15 @@ class Probe:
     torch_version: str
     num_threads: int
     matmul_flops: dict[str, float]  # dtype name -> FLOP/s
-    memory_bandwidth: float  # compute device memory, bytes read + written per second
+    memory_bandwidth: float  # bytes read + written per second
     host_memory_bandwidth: float
-    link_bandwidth: float | None  # host -> device, bytes per second; None on the CPU
-    op_s: float = 0.0  # per operator (Note [fixed costs])
-    tensor_s: float = 0.0  # per trainable parameter tensor per step
-    step_s: float = 0.0  # per training step
-    # directory -> {"read": bytes/s, "write": bytes/s}
-    disk: dict[str, dict[str, float]] = field(default_factory=dict)
+    link_bandwidth: float | None  # host -> device bytes per second; None on the CPU
+    fresh_bandwidth: float | None = None  # first touch of fresh pages; None off the CPU
+    op_s: float = 0.0
+    tensor_s: float = 0.0
+    step_s: float = 0.0
+    kernel_s: dict[str, float] = field(default_factory=dict)  # kernel key -> seconds
+    disk: dict[str, dict[str, float]] = field(default_factory=dict)  # dir -> read, write B/s
     quick: bool = False  # tiny sizes (tests): not representative
     measured_at: str = ""
     schema: int = SCHEMA
@@ -118,89 +114,81 @@ class Probe:
 
 @dataclass(frozen=True)
 class _Sizes:
-    matmul_n: int  # the product timed for the peak
-    add_numel: int  # elements of each operand of the timed add
-    copy_numel: int  # elements of the timed host -> device copy
+    matmul_n: int  # the largest product timed for the peak
+    numel: int  # elements of the timed add and copy
     disk_bytes: int
     run_s: float  # blocked_autorange's minimum run time per figure
+    kernel_s: float  # the same per kernel
+    kernel_max_s: float  # a kernel whose roofline time is longer is not timed
+    kernels_s: float  # time_kernels stops timing after this long
 
 
-_FULL = _Sizes(2048, 2**24, 2**26, 256 * 2**20, 0.5)
-_QUICK = _Sizes(128, 2**16, 2**16, 2**20, 0.01)
+_FULL = _Sizes(2048, 2**24, 256 * 2**20, 0.5, 0.05, 5.0, 120.0)
+_QUICK = _Sizes(128, 2**16, 2**20, 0.01, 0.002, 0.005, 2.0)
 
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    if device.type == "cpu":
-        try:
-            with open("/proc/cpuinfo") as f:
-                for line in f:
-                    if line.startswith("model name"):
-                        return line.split(":", 1)[1].strip()
-        except OSError:
-            pass
-        return platform.processor() or platform.machine() or "cpu"
+    if device.type == "cpu" and os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        return names[0] if names else "cpu"
     return device.type
-
-
-def default_cache_dir() -> Path:
-    env = os.environ.get(ENV_CACHE_DIR)
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "weightstream"
 
 
 def default_path(device: torch.device | str, quick: bool = False) -> Path:
     device = torch.device(device)
     ident = [device.type, device_name(device), torch.__version__, torch.get_num_threads()]
     key = hashlib.sha256(json.dumps([*ident, quick, SCHEMA]).encode()).hexdigest()[:16]
-    return default_cache_dir() / f"probe-{key}.json"
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(os.environ.get(ENV_CACHE_DIR) or Path(base) / "weightstream") / f"probe-{key}.json"
 
 
-def _seconds(fn, device: torch.device, run_s: float) -> float:
-    """Median seconds of one ``fn()`` (``torch.utils.benchmark`` synchronizes CUDA)."""
+def _seconds(fn, run_s: float) -> float:
+    """Median seconds of one ``fn()`` (``torch.utils.benchmark`` synchronizes CUDA); a call
+    longer than ``run_s`` / 4 is timed three times instead."""
+    t0 = time.perf_counter()
     fn()  # warm-up: first-call allocations and kernel selection
     timer = Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    if time.perf_counter() - t0 > run_s:
+        return timer.timeit(1).mean  # a long call: one more is enough
     return timer.blocked_autorange(min_run_time=run_s).median
 
 
 def _matmul_flops(device: torch.device, sizes: _Sizes) -> dict[str, float]:
-    """Per dtype, FLOP/s of the largest product (up to ``sizes.matmul_n``) that takes
-    a fifth of the run time: a dtype without fast kernels (float16 on most CPUs, 100x
-    slower) must not make the probe take minutes."""
+    """Per dtype, FLOP/s of the largest product (up to ``sizes.matmul_n``) taking a
+    tenth of the run time: a dtype without fast kernels (float16 on most CPUs) must
+    not make the probe take minutes."""
     flops = {}
     for name in _DTYPES:
-        dtype = getattr(torch, name)
         n = min(128, sizes.matmul_n)
+        a = torch.randn(sizes.matmul_n, sizes.matmul_n, device=device).to(getattr(torch, name))
         try:
-            t = _seconds(_product(n, dtype, device), device, 0.0)
+            rate = 2 * n**3 / _seconds(lambda: a[:n, :n] @ a[:n, :n], 0.0)  # noqa: B023
         except (RuntimeError, TypeError):
             continue  # not supported on this device
-        rate = 2 * n**3 / t
         n = max(n, min(sizes.matmul_n, int((rate * sizes.run_s / 10) ** (1 / 3)) // 64 * 64))
-        flops[name] = 2 * n**3 / _seconds(_product(n, dtype, device), device, sizes.run_s)
+        flops[name] = 2 * n**3 / _seconds(lambda: a[:n, :n] @ a[:n, :n], sizes.run_s)  # noqa: B023
     return flops
 
 
-def _product(n: int, dtype: torch.dtype, device: torch.device):
-    a = torch.randn(n, n, device=device).to(dtype)
-    out = torch.empty(n, n, device=device, dtype=dtype)
-    return lambda: torch.mm(a, a, out=out)
+def _fresh_bandwidth(sizes: _Sizes) -> float:
+    """A new anonymous mapping of 4 KiB pages written through once by every thread, as a
+    kernel writes its output, and unmapped (Note [fresh pages] in operators.py)."""
+    nbytes = 4 * sizes.numel
+
+    def touch() -> None:
+        with mmap.mmap(-1, nbytes) as m:
+            torch.frombuffer(m, dtype=torch.float32).fill_(1.0)
+
+    return nbytes / _seconds(touch, sizes.run_s)
 
 
-def _add_bandwidth(device: torch.device, sizes: _Sizes) -> float:
-    """Bytes per second of ``a + b`` into a fresh output (3 tensors moved)."""
-    a = torch.ones(sizes.add_numel, device=device)
-    b = torch.ones(sizes.add_numel, device=device)
-    return 3 * a.nbytes / _seconds(lambda: a + b, device, sizes.run_s)
-
-
-def _link_bandwidth(device: torch.device, sizes: _Sizes) -> float:
-    src = torch.ones(sizes.copy_numel).pin_memory()
-    dst = torch.empty(sizes.copy_numel, device=device)
-    return src.nbytes / _seconds(lambda: dst.copy_(src, non_blocking=True), device, sizes.run_s)
+def _bandwidth(device: torch.device, sizes: _Sizes) -> float:
+    """Bytes per second of ``a + b`` (3 tensors moved; fresh pages are priced apart)."""
+    a, b, c = torch.ones(3, sizes.numel, device=device)
+    return 3 * a.nbytes / _seconds(lambda: torch.add(a, b, out=c), sizes.run_s)
 
 
 class _TinyBlock(nn.Module):
@@ -208,9 +196,7 @@ class _TinyBlock(nn.Module):
 
     def __init__(self, d: int = 16):
         super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, d)
-        self.fc2 = nn.Linear(d, d)
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, d), nn.Linear(d, d)
 
     def forward(self, x):
         return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
@@ -225,11 +211,13 @@ def _fixed_costs(device: torch.device, sizes: _Sizes) -> dict[str, float]:
 
     x = torch.randn(4, 16, device=device)
     eager = nn.Sequential(*[_TinyBlock() for _ in range(8)]).to(device)
-    costs = function_costs(eager, (x,))
-    op_s = _seconds(lambda: eager(x).sum().backward(), device, sizes.run_s) / costs.ops
+    op_s = (
+        _seconds(lambda: eager(x).sum().backward(), sizes.run_s) / function_costs(eager, (x,)).ops
+    )
 
     def step_seconds(blocks: int) -> tuple[float, int]:
         model = nn.Sequential(*[_TinyBlock() for _ in range(blocks)])
+        ops = function_costs(model, (x,)).ops
         # This rank's own speed, also under data parallel: the probe never joins the ranks.
         compiled = ws_compile(
             model, "wse_ws", device=device, unit_classes=[_TinyBlock], data_parallel=False
@@ -242,14 +230,11 @@ def _fixed_costs(device: torch.device, sizes: _Sizes) -> dict[str, float]:
             opt.zero_grad(set_to_none=True)
 
         try:
-            t = _seconds(step, device, sizes.run_s)
+            return _seconds(step, sizes.run_s) - ops * op_s, len(list(model.parameters()))
         finally:
             compiled.engine.close()
-        ops = function_costs(nn.Sequential(*[_TinyBlock() for _ in range(blocks)]), (x,)).ops
-        return t - ops * op_s, len(list(model.parameters()))
 
-    many, many_tensors = step_seconds(8)
-    few, few_tensors = step_seconds(2)
+    (many, many_tensors), (few, few_tensors) = step_seconds(8), step_seconds(2)
     tensor_s = (many - few) / (many_tensors - few_tensors)
     if tensor_s <= 0 or few < few_tensors * tensor_s:
         # Noise larger than the difference: all of it per tensor, none per step.
@@ -263,17 +248,16 @@ def _disk_bandwidths(directory: Path, nbytes: int) -> dict[str, float]:
     chunk_len = min(nbytes, 8 * 2**20)
     # Random bytes: a compressing file system must not make the write look fast.
     chunk = torch.randint(0, 256, (chunk_len,), dtype=torch.uint8).numpy().tobytes()
-    buf = bytearray(chunk_len)
     fd, name = tempfile.mkstemp(prefix=".weightstream-diskprobe-", dir=directory)
     try:
         t0 = time.perf_counter()
-        left = nbytes
-        while left > 0:
-            left -= os.write(fd, chunk[: min(left, chunk_len)])
+        for start in range(0, nbytes, chunk_len):
+            os.write(fd, chunk[: min(nbytes - start, chunk_len)])
         os.fsync(fd)
         write = nbytes / (time.perf_counter() - t0)
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        buf = bytearray(chunk_len)
         with open(name, "rb", buffering=0) as f:
             t0 = time.perf_counter()
             while f.readinto(buf):
@@ -285,20 +269,27 @@ def _disk_bandwidths(directory: Path, nbytes: int) -> dict[str, float]:
     return {"read": read, "write": write}
 
 
+def _rng(device: torch.device):
+    """Measuring must not move the user's random stream."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
+
 def measure(device: torch.device | str = "cpu", quick: bool = False) -> Probe:
-    """Measure the probe now (no cache, no disk figures)."""
+    """Measure the probe now (no cache, no kernels, no disk figures)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     sizes = _QUICK if quick else _FULL
-    # Measuring must not move the user's random stream.
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+    with _rng(device), torch.no_grad():
         torch.manual_seed(0)
         flops = _matmul_flops(device, sizes)
-        memory = _add_bandwidth(device, sizes)
-        host = memory if device.type == "cpu" else _add_bandwidth(torch.device("cpu"), sizes)
-        link = None if device.type == "cpu" else _link_bandwidth(device, sizes)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        memory = _bandwidth(device, sizes)
+        host = memory if device.type == "cpu" else _bandwidth(torch.device("cpu"), sizes)
+        link, fresh = None, _fresh_bandwidth(sizes) if device.type == "cpu" else None
+        if device.type != "cpu":
+            src, dst = torch.ones(sizes.numel).pin_memory(), torch.empty(sizes.numel, device=device)
+            link = src.nbytes / _seconds(lambda: dst.copy_(src, non_blocking=True), sizes.run_s)
+    with _rng(device):
         fixed = _fixed_costs(device, sizes)
     return Probe(
         device=str(device),
@@ -309,10 +300,43 @@ def measure(device: torch.device | str = "cpu", quick: bool = False) -> Probe:
         memory_bandwidth=memory,
         host_memory_bandwidth=host,
         link_bandwidth=link,
+        fresh_bandwidth=fresh,
         quick=quick,
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         **fixed,
     )
+
+
+def _free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def time_kernels(probe: Probe, kernels: dict, path: str | Path | None = None) -> None:
+    """Time the kernels of ``kernels`` (key -> ``operators.Kernel``) the probe has not
+    met yet, largest first, and cache their seconds (Note [timed kernels]). A kernel
+    whose tensors would take more than a quarter of the free memory, whose roofline
+    time is over ``kernel_max_s``, that fails to run, or that is left when
+    ``kernels_s`` have passed, stays untimed: the roofline prices it (a later
+    compile times what is left)."""
+    device = torch.device(probe.device)
+    sizes = _QUICK if probe.quick else _FULL
+    peak, bw = max(probe.matmul_flops.values()), probe.memory_bandwidth
+    todo = [k for key, k in kernels.items() if key not in probe.kernel_s]
+    todo = [k for k in todo if max(k.flops / peak, k.nbytes / bw) <= sizes.kernel_max_s]
+    if not todo:
+        return
+    stop = time.monotonic() + sizes.kernels_s
+    with _rng(device), torch.no_grad():
+        for k in sorted(todo, key=lambda k: -max(k.flops / peak, k.nbytes / bw)):
+            if time.monotonic() > stop or 4 * k.nbytes > _free_bytes(device):
+                continue
+            try:
+                probe.kernel_s[k.key] = _seconds(k.runner(device), sizes.kernel_s)
+            except (RuntimeError, TypeError, ValueError, NotImplementedError):
+                continue  # an argument the replay cannot make
+    _save(probe, path or default_path(device, probe.quick))
 
 
 def _load(path: Path) -> Probe | None:
@@ -321,15 +345,12 @@ def _load(path: Path) -> Probe | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError, TypeError) as exc:
-        warnings.warn(
-            f"weightstream: ignoring the probe {str(path)!r} ({exc}); measuring again.",
-            stacklevel=3,
-        )
+        warnings.warn(f"weightstream: ignoring the probe {str(path)!r} ({exc}).", stacklevel=3)
         return None
 
 
 def _save(probe: Probe, path: Path) -> None:
-    write_text_atomic(path, json.dumps(probe.to_dict(), indent=2, sort_keys=True))
+    write_text_atomic(Path(path), json.dumps(probe.to_dict(), indent=2, sort_keys=True))
 
 
 def load_or_measure(
@@ -347,10 +368,10 @@ def load_or_measure(
         probe = measure(device, quick)
         _save(probe, path)
     if disk_dir is not None and str(disk_dir) not in probe.disk:
-        sizes = _QUICK if quick else _FULL
         where = Path(disk_dir)
         while not where.is_dir() and where.parent != where:  # the store makes its own later
             where = where.parent
+        sizes = _QUICK if quick else _FULL
         probe.disk[str(disk_dir)] = _disk_bandwidths(where, sizes.disk_bytes)
         _save(probe, path)
     return probe

@@ -1,15 +1,11 @@
 """The compile directory: ``<root>/ws_<checksum>/`` with ``plan.json`` and ``compile_report.txt``.
 
-The checksum names what the plan depends on: the module structure (qualified
-module names and classes, which modules and parameters are shared, parameter
-and buffer names, shapes, dtypes, ``requires_grad``), the batch shapes and
-dtypes, and the settings that change the plan. Weight values are not part of
-it: training changes them and the plan stays valid. A directory with the same
-checksum is a cache hit (:func:`load_compile_dir`).
-
-Both files are written atomically (a temporary file renamed over the final
-name), the report first and ``plan.json`` last: a directory whose
-``plan.json`` is readable and complete was written completely.
+The checksum names what the plan depends on: the module structure (names,
+classes, shared modules and tied parameters, parameter and buffer names, shapes,
+dtypes, ``requires_grad``), the batch shapes and dtypes and the settings that
+change the plan, not the weight values. A directory with the same checksum is a
+cache hit. Both files are written atomically, the report first and ``plan.json``
+last: a readable, complete ``plan.json`` means a complete directory.
 """
 
 from __future__ import annotations
@@ -29,10 +25,19 @@ from weightstream.compiler.estimate import Estimate
 from weightstream.compiler.probe import Probe
 from weightstream.runtime.partition import Plan
 
-SCHEMA = 3  # 3: the roofline's terms (Note [the roofline] in estimate.py)
+SCHEMA = 4  # 4: timed kernels and fresh pages
 PLAN_FILE = "plan.json"
 REPORT_FILE = "compile_report.txt"
 _REQUIRED = ("schema", "checksum", "settings", "units", "totals", "estimate", "est_samples_per_sec")
+_COST_KEYS = (
+    "fwd_flops",
+    "bwd_flops",
+    "activation_bytes",
+    "fwd_ops",
+    "bwd_ops",
+    "op_bytes",
+    "fresh_bytes",
+)
 
 
 def _canonical(x):
@@ -48,15 +53,13 @@ def _canonical(x):
     if isinstance(x, enum.Enum):
         return _canonical(x.value)
     if dataclasses.is_dataclass(x):
-        return {
-            "__class__": _canonical(type(x)),
-            **{f.name: _canonical(getattr(x, f.name)) for f in dataclasses.fields(x)},
-        }
+        fields = {f.name: _canonical(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        return {"__class__": _canonical(type(x)), **fields}
     if isinstance(x, dict):
         return {str(k): _canonical(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        if _is_shape_dtype(x):  # (shape, dtype): the same as a tensor of that shape
-            return {"shape": [int(d) for d in x[0]], "dtype": str(x[1])}
+        if len(x) == 2 and isinstance(x[1], torch.dtype) and isinstance(x[0], (list, tuple)):
+            return {"shape": [int(d) for d in x[0]], "dtype": str(x[1])}  # as a tensor's
         return [_canonical(v) for v in x]
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
@@ -66,83 +69,64 @@ def _canonical(x):
     )
 
 
-def _is_shape_dtype(x) -> bool:
-    return (
-        len(x) == 2
-        and isinstance(x[1], torch.dtype)
-        and isinstance(x[0], (list, tuple))
-        and all(isinstance(d, int) for d in x[0])
-    )
-
-
 def _structure(model: torch.nn.Module) -> dict:
-    first_name: dict[int, str] = {}
-    modules = []
-    for name, m in model.named_modules(remove_duplicate=False):
-        shared = first_name.setdefault(id(m), name)
-        modules.append([name, _canonical(type(m)), shared if shared != name else None])
-    first_name.clear()
-    params = []
-    for name, p in model.named_parameters(remove_duplicate=False):
-        tied = first_name.setdefault(id(p), name)
-        params.append(
-            [name, list(p.shape), str(p.dtype), p.requires_grad, tied if tied != name else None]
-        )
-    buffers = []
-    for mname, m in model.named_modules(remove_duplicate=False):
-        for bname, b in m._buffers.items():
-            if b is not None:
-                full = f"{mname}.{bname}" if mname else bname
-                persistent = bname not in m._non_persistent_buffers_set
-                buffers.append([full, list(b.shape), str(b.dtype), persistent])
-    return {"modules": modules, "parameters": params, "buffers": buffers}
+    def first(seen: dict, obj, name: str):
+        return None if seen.setdefault(id(obj), name) == name else seen[id(obj)]
+
+    mods, params = {}, {}
+    modules = [
+        [name, _canonical(type(m)), first(mods, m, name)]
+        for name, m in model.named_modules(remove_duplicate=False)
+    ]
+    parameters = [
+        [name, list(p.shape), str(p.dtype), p.requires_grad, first(params, p, name)]
+        for name, p in model.named_parameters(remove_duplicate=False)
+    ]
+    buffers = [
+        [
+            f"{mname}.{bname}" if mname else bname,
+            list(b.shape),
+            str(b.dtype),
+            bname not in m._non_persistent_buffers_set,
+        ]
+        for mname, m in model.named_modules(remove_duplicate=False)
+        for bname, b in m._buffers.items()
+        if b is not None
+    ]
+    return {"modules": modules, "parameters": parameters, "buffers": buffers}
 
 
 def compile_checksum(model: torch.nn.Module, batch_shapes_and_dtypes, settings: dict) -> str:
     """A stable hex digest of what the plan depends on (not of the weight values).
 
-    ``batch_shapes_and_dtypes``: the example batch (tensors, or ``(shape,
-    dtype)`` pairs, in any nesting). ``settings``: the settings that change
-    the plan or the estimate (streaming config, batch size, compute dtype...).
+    ``batch_shapes_and_dtypes``: tensors or ``(shape, dtype)`` pairs in any nesting;
+    ``settings``: those that change the plan or the estimate.
     """
-    data = {
-        "schema": SCHEMA,
-        "structure": _structure(model),
-        "batch": _canonical(batch_shapes_and_dtypes),
-        "settings": _canonical(settings),
-    }
-    text = json.dumps(data, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:20]
+    data = [SCHEMA, _structure(model), _canonical(batch_shapes_and_dtypes), _canonical(settings)]
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:20]
 
 
 def compile_dir_path(root: str | Path, checksum: str) -> Path:
     return Path(root) / f"ws_{checksum}"
 
 
-def _terms(e) -> dict:
-    """An entry's estimated seconds, term by term (``estimate.UnitEstimate``)."""
+def _entry(cost, e) -> dict:
+    """An entry's counted costs and its estimated seconds, term by term."""
+    terms = dataclasses.asdict(e)
+    terms = {f"est_{k}": v for k, v in terms.items() if k.endswith("_s") and k != "time_s"}
     return {
-        "est_fwd_compute_s": e.fwd_compute_s,
-        "est_bwd_compute_s": e.bwd_compute_s,
-        "est_fwd_memory_s": e.fwd_memory_s,
-        "est_bwd_memory_s": e.bwd_memory_s,
-        "est_fwd_overhead_s": e.fwd_overhead_s,
-        "est_bwd_overhead_s": e.bwd_overhead_s,
-        "est_stream_s": e.stream_s,
-        "est_update_s": e.update_s,
-        "est_transfer_s": e.transfer_s,
-        "est_disk_s": e.disk_s,
+        **{k: getattr(cost, k) for k in _COST_KEYS},
+        **terms,
         "est_s": e.time_s,
         "bound": e.bound,
     }
 
 
 def _plan_dict(
-    checksum: str, plan: Plan, costs: StepCosts, est: Estimate, probe: Probe, settings: dict | None
+    checksum, plan: Plan, costs: StepCosts, est: Estimate, probe: Probe, settings
 ) -> dict:
     units = []
     for spec, cost, e in zip(plan.units, costs.units, est.units, strict=True):
-        assert spec.index == cost.index == e.index, "costs and estimate follow the plan's order"
         units.append(
             {
                 "index": spec.index,
@@ -151,18 +135,12 @@ def _plan_dict(
                 "params": cost.numel,
                 "trainable_params": cost.trainable_numel,
                 "weight_bytes": cost.weight_bytes,
-                "fwd_flops": cost.fwd_flops,
-                "bwd_flops": cost.bwd_flops,
-                "activation_bytes": cost.activation_bytes,
-                "fwd_ops": cost.fwd_ops,
-                "bwd_ops": cost.bwd_ops,
-                "op_bytes": cost.op_bytes,
                 "trainable_tensors": cost.trainable_tensors,
                 "pinned": spec.pinned,
-                **_terms(e),
+                **_entry(cost, e),
             }
         )
-    out = costs.outside
+    scalars = {k: v for k, v in dataclasses.asdict(est).items() if not isinstance(v, (dict, list))}
     return {
         "schema": SCHEMA,
         "checksum": checksum,
@@ -173,49 +151,23 @@ def _plan_dict(
         "batch": costs.batch,
         "backward_measured": costs.backward_measured,
         "units": units,
-        "outside_units": {
-            "fwd_flops": out.fwd_flops,
-            "bwd_flops": out.bwd_flops,
-            "activation_bytes": out.activation_bytes,
-            "fwd_ops": out.fwd_ops,
-            "bwd_ops": out.bwd_ops,
-            "op_bytes": out.op_bytes,
-            **_terms(est.outside),
-        },
+        "outside_units": _entry(costs.outside, est.outside),
         "totals": {
             "params": sum(u.numel for u in costs.units),
-            "weight_bytes": costs.weight_bytes,
-            "fwd_flops": costs.fwd_flops,
-            "bwd_flops": costs.bwd_flops,
-            "flops": costs.flops,
-            "activation_bytes": costs.activation_bytes,
-            "ops": costs.ops,
-            "op_bytes": costs.op_bytes,
+            **{k: getattr(costs, k) for k in ("weight_bytes", "fwd_flops", "bwd_flops", "flops")},
+            **{k: getattr(costs, k) for k in ("activation_bytes", "ops", "op_bytes")},
             "largest_unit_bytes": plan.largest_unit_bytes,
             "pinned_bytes": plan.pinned_bytes,
             "weight_bound_bytes": plan.weight_bound(est.settings.prefetch_depth),
         },
         "estimate": {
-            "step_s": est.step_s,
-            "compute_s": est.compute_s,
-            "memory_s": est.memory_s,
-            "overhead_s": est.overhead_s,
-            "transfer_s": est.transfer_s,
-            "update_s": est.update_s,
-            "input_s": est.input_s,
-            "disk_s": est.disk_s,
+            **scalars,
             "disk_bytes": est.settings.disk_read_bytes + est.settings.disk_write_bytes,
             "model_samples_per_sec": est.model_samples_per_sec,
-            "bound": est.bound,
-            "link_bytes": est.link_bytes,
-            "host_bytes": est.host_bytes,
-            "limit_s": est.limit_s,
-            "limit_bound": est.limit_bound,
-            "limit_samples_per_sec": est.limit_samples_per_sec,
             "notes": est.notes,
         },
         "est_samples_per_sec": est.est_samples_per_sec,
-        "machine": probe.to_dict(),
+        "machine": {k: v for k, v in probe.to_dict().items() if k != "kernel_s"},
     }
 
 
@@ -231,26 +183,30 @@ def _ms(seconds: float) -> str:
 
 
 def _row(u: dict) -> str:
-    """The estimate's columns of one entry."""
+    """The cost and estimate columns of one entry."""
+    terms = [
+        u["est_fwd_compute_s"] + u["est_bwd_compute_s"],
+        u["est_fwd_memory_s"] + u["est_bwd_memory_s"],
+        u["est_fwd_overhead_s"] + u["est_bwd_overhead_s"] + u["est_stream_s"],
+        *(u[f"est_{k}_s"] for k in ("update", "transfer", "disk")),
+        u["est_s"],
+    ]
     return (
-        f"{_ms(u['est_fwd_compute_s'] + u['est_bwd_compute_s']):>9} "
-        f"{_ms(u['est_fwd_memory_s'] + u['est_bwd_memory_s']):>9} "
-        f"{_ms(u['est_fwd_overhead_s'] + u['est_bwd_overhead_s'] + u['est_stream_s']):>9} "
-        f"{_ms(u['est_update_s']):>9} {_ms(u['est_transfer_s']):>9} {_ms(u['est_disk_s']):>9} "
-        f"{_ms(u['est_s']):>9}  {u['bound']:<9}"
+        f"{_si(u['fwd_flops']):>11} {_si(u['bwd_flops']):>11} "
+        f"{format_bytes(u['activation_bytes']):>11} {u['fwd_ops'] + u['bwd_ops']:>6} "
+        f"{format_bytes(u['op_bytes']):>11} "
+        + " ".join(f"{_ms(t):>9}" for t in terms)
+        + f"  {u['bound']:<9}"
     )
 
 
 def _report_text(data: dict) -> str:
-    est = data["estimate"]
-    es = data["estimate_settings"]
-    m = data["machine"]
-    name_w = max([len("unit"), len("<outside units>")] + [len(u["name"]) for u in data["units"]])
+    est, es, m, t = data["estimate"], data["estimate_settings"], data["machine"], data["totals"]
+    w = max([len("<outside units>")] + [len(u["name"]) for u in data["units"]])
     head = (
-        f"{'#':>3}  {'unit':<{name_w}} {'params':>12} {'weights':>11} {'fwd FLOP':>11} "
-        f"{'bwd FLOP':>11} {'activations':>11} {'ops':>6} {'op bytes':>11} {'flop ms':>9} "
-        f"{'mem ms':>9} {'ovh ms':>9} {'upd ms':>9} {'link ms':>9} {'disk ms':>9} "
-        f"{'time ms':>9}  bound     pinned"
+        f"{'#':>3}  {'unit':<{w}} {'params':>12} {'weights':>11} {'fwd FLOP':>11} {'bwd FLOP':>11} "
+        f"{'activations':>11} {'ops':>6} {'op bytes':>11} {'flop ms':>9} {'mem ms':>9} "
+        f"{'ovh ms':>9} {'upd ms':>9} {'link ms':>9} {'disk ms':>9} {'time ms':>9}  bound     pinned"
     )
     lines = [
         f"weightstream compile report  ws_{data['checksum']}",
@@ -266,19 +222,12 @@ def _report_text(data: dict) -> str:
     ]
     for u in data["units"]:
         lines.append(
-            f"{u['index']:>3}  {u['name']:<{name_w}} {u['params']:>12,} "
-            f"{format_bytes(u['weight_bytes']):>11} {_si(u['fwd_flops']):>11} "
-            f"{_si(u['bwd_flops']):>11} {format_bytes(u['activation_bytes']):>11} "
-            f"{u['fwd_ops'] + u['bwd_ops']:>6} {format_bytes(u['op_bytes']):>11} "
-            f"{_row(u)} {'yes' if u['pinned'] else ''}"
+            f"{u['index']:>3}  {u['name']:<{w}} {u['params']:>12,} "
+            f"{format_bytes(u['weight_bytes']):>11} {_row(u)} {'yes' if u['pinned'] else ''}"
         )
-    o = data["outside_units"]
     lines.append(
-        f"{'':>3}  {'<outside units>':<{name_w}} {'':>12} {'':>11} {_si(o['fwd_flops']):>11} "
-        f"{_si(o['bwd_flops']):>11} {format_bytes(o['activation_bytes']):>11} "
-        f"{o['fwd_ops'] + o['bwd_ops']:>6} {format_bytes(o['op_bytes']):>11} {_row(o)}"
+        f"{'':>3}  {'<outside units>':<{w}} {'':>12} {'':>11} {_row(data['outside_units'])}"
     )
-    t = data["totals"]
     disk = f", disk {_ms(est['disk_s'])} ms" if est["disk_s"] else ""
     lines += [
         "",
@@ -291,7 +240,8 @@ def _report_text(data: dict) -> str:
         f"  device weight bound   {format_bytes(t['weight_bound_bytes'])} ((prefetch_depth + 1) x "
         f"largest unit {format_bytes(t['largest_unit_bytes'])} + pinned "
         f"{format_bytes(t['pinned_bytes'])})",
-        f"  operators per step    {t['ops']:,} (moving {format_bytes(t['op_bytes'])})",
+        f"  operators per step    {t['ops']:,} (moving {format_bytes(t['op_bytes'])}; kernels "
+        f"timed by the probe: {est['timed_kernels']})",
         f"  step time             {_ms(est['step_s'])} ms (compute {_ms(est['compute_s'])} ms, "
         f"memory {_ms(est['memory_s'])} ms, overhead {_ms(est['overhead_s'])} ms, "
         f"update {_ms(est['update_s'])} ms, link {_ms(est['transfer_s'])} ms{disk}, "
@@ -310,28 +260,19 @@ def _report_text(data: dict) -> str:
         + ", ".join(f"{k} {_si(v, 'FLOP/s')}" for k, v in sorted(m["matmul_flops"].items())),
         f"  memory {_si(m['memory_bandwidth'], 'B/s')}, host memory "
         f"{_si(m['host_memory_bandwidth'], 'B/s')}"
-        + (f", link {_si(m['link_bandwidth'], 'B/s')}" if m["link_bandwidth"] else ""),
+        + (f", link {_si(m['link_bandwidth'], 'B/s')}" if m["link_bandwidth"] else "")
+        + (f", fresh pages {_si(m['fresh_bandwidth'], 'B/s')}" if m["fresh_bandwidth"] else ""),
         f"  fixed costs: {m['op_s'] * 1e6:.1f} us per operator, {m['tensor_s'] * 1e6:.1f} us per "
         f"parameter tensor, {m['step_s'] * 1e6:.0f} us per step",
     ]
     for directory, rates in sorted(m["disk"].items()):
         lines.append(
-            f"  disk {directory}: write {_si(rates['write'], 'B/s')}, "
-            f"read {_si(rates['read'], 'B/s')}"
+            f"  disk {directory}: write {_si(rates['write'], 'B/s')}, read {_si(rates['read'], 'B/s')}"
         )
-    lines += [f"note: {n}" for n in est["notes"]]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + [f"note: {n}" for n in est["notes"]]) + "\n"
 
 
-def write_compile_dir(
-    root: str | Path,
-    checksum: str,
-    plan: Plan,
-    costs: StepCosts,
-    estimate: Estimate,
-    probe: Probe,
-    settings: dict | None = None,
-) -> Path:
+def write_compile_dir(root, checksum, plan, costs, estimate, probe, settings=None) -> Path:
     """Write ``<root>/ws_<checksum>/{compile_report.txt, plan.json}``; return the directory."""
     data = _plan_dict(checksum, plan, costs, estimate, probe, settings)
     directory = compile_dir_path(root, checksum)
@@ -342,21 +283,16 @@ def write_compile_dir(
 
 
 def load_compile_dir(root: str | Path, checksum: str) -> dict | None:
-    """The ``plan.json`` of a previous compile with this checksum, or None.
-
-    None when the directory or a file is missing, unreadable, of another
-    schema or checksum, or incomplete.
-    """
+    """The ``plan.json`` of a previous compile with this checksum, or None when the
+    directory or a file is missing, unreadable, of another schema or checksum, or
+    incomplete."""
     directory = compile_dir_path(root, checksum)
     try:
-        with open(directory / PLAN_FILE) as f:
-            data = json.load(f)
+        data = json.loads((directory / PLAN_FILE).read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or any(k not in data for k in _REQUIRED):
         return None
     if data["schema"] != SCHEMA or data["checksum"] != checksum:
         return None
-    if not (directory / REPORT_FILE).is_file():
-        return None
-    return data
+    return data if (directory / REPORT_FILE).is_file() else None

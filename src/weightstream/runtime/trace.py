@@ -23,7 +23,7 @@ import copy
 from dataclasses import dataclass, field
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
@@ -58,7 +58,9 @@ class _UseRecorder(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def shadow_copy(model: torch.nn.Module, fake: FakeTensorMode) -> torch.nn.Module:
+def shadow_copy(
+    model: torch.nn.Module, fake: FakeTensorMode, device: torch.device | None = None
+) -> torch.nn.Module:
     """A copy of ``model`` whose parameters and buffers are FakeTensors of ``fake`` over
     meta storages (no data is copied: ``deepcopy`` is handed a memo that maps every
     real tensor to its twin) and whose modules have no hooks.
@@ -67,19 +69,25 @@ def shadow_copy(model: torch.nn.Module, fake: FakeTensorMode) -> torch.nn.Module
     so a view of a weight shares the weight's storage (the cost run tells weights
     from activations by it). Hooks are not copied: they may hold the runtime (a
     streaming engine's state-dict hooks, with its threads and locks), and none may
-    run in a dry run.
+    run in a dry run. ``device``: the device the fakes claim (default meta; a real
+    device type makes autocast apply to them).
     """
     memo: dict[int, object] = {}
     for p in model.parameters():
-        twin = fake.from_tensor(torch.empty_like(p, device="meta"))
-        memo[id(p)] = torch.nn.Parameter(twin, p.requires_grad)
+        memo[id(p)] = torch.nn.Parameter(fake_like(p, fake, device), p.requires_grad)
     for b in model.buffers():
-        memo[id(b)] = fake.from_tensor(torch.empty_like(b, device="meta"))
+        memo[id(b)] = fake_like(b, fake, device)
     for m in model.modules():
         for name, value in vars(m).items():
             if name.endswith("_hooks") and isinstance(value, dict):
                 memo[id(value)] = type(value)()
     return copy.deepcopy(model, memo)
+
+
+def fake_like(t: torch.Tensor, fake: FakeTensorMode, device: torch.device | None = None):
+    """A FakeTensor of ``fake`` shaped as ``t`` over a meta storage, claiming ``device``."""
+    meta = torch.empty_like(t, device="meta")
+    return fake.from_tensor(meta) if device is None else FakeTensor(fake, meta, device)
 
 
 def _to_meta(x):
