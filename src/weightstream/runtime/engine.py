@@ -98,13 +98,39 @@ def ram_tier_of(plan: Plan, config: StreamingConfig, device: torch.device) -> tu
 
 
 def predicted_placement(
-    module: nn.Module, plan: Plan, config: StreamingConfig, device: torch.device
+    module: nn.Module,
+    plan: Plan,
+    config: StreamingConfig,
+    device: torch.device,
+    state_bytes: dict[str, list[int]] | None = None,
 ) -> Placement:
     """Where a disk store under ``config`` would place ``module``'s training state, as
-    the store decides it when it takes the module (``PlacementPlan``), without one."""
+    the store decides it when it takes the module (``PlacementPlan``), without one.
+    ``state_bytes``: each parameter's optimizer state tensors by name (default: AdamW's
+    two of the parameter's size)."""
     ram_tier, grads_to_update = ram_tier_of(plan, config, device)
     sizes = {name: p.numel() * p.element_size() for name, p in module.named_parameters()}
-    return PlacementPlan(sizes, ram_tier, grads=not grads_to_update).predicted
+    places = PlacementPlan(sizes, ram_tier, grads=not grads_to_update, state_bytes=state_bytes)
+    return places.predicted
+
+
+def host_mirror_of(
+    config: StreamingConfig, device: torch.device, on_disk: bool, sharded: bool
+) -> tuple[bool, str | None]:
+    """Whether ``host_mirror`` asks for a mirror (its default: on accelerators), and
+    what makes the fetches read the masters themselves instead, if anything (Note
+    [host mirror] in mirror.py)."""
+    wanted = config.host_mirror
+    if wanted is None:
+        wanted = device.type != "cpu"
+    blocked = None
+    if on_disk:
+        blocked = "a disk store"
+    elif sharded:
+        blocked = "a sharded store"
+    elif config.compute_dtype == "cbfloat16":
+        blocked = "cbfloat16"
+    return wanted, blocked
 
 
 def disk_io_set(plan: Plan, config: StreamingConfig) -> int:
@@ -517,16 +543,9 @@ class StreamingEngine:
 
     def _host_mirror(self) -> bool:
         """Whether fetches copy a compute-dtype mirror (Note [host mirror] in mirror.py)."""
-        wanted = self.config.host_mirror
-        if wanted is None:
-            wanted = self.device.type != "cpu"
-        blocked = None  # what makes the fetches read the masters themselves
-        if self.store.on_disk:
-            blocked = "a disk store"
-        elif self.store.sharded:
-            blocked = "a sharded store"
-        elif self.config.compute_dtype == "cbfloat16":
-            blocked = "cbfloat16"
+        wanted, blocked = host_mirror_of(
+            self.config, self.device, self.store.on_disk, self.store.sharded
+        )
         if blocked and self.config.host_mirror:
             warnings.warn(
                 f"weightstream: host_mirror is ignored with {blocked}, whose fetches read "

@@ -161,7 +161,10 @@ class PlacementPlan:
     placement independent of the order in which the tensors are created later
     (the optimizer's state at its construction, gradients in backward order).
     ``predicted`` is the placement for an optimizer with that many state
-    tensors (AdamW: 2); ``actual`` counts what the store created. Without
+    tensors (AdamW: 2), or with the state tensors of ``state_bytes`` (each
+    master's, as its optimizer allocates them: compact state, a Kahan buffer;
+    Note [host footprint] in runtime/footprint.py); ``actual`` counts what the
+    store created. Without
     ``grads`` the gradients are predicted to pass from the backward to the update
     in memory (update_in_backward), never stored; one that is stored all the same
     (a step not armed) goes to the files. Thread-safe.
@@ -173,12 +176,14 @@ class PlacementPlan:
         capacity: int,
         states_per_master: int = 2,
         grads: bool = True,
+        state_bytes: dict[Hashable, Sequence[int]] | None = None,
     ) -> None:
         self.capacity = max(0, int(capacity))
         self.actual = Placement(self.capacity)
         self._lock = threading.Lock()
         self._sizes = dict(master_bytes)  # key (the store: a parameter's name) -> bytes
         self._states = states_per_master
+        self._state_bytes = None if state_bytes is None else dict(state_bytes)
         self._grads_placed = grads  # False: gradients go to the update in memory
         self._master: dict[Hashable, bool] = {}
         self._taken: set[tuple[str, Hashable]] = set()  # masters and gradients created
@@ -206,7 +211,13 @@ class PlacementPlan:
             self.predicted.add("master", n, decided[key])
         new = [(k, n) for k, n in self._sizes.items() if k not in decided]
         self._master.update(zip((k for k, _ in new), place("master", new)))
-        states = [(k, n) for k, n in self._sizes.items() for _ in range(self._states)]
+        states = [
+            (k, m)
+            for k, n in self._sizes.items()
+            for m in (
+                [n] * self._states if self._state_bytes is None else self._state_bytes.get(k, ())
+            )
+        ]
         self._state_left = dict.fromkeys(self._sizes, 0)
         for (key, n), fits in zip(states, place("state", states)):
             self._state_left[key] += n if fits else 0
