@@ -109,6 +109,8 @@ PUBLISHED_SIZES = {
     "gpt3_xl": 1_315_723_264,
     "gptj_6b": 6_050_882_784,
     "llama2_7b": 6_738_415_616,
+    "llama2_13b": 13_015_864_320,
+    "llama_20b": 20_228_933_120,  # not released: the configs/llama_20b.yaml shape
 }
 
 

@@ -203,7 +203,7 @@ def _meta_count(build) -> int:
 def test_llama_presets_have_published_sizes_and_match_transformers():
     # Llama-2-7B's published parameter count (the released checkpoint's tensors).
     assert _meta_count(lambda: Llama(LlamaConfig(**zoo.LLAMA_PRESETS["7b"]))) == 6_738_415_616
-    for preset in ("7b", "13b", "70b"):
+    for preset in ("7b", "13b", "20b", "70b"):
         cfg = LlamaConfig(**zoo.LLAMA_PRESETS[preset])
         ours = _meta_count(lambda cfg=cfg: Llama(cfg))
         theirs = _meta_count(lambda cfg=cfg: transformers.LlamaForCausalLM(_hf_llama_config(cfg)))

@@ -23,7 +23,7 @@ from weightstream.cli.main import main
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # The files whose training state is larger than a 24 GiB host: they use store: disk.
-LARGE = ("gpt2_xl", "gpt3_xl", "gptj_6b", "llama2_7b")
+LARGE = ("gpt2_xl", "gpt3_xl", "gptj_6b", "llama2_7b", "llama2_13b", "llama_20b")
 BYTES_PER_PARAM = 4  # fp32 masters
 
 
@@ -88,6 +88,8 @@ REDUCED = {
     "gpt3_xl": dict(n_layer=2, d_model=64, n_head=4, seq_len=64),
     "gptj_6b": dict(n_layer=2, d_model=64, n_head=4, rotary_dim=8, seq_len=64),
     "llama2_7b": dict(n_layer=2, d_model=64, n_head=4, d_ff=160, seq_len=64),
+    "llama2_13b": dict(n_layer=2, d_model=64, n_head=4, d_ff=160, seq_len=64),
+    "llama_20b": dict(n_layer=2, d_model=64, n_head=4, d_ff=160, seq_len=64),
 }
 
 

@@ -26,6 +26,9 @@ LLAMA_PRESETS: dict[str, dict] = {
     "tiny": dict(n_layer=2, d_model=128, n_head=4, n_kv_head=2, vocab_size=256, seq_len=256),
     "7b": dict(n_layer=32, d_model=4096, n_head=32, d_ff=11008, vocab_size=32000, seq_len=4096),
     "13b": dict(n_layer=40, d_model=5120, n_head=40, d_ff=13824, vocab_size=32000, seq_len=4096),
+    # Not a released model: Llama 2's architecture at about 20B (20,228,933,120
+    # parameters), between 13B and 70B; head size 128 as theirs, d_ff the 8/3 rule's.
+    "20b": dict(n_layer=52, d_model=5632, n_head=44, d_ff=15104, vocab_size=32000, seq_len=4096),
     "70b": dict(
         n_layer=80,
         d_model=8192,
