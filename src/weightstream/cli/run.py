@@ -38,6 +38,7 @@ from weightstream.models import hf
 from weightstream.models.hf_names import hf_name_map
 from weightstream.models.tasks import attention_of, model_inputs, model_kwargs
 from weightstream.runtime import swarm
+from weightstream.runtime.footprint import HostFootprint, host_footprint
 from weightstream.runtime.performance import PerformanceTracker
 from weightstream.runtime.rng import capture_rng_state, restore_rng_state
 from weightstream.train.trainer import Trainer, TrainerSettings
@@ -297,6 +298,8 @@ class Run:
         self._check_packing(model)
         if rc.validate_only or rc.compile_only:
             self.compile(compiled, p.train_input)
+            if self.ws:
+                log.info("%s", self._host_footprint(model, compiled).describe())
             self._write_params("train")
             self._write_performance()
             log.info(
@@ -309,18 +312,8 @@ class Run:
         # write to model_dir: bad input changes nothing on disk (invariant 3).
         t_program = time.perf_counter()
         opt_params = p.optimizer
-        # Only what trains has optimizer state (a LoRA run's frozen base has none).
-        groups = [{"params": [q for q in model.parameters() if q.requires_grad]}]
-        if opt_params.weight_decay:
-            groups = cstorch.optim.param_groups_with_weight_decay(model, opt_params.weight_decay)
-            for group in groups:
-                group["params"] = [q for q in group["params"] if q.requires_grad]
-            groups = [g for g in groups if g["params"]]
-        kwargs = opt_params.optimizer_kwargs()
-        learning_rate = kwargs.get("learning_rate")
-        optimizer = cstorch.optim.configure_optimizer(
-            opt_params.optimizer_type, params=groups, **kwargs
-        )
+        optimizer = self._optimizer(model)
+        learning_rate = opt_params.optimizer_kwargs().get("learning_rate")
         lr_scheduler = None
         if learning_rate is not None:
             lr_scheduler = cstorch.optim.configure_lr_scheduler(
@@ -418,6 +411,34 @@ class Run:
         if trainer.losses:
             log.info("Loss for final step: %.5f", trainer.losses[-1])
         self.trainer = trainer
+
+    def _optimizer(self, model):
+        """The params file's optimizer over ``model``'s trainable parameters."""
+        opt_params = self.params.optimizer
+        # Only what trains has optimizer state (a LoRA run's frozen base has none).
+        groups = [{"params": [q for q in model.parameters() if q.requires_grad]}]
+        if opt_params.weight_decay:
+            groups = cstorch.optim.param_groups_with_weight_decay(model, opt_params.weight_decay)
+            for group in groups:
+                group["params"] = [q for q in group["params"] if q.requires_grad]
+            groups = [g for g in groups if g["params"]]
+        return cstorch.optim.configure_optimizer(
+            opt_params.optimizer_type, params=groups, **opt_params.optimizer_kwargs()
+        )
+
+    def _host_footprint(self, model, compiled) -> HostFootprint:
+        """The training state's host bytes as configured, and where they go (Note [host
+        footprint] in runtime/footprint.py). ``model`` is on the meta device: so is the
+        optimizer state built over it here, which is what gets counted."""
+        streaming = dataclasses.replace(self.rc.streaming, compute_dtype=self._compute_dtype())
+        return host_footprint(
+            model,
+            self._optimizer(model),
+            compiled.engine.plan,
+            streaming,
+            self.device,
+            store_dir=streaming.store_dir or str(self.model_dir / "store"),
+        )
 
     def _check_vocabulary(self) -> None:
         """Data whose token ids the model has no embedding for fails here, before step 1."""

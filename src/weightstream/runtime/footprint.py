@@ -1,0 +1,262 @@
+"""The host bytes of a run's training state and where they fit: ``--validate_only``'s verdict.
+
+Note [host footprint]
+---------------------
+Host bytes per parameter decide whether a model trains on a machine at all
+(design.md, "Bytes per parameter are the product's limit"). A run validated
+with ``--validate_only`` reports them before anything is allocated, counted
+from the tensors the run would hold, not from a table of bytes per setting:
+
+* the masters: the parameters themselves, in ``runconfig.master_dtype``;
+* the optimizer state: the run's optimizer constructed over the meta-device
+  parameters allocates its state there as it would on the host (its
+  ``preinitialize``: AdamW's moments in ``state_dtype``, int8 codes and their
+  block scales, the Kahan buffer of bf16 masters; Notes [compact optimizer
+  state] and [Kahan summation] in optim/compact.py), so the count is that of
+  the allocation code itself;
+* the gradients: one per trainable master, of its dtype, unless they pass
+  from the backward to the update in memory (update_in_backward on one rank:
+  Note [updates in backward]);
+* the host mirror: each streamed parameter again in the compute dtype, where
+  the engine keeps one (``engine.host_mirror_of``) and the masters are not in
+  that dtype already (Note [host mirror]).
+
+Activations, the device copies of units in flight and the disk store's I/O
+buffers are not training state; the budget the state is compared with leaves
+room for them (``placement.default_budget``'s margin, the disk store's working
+set). Where it goes:
+
+* a RAM store: "RAM" when the total fits the host budget, else "neither";
+* a disk store: as it would place it (``engine.predicted_placement`` with
+  these state sizes, Note [hybrid placement]): "RAM" when nothing goes to the
+  files, "RAM + disk" when the files' part fits the free disk at
+  ``store_dir``, else "neither".
+
+"neither" comes with the fixes that reduce the bytes or add room.
+tests/test_footprint.py checks the count against a real run's store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from weightstream.common.units import format_bytes
+from weightstream.runtime import placement as places
+from weightstream.runtime.config import StreamingConfig
+from weightstream.runtime.engine import host_mirror_of, predicted_placement
+from weightstream.runtime.partition import Plan
+
+KINDS = {
+    "master": "masters",
+    "state": "optimizer state",
+    "grad": "gradients",
+    "mirror": "host mirror",
+}
+
+
+@dataclass
+class HostFootprint:
+    """A run's training state in host bytes, by kind, and where it goes (the Note)."""
+
+    numel: int  # parameters (masters), trainable or not
+    bytes: dict[str, int]  # by kind: master, state, grad, mirror
+    store: str  # "ram" or "disk", as configured
+    budget: int  # host bytes the state may take (host_memory_budget, else the default)
+    ram_total: int | None
+    ram_available: int | None
+    store_dir: str | None = None
+    disk_free: int | None = None
+    placement: places.Placement | None = None  # a disk store's
+    # A RAM store that does not fit: where a disk store would put it.
+    as_disk_store: places.Placement | None = None
+    # The settings of compact state not in use yet (Note [compact optimizer state]).
+    compact: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+    @property
+    def per_parameter(self) -> float:
+        return self.total / max(self.numel, 1)
+
+    @property
+    def ram_bytes(self) -> int:
+        return self.total if self.placement is None else self.total - self.placement.disk_bytes
+
+    @property
+    def disk_bytes(self) -> int:
+        return 0 if self.placement is None else self.placement.disk_bytes
+
+    @property
+    def where(self) -> str:
+        """ "RAM", "RAM + disk" or "neither"."""
+        if self.store == "ram":
+            return "RAM" if self.total <= self.budget else "neither"
+        if self.disk_bytes == 0:
+            return "RAM"
+        if self.disk_free is not None and self.disk_bytes > self.disk_free:
+            return "neither"
+        return "RAM + disk"
+
+    def describe(self) -> str:
+        """The report's lines: bytes per parameter by kind, the machine, the verdict."""
+        n = max(self.numel, 1)
+        kinds = " + ".join(
+            f"{KINDS[k]} {v / n:.4g}" for k, v in self.bytes.items() if v
+        )  # e.g. masters 4 + optimizer state 8 + gradients 4
+        lines = [
+            f"Host training state: {self.per_parameter:.4g} bytes a parameter ({kinds}) x "
+            f"{self.numel:,} parameters = {format_bytes(self.total)} ({self.total:,} bytes)",
+            f"Host: RAM {_size(self.ram_total)}, available {_size(self.ram_available)}, "
+            f"budget for the state {format_bytes(self.budget)} ({self.budget:,} bytes)",
+        ]
+        if self.store == "disk":
+            lines.append(
+                f"Disk at the store's directory {self.store_dir}: {_size(self.disk_free)} free"
+            )
+        where = self.where
+        split = ""
+        if self.placement is not None:  # a disk store's: its RAM tier, then its files
+            split = (
+                f" (RAM {format_bytes(self.ram_bytes)}, {self.ram_bytes:,} bytes; "
+                f"disk {format_bytes(self.disk_bytes)}, {self.disk_bytes:,} bytes)"
+            )
+        lines.append(f"The state goes to: {where}{split if where != 'RAM' else ''}")
+        if where == "neither":
+            lines.append("Fix: " + self.fixes())
+        return "\n".join(lines)
+
+    def fixes(self) -> str:
+        """What makes a state that fits neither fit (the Note)."""
+        fixes = ["compact state: " + " and ".join(self.compact)] if self.compact else []
+        if self.store == "ram":
+            disk = self.as_disk_store
+            if disk is not None:
+                fixes.append(
+                    f"a disk store: runconfig.store: disk (its RAM tier would hold "
+                    f"{format_bytes(disk.ram_bytes)} and its files "
+                    f"{format_bytes(disk.disk_bytes)} under runconfig.store_dir)"
+                )
+            else:
+                fixes.append("a disk store: runconfig.store: disk")
+        else:
+            fixes.append(
+                f"a runconfig.store_dir on a disk with {format_bytes(self.disk_bytes)} free"
+            )
+        fixes.append("a smaller model (fewer or narrower layers under model.preset)")
+        return "; or ".join(fixes) + "."
+
+
+def host_footprint(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    plan: Plan,
+    config: StreamingConfig,
+    device: torch.device,
+    store_dir: str | None = None,
+) -> HostFootprint:
+    """The training state of ``model`` (on the meta device or not) under ``config``,
+    the streaming settings as configured (``store``, ``host_memory_budget``,
+    ``compute_dtype``), with ``optimizer``'s state as constructed (the Note)."""
+    named = list(_unique(model.named_parameters()))
+    state_bytes = {
+        name: [t.nbytes for t in optimizer.state.get(p, {}).values() if torch.is_tensor(t)]
+        for name, p in named
+    }
+    grads_kept = not (config.update_in_backward and not _data_parallel(config))
+    counted = {
+        "master": sum(p.nbytes for _, p in named),
+        "state": sum(sum(v) for v in state_bytes.values()),
+        "grad": sum(p.nbytes for _, p in named if p.requires_grad) if grads_kept else 0,
+        "mirror": _mirror_bytes(plan, config, device),
+    }
+    budget = config.host_memory_budget
+    if budget is None:
+        budget = places.default_budget()
+    found = HostFootprint(
+        numel=sum(p.numel() for _, p in named),
+        bytes=counted,
+        store=config.store,
+        budget=budget,
+        ram_total=places.total_memory(),
+        ram_available=places.available_memory(),
+    )
+    found.compact = _compact_settings(optimizer, [p for _, p in named])
+    if config.store == "disk":
+        found.store_dir = str(store_dir)
+        found.disk_free = _free_disk(store_dir)
+        found.placement = predicted_placement(model, plan, config, device, state_bytes)
+    elif found.where == "neither":
+        disk = dataclasses.replace(config, store="disk")
+        found.as_disk_store = predicted_placement(model, plan, disk, device, state_bytes)
+    return found
+
+
+def _compact_settings(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor]) -> list[str]:
+    """The params-file settings that would hold this state in fewer bytes."""
+    found = []
+    state_dtype = getattr(optimizer, "state_dtype", None)  # the Adam family's
+    if state_dtype == torch.float32:
+        found.append(
+            "optimizer: {state_dtype: bfloat16} (moments 4 bytes a parameter instead of 8) "
+            "or {state_dtype: int8} (about 2)"
+        )
+    elif state_dtype == torch.bfloat16:
+        found.append("optimizer: {state_dtype: int8} (moments about 2 bytes a parameter)")
+    if any(p.dtype == torch.float32 for p in masters):
+        found.append(
+            "runconfig.master_dtype: bfloat16 (masters and gradients 2 bytes a parameter "
+            "each instead of 4, plus a 2-byte Kahan buffer)"
+        )
+    return found
+
+
+def _unique(named):
+    seen = set()
+    for name, p in named:
+        if id(p) not in seen:  # a tied weight is one master
+            seen.add(id(p))
+            yield name, p
+
+
+def _data_parallel(config: StreamingConfig) -> bool:
+    from weightstream.runtime import swarm
+
+    return config.data_parallel and swarm.world_size() > 1
+
+
+def _mirror_bytes(plan: Plan, config: StreamingConfig, device: torch.device) -> int:
+    """The host mirror's bytes: the streamed parameters in the compute dtype, where the
+    masters are not in it already (Note [host mirror])."""
+    sharding = config.store_sharding or ("sharded" if device.type == "cpu" else "replicated")
+    sharded = _data_parallel(config) and sharding == "sharded"
+    wanted, blocked = host_mirror_of(config, device, config.store == "disk", sharded)
+    compute = config.compute_dtype
+    if not wanted or blocked or not isinstance(compute, torch.dtype):
+        return 0
+    streamed = {id(p): p for u in plan.units for p in u.params}
+    return sum(p.numel() * compute.itemsize for p in streamed.values() if p.dtype != compute)
+
+
+def _free_disk(directory: str | None) -> int | None:
+    """Free bytes on the file system of ``directory`` (its nearest existing parent)."""
+    if directory is None:
+        return None
+    path = Path(directory).resolve()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _size(n: int | None) -> str:
+    return "unknown" if n is None else f"{format_bytes(n)} ({n:,} bytes)"

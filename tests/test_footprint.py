@@ -1,0 +1,182 @@
+"""The training state's host bytes and where they go, as ``--validate_only`` reports them
+(Note [host footprint] in runtime/footprint.py): counted on the meta device, checked
+against what a real run's store allocates and against the arithmetic of each setting."""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from pathlib import Path
+
+import params_files as pf
+import pytest
+import torch
+import torch.nn.functional as F
+
+import weightstream as cstorch
+from weightstream.cli.main import main
+from weightstream.models.llama import Llama, LlamaConfig
+from weightstream.optim.compact import BLOCK
+from weightstream.runtime import engine, footprint, placement
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+TINY = dict(n_layer=2, d_model=32, n_head=4, d_ff=64, vocab_size=256, seq_len=32)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_logs():
+    logging.getLogger("weightstream").handlers.clear()
+    yield
+    logging.getLogger("weightstream").handlers.clear()
+
+
+def _meta_llama(master_dtype: torch.dtype) -> Llama:
+    with torch.device("meta"):
+        return Llama(LlamaConfig(**TINY)).to(master_dtype)
+
+
+def _expected(model: torch.nn.Module, master: int, state_dtype: str) -> dict[str, int]:
+    """The bytes of each kind written out: masters and gradients of ``master`` bytes,
+    AdamW's two moments (int8: a code each and a float32 scale per BLOCK values), a
+    Kahan buffer for bf16 masters, and one float32 step count per tensor."""
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    steps = 4 * len(params)
+    if state_dtype == "int8":
+        scales = 2 * 4 * sum(math.ceil(p.numel() / BLOCK) for p in params)
+        state = 2 * n + scales + steps
+    else:
+        state = 2 * {"float32": 4, "bfloat16": 2}[state_dtype] * n + steps
+    if master == 2:
+        state += 2 * n  # kahan_comp
+    return {"master": master * n, "state": state, "grad": master * n, "mirror": 0}
+
+
+@pytest.mark.parametrize(
+    "master_dtype, state_dtype",
+    [(torch.float32, "float32"), (torch.bfloat16, "int8"), (torch.bfloat16, "bfloat16")],
+)
+def test_count_is_what_a_real_runs_store_allocates(tmp_path, master_dtype, state_dtype):
+    # A disk store counts every master, gradient and state tensor it creates
+    # (placement's ``actual``): the real allocation, after a real step.
+    torch.manual_seed(0)
+    model = _meta_llama(master_dtype)
+    runner = cstorch.compile(
+        model, backend="wse_ws", store="disk", store_dir=str(tmp_path), device="cpu"
+    )
+    opt = cstorch.optim.AdamW(model.parameters(), lr=1e-3, state_dtype=state_dtype)
+    x = torch.randint(0, 256, (2, 16))
+    F.cross_entropy(runner(x).flatten(0, 1).float(), x.flatten()).backward()
+    opt.step()
+    store = runner.engine.store.placement()
+    real = {k: store.ram.get(k, 0) + store.disk.get(k, 0) for k in ("master", "state", "grad")}
+    # The step counts are ordinary 0-dim tensors beside the store's.
+    real["state"] += sum(t.nbytes for st in opt.state.values() for t in st.values() if t.dim() == 0)
+
+    # The footprint of the same run, counted on a meta model and optimizer.
+    shapes = _meta_llama(master_dtype)
+    meta_opt = cstorch.optim.AdamW(shapes.parameters(), lr=1e-3, state_dtype=state_dtype)
+    found = footprint.host_footprint(
+        shapes, meta_opt, runner.engine.plan, runner.engine.config, torch.device("cpu")
+    )
+    runner.close()
+    assert {k: found.bytes[k] for k in real} == real
+    assert found.bytes == _expected(shapes, master_dtype.itemsize, state_dtype)
+
+
+def _validate(tmp_path: Path, capsys, caplog, params: Path, *args: str) -> str:
+    caplog.set_level(logging.INFO, "weightstream")
+    out = tmp_path / params.stem
+    assert main(["run", "CPU", "-p", str(params), "-o", str(out), "--validate_only", *args]) == 0
+    text = capsys.readouterr().out + caplog.text  # the run's handler, or pytest's
+    caplog.clear()
+    assert not (out / "store").exists()  # shapes only: nothing allocated
+    return text
+
+
+def _tiny_params(
+    tmp_path: Path, optimizer: dict | None = None, name: str = "params", **runconfig
+) -> Path:
+    section = pf.text_input(2, 32)
+    return pf.write(
+        tmp_path / f"{name}.yaml",
+        pf.params(
+            train_input=section,
+            model={"name": "llama", **TINY},
+            optimizer=pf.adamw(1e-3, **(optimizer or {})),
+            runconfig={"max_steps": 1, **runconfig},
+        ),
+    )
+
+
+def _report(text: str) -> tuple[float, int, str]:
+    per, total = re.search(
+        r"Host training state: ([\d.]+) bytes a parameter .* \(([\d,]+) bytes\)", text
+    ).groups()
+    where = re.search(r"The state goes to: (RAM \+ disk|RAM|neither)", text).group(1)
+    return float(per), int(total.replace(",", "")), where
+
+
+def test_validate_only_prints_bytes_per_parameter_and_the_verdict(tmp_path, capsys, caplog):
+    text = _validate(tmp_path, capsys, caplog, _tiny_params(tmp_path))
+    per, total, where = _report(text)
+    model = _meta_llama(torch.float32)
+    n = sum(p.numel() for p in model.parameters())
+    # fp32 AdamW on the CPU: masters 4 + moments 8 + gradients 4 (no host mirror).
+    assert total == sum(_expected(model, 4, "float32").values())
+    assert per == pytest.approx(total / n, rel=1e-3) and round(per) == 16
+    assert "(masters 4 + optimizer state 8" in text and "gradients 4)" in text
+    assert where == "RAM"  # 0.3 MB
+    assert "Host: RAM" in text
+
+    # int8 moments and bf16 masters: 2 + (2 codes + scales + 2 Kahan) + 2.
+    compact = _tiny_params(
+        tmp_path, optimizer={"state_dtype": "int8"}, name="compact", master_dtype="bfloat16"
+    )
+    per8, total8, _ = _report(_validate(tmp_path, capsys, caplog, compact))
+    assert total8 == sum(_expected(model, 2, "int8").values())
+    assert 8 < per8 < 8.1 and total8 < total / 1.9
+
+
+def test_a_ram_store_that_does_not_fit_names_the_fixes(tmp_path, capsys, caplog, monkeypatch):
+    monkeypatch.setattr(placement, "default_budget", lambda: 1000)
+    monkeypatch.setattr(engine, "default_budget", lambda: 1000)
+    text = _validate(tmp_path, capsys, caplog, _tiny_params(tmp_path))
+    assert _report(text)[2] == "neither"
+    fix = text.split("Fix: ")[1]
+    for setting in ("state_dtype: int8", "master_dtype: bfloat16", "runconfig.store: disk"):
+        assert setting in fix, fix
+    assert "its files 578.6 KiB" in fix  # all of it: the budget holds none
+
+
+@pytest.mark.parametrize("free, where", [(0, "neither"), (2**50, "RAM + disk")])
+def test_a_disk_store_splits_the_state_between_ram_and_the_free_disk(
+    tmp_path, capsys, caplog, monkeypatch, free, where
+):
+    monkeypatch.setattr(footprint, "_free_disk", lambda _dir: free)
+    params = _tiny_params(tmp_path, store="disk", host_memory_budget=700_000)  # room for part of it
+    text = _validate(tmp_path, capsys, caplog, params)
+    _, total, got = _report(text)
+    assert got == where
+    ram, disk = (
+        int(v.replace(",", ""))
+        for v in re.search(r"\(RAM .*?, ([\d,]+) bytes; disk .*?, ([\d,]+) bytes\)", text).groups()
+    )
+    assert ram + disk == total and ram > 0 and disk > 0
+    assert ("store_dir on a disk with" in text) == (where == "neither")
+
+
+def test_llama2_13b_and_20b_on_this_machine(tmp_path, capsys, caplog):
+    """The full-size files, on the meta device: 13B's fp32 state (16 bytes a parameter,
+    208 GB) and 20B's compact state (about 8) against this machine's RAM and disk."""
+    n13 = 13_015_864_320
+    text = _validate(tmp_path, capsys, caplog, CONFIGS / "llama2_13b.yaml")
+    per, total, where = _report(text)
+    assert f"x {n13:,} parameters" in text and round(per, 3) == 16
+    if total > (placement.total_memory() or 0):  # more than this machine's RAM
+        assert where in ("neither", "RAM + disk")
+    assert ("Fix: compact state" in text) == (where == "neither")
+    text = _validate(tmp_path, capsys, caplog, CONFIGS / "llama_20b.yaml")
+    per20, _, _ = _report(text)
+    assert f"x {20_228_933_120:,} parameters" in text and 8 < per20 < 8.1
