@@ -10,8 +10,11 @@ corpus) four ways, weight streamed on the CPU:
 
 and prints each one's final train loss (mean of the last 20 steps) and eval loss
 with their ratio to fp32, plus the host bytes per parameter it holds, measured as
-the growth of the process's resident memory from before the model is built to
-after a few steps (freed heap pages given back first: ``trim_heap``).
+the growth of the process's resident memory from before the model is built
+(freed heap pages given back first: ``trim_heap``) to two moments of a step
+after a few: within the step (after the backward: the gradients are alive) and
+at rest (after the update and ``zero_grad()``, which frees the gradients as the
+run command's trainer does).
 
     .venv/bin/python benchmarks/compact_state.py [--steps 2000] [--d-model 512]
         [--layers 8] [--seq-len 256] [--batch 8]
@@ -57,6 +60,13 @@ def _loss(runner, x, y) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
+def _held(rss0: int, params: int) -> float:
+    """Resident memory grown since ``rss0``, per parameter (freed heap pages returned)."""
+    gc.collect()
+    trim_heap()
+    return (current_rss_bytes() - rss0) / params
+
+
 def train(name: str, cfg: GPTConfig, args, train_set, eval_set) -> dict:
     master_dtype, state_dtype = VARIANTS[name]
     gc.collect()
@@ -69,13 +79,16 @@ def train(name: str, cfg: GPTConfig, args, train_set, eval_set) -> dict:
     opt = cstorch.optim.AdamW(
         model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95), state_dtype=state_dtype
     )
-    losses, held = [], None
+    losses, held, in_step = [], None, None
     start = time.perf_counter()
     for step, (x, y) in enumerate(_batches(train_set, args.batch, args.steps, seed=1)):
         loss = _loss(runner, x, y)
         loss.backward()
+        measure = step + 1 == min(RSS_STEPS, args.steps)
+        if measure:  # within the step: the gradients are alive
+            in_step = _held(rss0, params)
         opt.step()
-        opt.zero_grad(set_to_none=False)  # gradients are held state, as in a real run
+        opt.zero_grad()  # set_to_none: the gradients go, as in the run command's trainer
         losses.append(loss.item())
         if (step + 1) % 200 == 0:
             print(
@@ -83,11 +96,9 @@ def train(name: str, cfg: GPTConfig, args, train_set, eval_set) -> dict:
                 f"{time.perf_counter() - start:.0f} s",
                 flush=True,
             )
-        if step + 1 == min(RSS_STEPS, args.steps):
+        if measure:
             opt.synchronize()
-            gc.collect()
-            trim_heap()
-            held = (current_rss_bytes() - rss0) / params
+            held = _held(rss0, params)
     seconds = time.perf_counter() - start
     with torch.no_grad():
         evals = [
@@ -100,6 +111,7 @@ def train(name: str, cfg: GPTConfig, args, train_set, eval_set) -> dict:
         "train_loss": sum(tail) / len(tail),
         "eval_loss": sum(evals) / len(evals),
         "held_bytes_per_param": held,
+        "in_step_bytes_per_param": in_step,
         "seconds": seconds,
     }
     runner.engine.close()
@@ -144,7 +156,11 @@ def main() -> None:
         print(
             f"  {name:<30} train {r['train_loss']:.4f} ({r['train_vs_fp32']:.4f}x)   "
             f"eval {r['eval_loss']:.4f} ({r['eval_vs_fp32']:.4f}x)   "
-            f"held {r['held_bytes_per_param']:.1f} B/param   {r['seconds']:.0f} s"
+            f"held {r['held_bytes_per_param']:.1f} B/param at rest "
+            f"({r['held_bytes_per_param'] / ref['held_bytes_per_param']:.2f}x), "
+            f"{r['in_step_bytes_per_param']:.1f} within a step "
+            f"({r['in_step_bytes_per_param'] / ref['in_step_bytes_per_param']:.2f}x)   "
+            f"{r['seconds']:.0f} s"
         )
     print_result("compact_state", steps=args.steps, variants=results)
 
