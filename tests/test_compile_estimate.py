@@ -588,8 +588,8 @@ def test_the_probe_is_measured_once_and_cached(tmp_path, monkeypatch):
 
 def test_kernels_are_timed_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("WEIGHTSTREAM_CACHE_DIR", str(tmp_path))
-    model = Chain([64, 128, 4])  # kernels of well under a millisecond
-    x = torch.randn(1024, 64)
+    model = Chain([16, 32, 4])  # kernels of microseconds, on a busy machine too
+    x = torch.randn(64, 16)
     costs = unit_costs(model, _plan(model, x), (x,), {})
     probe = load_or_measure("cpu", quick=True)
     probe_mod.time_kernels(probe, costs.kernels)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import mmap
 import os
 import tempfile
@@ -58,6 +59,8 @@ from torch import nn
 from torch.utils.benchmark import Timer
 
 from weightstream.common.files import write_text_atomic
+
+log = logging.getLogger("weightstream")
 
 ENV_CACHE_DIR = "WEIGHTSTREAM_CACHE_DIR"
 SCHEMA = 2  # 2: kernel_s, fresh_bandwidth
@@ -327,6 +330,8 @@ def time_kernels(probe: Probe, kernels: dict, path: str | Path | None = None) ->
     todo = [k for k in todo if max(k.flops / peak, k.nbytes / bw) <= sizes.kernel_max_s]
     if not todo:
         return
+    path = Path(path or default_path(device, probe.quick))
+    log.info("Timing %d kernels of this model on %s, once (cached in %s)", len(todo), device, path)
     stop = time.monotonic() + sizes.kernels_s
     with _rng(device), torch.no_grad():
         for k in sorted(todo, key=lambda k: -max(k.flops / peak, k.nbytes / bw)):
@@ -336,7 +341,7 @@ def time_kernels(probe: Probe, kernels: dict, path: str | Path | None = None) ->
                 probe.kernel_s[k.key] = _seconds(k.runner(device), sizes.kernel_s)
             except (RuntimeError, TypeError, ValueError, NotImplementedError):
                 continue  # an argument the replay cannot make
-    _save(probe, path or default_path(device, probe.quick))
+    _save(probe, path)
 
 
 def _load(path: Path) -> Probe | None:
@@ -365,6 +370,7 @@ def load_or_measure(
     path = Path(path) if path is not None else default_path(device, quick)
     probe = _load(path)
     if probe is None or probe.device_name != device_name(device) or probe.quick != quick:
+        log.info("Measuring this machine's rates on %s, once (cached in %s)", device, path)
         probe = measure(device, quick)
         _save(probe, path)
     if disk_dir is not None and str(disk_dir) not in probe.disk:
