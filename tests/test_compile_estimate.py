@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 import models as zoo
 import pytest
@@ -606,3 +607,26 @@ def test_kernels_are_timed_once_and_cached(tmp_path, monkeypatch):
     assert (
         estimate(costs, untimed, EstimateSettings(1)).timed_kernels == f"0 / {len(costs.kernels)}"
     )
+
+
+@pytest.mark.parametrize(
+    "optimizer, master_dtype, expected",
+    [
+        ({}, "float32", 80),  # AdamW's foreach update, fp32 (estimate.UPDATE_BYTES)
+        # chunked kernels: master r+w and gradient r (3 x 4), two moments r+w
+        ({"state_dtype": "bfloat16"}, "float32", 3 * 4 + 2 * 2 * 2),
+        ({"state_dtype": "int8"}, "float32", 3 * 4 + 2 * 2 * 1),
+        # bf16 masters and gradients, their Kahan buffer r+w
+        ({}, "bfloat16", 3 * 2 + 2 * 2 * 4 + 2 * 2),
+        ({"state_dtype": "bfloat16", "max_gradient_norm": 1.0}, "bfloat16", 18 + 12),
+    ],
+)
+def test_update_bytes_follow_the_training_state(optimizer, master_dtype, expected):
+    from weightstream.cli.params import load_params, parse_params
+    from weightstream.compiler.compile_phase import update_bytes
+
+    raw = load_params(Path(__file__).parent.parent / "configs" / "gpt2_tiny_ws.yaml")
+    raw["optimizer"].pop("max_gradient_norm", None)  # the file clips; the cases say when
+    raw["optimizer"].update(optimizer)
+    raw["runconfig"]["master_dtype"] = master_dtype
+    assert update_bytes(parse_params(raw, "train")) == expected

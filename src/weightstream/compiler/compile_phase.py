@@ -53,13 +53,27 @@ def quick_profile() -> bool:
 
 
 def update_bytes(params) -> int:
-    """Bytes the params file's optimizer update moves per trainable parameter."""
-    opt = params.optimizer
+    """Bytes the params file's optimizer update moves per trainable parameter.
+
+    Compact state or bf16 masters (Notes [compact optimizer state], [Kahan summation]
+    in optim/compact.py) run chunked kernels whose float32 scratch stays in cache:
+    from memory, each value is read and written once (the master and each moment
+    read and written, the gradient read, a bf16 master's Kahan buffer read and
+    written)."""
+    opt, master = params.optimizer, params.runconfig.master_dtype
     name = opt.optimizer_type.lower()
     if name == "sgd" and opt.optimizer_kwargs().get("momentum"):
         name = "sgd_momentum"
-    clip = opt.max_gradient_norm is not None or opt.max_gradient_value is not None
-    return UPDATE_BYTES.get(name, DEFAULT_UPDATE_BYTES) + (CLIP_BYTES if clip else 0)
+    clip = (
+        CLIP_BYTES if opt.max_gradient_norm is not None or opt.max_gradient_value is not None else 0
+    )
+    state = opt.state_dtype or "float32"
+    if name in ("adam", "adamw") and (state, master) != ("float32", "float32"):
+        p = getattr(torch, master).itemsize
+        moment = getattr(torch, state).itemsize
+        kahan = 2 * p if p < 4 else 0
+        return 3 * p + 2 * 2 * moment + kahan + clip
+    return UPDATE_BYTES.get(name, DEFAULT_UPDATE_BYTES) + clip
 
 
 def settings_of(run) -> dict:
