@@ -228,17 +228,18 @@ class StreamingEngine:
             swarm.check_host_collectives()
             swarm.broadcast_module(module)  # every rank starts from rank 0's weights
             self._join_swarm(module)
-        # Every unit's share of an optimizer step, in forward order (Note [overlapped updates]).
-        self.updater: UnitUpdater | None = None
-        if config.overlap_updates or self.store.on_disk or config.update_in_backward:
-            self.updater = UnitUpdater(
-                [u.params for u in self.plan.units],
-                background=config.overlap_updates,
-                tier=self.store.tier,
-                thread_init=self.ops.helper_thread_init,
-            )
-            if config.update_in_backward:
-                self.store.tier.hands_over = self.updater.takes
+        # Every optimizer step goes through the updater, the one update path: by unit in
+        # forward order behind the next forward, in the backward, or at the step (Note
+        # [overlapped updates]).
+        self.updater = UnitUpdater(
+            [u.params for u in self.plan.units],
+            background=config.overlap_updates,
+            tier=self.store.tier,
+            thread_init=self.ops.helper_thread_init,
+            in_backward=config.update_in_backward,
+        )
+        if config.update_in_backward:
+            self.store.tier.hands_over = self.updater.takes
         # One pair of gradient hooks per master, the store's (Note [one gradient hook]).
         self.store.hook_gradients(
             module.parameters(),
@@ -334,13 +335,11 @@ class StreamingEngine:
         self.store.bind_optimizer(optimizer)
 
     def apply_step(self, optimizer) -> None:
-        """The optimizer's update of the masters: by unit through the updater, or at once."""
+        """The optimizer's update of the masters, through the updater (Note [overlapped
+        updates] in runtime/updater.py)."""
         if self.store.sharded:
             self._check_gradients_unchanged()
-        if self.updater is not None:
-            self.updater.defer(optimizer)
-        else:
-            optimizer._update(optimizer.param_groups)
+        self.updater.defer(optimizer)
 
     @contextlib.contextmanager
     def update_in_backward(self, optimizer):
@@ -365,7 +364,7 @@ class StreamingEngine:
             raise
 
     def _can_update_in_backward(self, optimizer) -> bool:
-        if not self.config.update_in_backward or self.updater is None or self.streamer is None:
+        if not self.config.update_in_backward or self.streamer is None:
             return False
         if getattr(optimizer, "engine", None) is not self:
             return False  # torch.optim's own step() does not come through the engine
@@ -505,8 +504,7 @@ class StreamingEngine:
         self.plan = plan
         # As many idle copy buffers as copies may be in flight (Note [CPU copy buffers]).
         self.ops.keep(self.config.prefetch_depth + 1, plan.largest_unit_bytes)
-        if self.updater is not None:
-            self.updater.set_units([u.params for u in plan.units])
+        self.updater.set_units([u.params for u in plan.units])
         recompute = self._recomputed_units(plan, trace)
         mirror = self._host_mirror()
         self.streamer = Streamer(
@@ -516,14 +514,14 @@ class StreamingEngine:
             self.stream_dtype,
             self.store,
             self._postprocess(),
-            before_fetch=None if self.updater is None else self.updater.wait_unit,
+            before_fetch=self.updater.wait_unit,
             note=self.events,
             recompute=recompute,
             mirror=mirror,
-            mirror_by_update=self.updater is not None,
+            mirror_by_update=self.updater.apart,
             offload=self._activation_offload(),
         )
-        if mirror and self.updater is not None:
+        if mirror and self.updater.apart:
             # The update writes what it changed into the mirrors (Note [host mirror]).
             self.updater.on_updated = self.streamer.mirror_updated
         self.streamer.install()
@@ -574,8 +572,7 @@ class StreamingEngine:
 
     def synchronize(self) -> None:
         """Wait until an overlapped optimizer step is completely applied."""
-        if self.updater is not None:
-            self.updater.synchronize()
+        self.updater.synchronize()
 
     def no_sync(self):
         """Backwards inside accumulate gradients locally, unreduced (all micro-batches but
@@ -631,9 +628,8 @@ class StreamingEngine:
 
     def close(self) -> None:
         hosts.discard(self)
-        if self.updater is not None:
-            self.updater.close()
-            self.updater.on_updated = None  # the mirrors go with the streamer
+        self.updater.close()
+        self.updater.on_updated = None  # the mirrors go with the streamer
         if self.reducer is not None:
             self.reducer.close()
             self.reducer = None

@@ -1,7 +1,17 @@
-"""Overlapped host updates: an optimizer step run unit by unit behind the next forward.
+"""The one update path of a streamed model: every optimizer step, at the step, behind the
+next forward, or in the backward.
 
 Note [overlapped updates]
 -------------------------
+``optimizer.step()`` on a weightstream optimizer bound to a streaming engine
+(Note [engine binding] in optim/binding.py) always goes to the engine's updater,
+which runs the optimizer's kernels (``optimizer._update``) on shares of the
+masters, the gradients handed in the groups. Where it runs is the only choice:
+at the step, in the caller's thread, as one share of every parameter (the
+default: ``p.grad`` stays, as after torch.optim's ``step()``); unit by unit
+behind the next forward (below); unit by unit in the backward (Note [updates in
+backward]); unit by unit through a disk store's pager (below).
+
 With ``StreamingConfig(overlap_updates=True)``, ``optimizer.step()`` on a
 weightstream optimizer bound to a streaming engine (Note [engine binding] in
 optim/binding.py) does not update the masters at once. Everything global was already decided by then
@@ -97,6 +107,8 @@ class UnitUpdater:
         unit_params: each unit's master parameters, in forward order.
         background: run the shares on a worker thread (overlapped updates);
             otherwise ``step()`` applies them before it returns.
+        in_backward: steps may be armed to start in the backward (Note [updates in
+            backward]).
         tier: the store's tier (Note [memoryx] in runtime/memoryx.py); a disk tier's
             pages each share gives back when it is done.
         thread_init: what the worker thread runs first (the engine's
@@ -109,9 +121,13 @@ class UnitUpdater:
         background: bool = True,
         tier=None,
         thread_init: Callable[[], None] | None = None,
+        in_backward: bool = False,
     ):
         self._unit_params = [list(ps) for ps in unit_params]  # forward order
         self._background = background
+        # The update may run apart from step()'s call (behind the next forward, or in
+        # the backward): the mirrors are then written by the update (Note [host mirror]).
+        self.apart = background or in_backward
         # A tier whose state lives in files (a disk store), else None: the update
         # pages the state in and out (_Pager).
         self._store = tier if tier is not None and tier.paged else None
@@ -151,12 +167,18 @@ class UnitUpdater:
         if early is not None:
             for pid, g in early.grads.items():
                 (taken if early.started[early.owner[pid]] else grads)[pid] = g
+        # The update owns the gradients while it may run after step() returns; at the
+        # step, in memory, p.grad stays (as after torch.optim's step()).
+        at_step = not self._background and early is None and self._store is None
         for g in snapshot:
             for p in g["params"]:
                 if p.grad is not None and id(p) not in taken:
                     grads[id(p)] = p.grad
-                    p.grad = None
+                    if not at_step:
+                        p.grad = None
         every = self._shares(snapshot, grads)
+        if at_step:  # one share: the same kernels over every parameter at once
+            every = [[p for share in every for p in share]]
         grads.update(taken)
         pager = None
         if self._store is not None:
