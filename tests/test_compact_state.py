@@ -191,9 +191,11 @@ def test_int8_state_layout_and_bytes():
     assert nbytes == 2 * w.numel() + 2 * 4 * blocks
 
 
-@pytest.mark.parametrize("signed", [True, False])
-def test_int8_codes_follow_the_square_law_map(signed):
-    """Written out: code q = round(Q sqrt(|x| / blockmax)), value blockmax (q / Q)**2."""
+@pytest.mark.parametrize("key", ["exp_avg", "exp_avg_sq", "exp_inf"])
+def test_int8_codes_follow_the_square_law_map(key):
+    """Written out: code q = round(Q sqrt(|x| / blockmax)), value blockmax (q / Q)**2,
+    where x is exp_avg, the square root of exp_avg_sq, or exp_inf itself."""
+    signed = key == "exp_avg"
     torch.manual_seed(0)
     n = 3 * BLOCK + 17  # a partial last block
     x = torch.randn(n) * torch.logspace(-6, 0, n)
@@ -201,21 +203,22 @@ def test_int8_codes_follow_the_square_law_map(signed):
         x = x.abs()
     q = 127.0 if signed else 255.0
     state = {
-        "k": torch.zeros(n, dtype=torch.int8 if signed else torch.uint8),
-        "k_scale": torch.zeros(4),
+        key: torch.zeros(n, dtype=torch.int8 if signed else torch.uint8),
+        key + "_scale": torch.zeros(4),
     }
-    Moment(state, "k", signed).write(torch.cat([x, torch.zeros(4 * BLOCK - n)]), 0, n)
+    Moment(state, key).write(torch.cat([x, torch.zeros(4 * BLOCK - n)]), 0, n)
+    codes, scales = state[key], state[key + "_scale"]
     for b in range(4):
         block = x[b * BLOCK : (b + 1) * BLOCK]
         top = block.abs().max()
-        assert state["k_scale"][b] == top
+        assert scales[b] == top
         expected = torch.round(q * torch.sqrt(block.abs() / top)) * block.sign()
         if not signed:
             expected = expected.clamp(min=1)  # a non-zero value never gets code 0
-        assert torch.equal(state["k"][b * BLOCK : (b + 1) * BLOCK].float(), expected)
-    decoded = Moment(state, "k", signed).read(0, n)[:n]
-    if not signed:
-        decoded = decoded.sqrt()  # exp_avg_sq stores the square root of its value
+        assert torch.equal(codes[b * BLOCK : (b + 1) * BLOCK].float(), expected)
+    decoded = Moment(state, key).read(0, n)[:n]
+    if key == "exp_avg_sq":
+        decoded = decoded.sqrt()  # exp_avg_sq's codes hold the square root of its value
     big = x.abs() > 0.1 * x.abs().max()
     assert ((decoded - x).abs() / x.abs())[big].max() < 2 * (2 / q) * 10**0.5
 

@@ -4,9 +4,11 @@ Note [compact optimizer state]
 ------------------------------
 Host bytes per parameter bound what fits and how fast a streamed step runs
 (design.md, "Bytes per parameter are the product's limit"); AdamW's two fp32
-moments are 8 of them. ``state_dtype`` (Adam, AdamW) stores them smaller:
+moments are 8 of them. ``state_dtype`` stores them smaller; the whole Adam family
+takes it (Adam, AdamW, NAdam, RAdam: ``exp_avg`` and ``exp_avg_sq``; Adamax:
+``exp_avg`` and ``exp_inf``):
 
-* ``torch.float32`` (default): ``exp_avg`` and ``exp_avg_sq`` in float32 (in
+* ``torch.float32`` (default): both moments in float32 (in
   the parameter's dtype where that is wider, float64), 8 bytes a parameter.
   For float32 parameters this is torch.optim's update, bit for bit (Note
   [matching torch.optim bit for bit]).
@@ -14,13 +16,16 @@ moments are 8 of them. ``state_dtype`` (Adam, AdamW) stores them smaller:
   them to float32, runs the float32 update and rounds them back to nearest.
   Known limit: a change smaller than half a bfloat16 ulp (2**-9 relative) is
   lost, so ``exp_avg_sq`` with beta2 = 0.999 does not decay while the
-  gradients shrink (it only grows); the update is then damped, never blown up.
+  gradients shrink (it only grows), nor does Adamax's ``exp_inf`` (``beta2 u``
+  rounds back to ``u``); the update is then damped, never blown up.
 * ``torch.int8``: 8-bit codes shaped like the parameter plus one float32 scale
   per block of ``BLOCK`` (256) consecutive values of the flattened parameter,
   as bitsandbytes' 8-bit Adam: 2 bytes + 8/256 a parameter. State keys:
   ``exp_avg`` (int8), ``exp_avg_scale`` (float32, ``ceil(numel / 256)``),
-  ``exp_avg_sq`` (uint8), ``exp_avg_sq_scale`` (float32). The scale is the
-  block's largest magnitude, so every block uses its whole code range.
+  ``exp_avg_sq`` (uint8), ``exp_avg_sq_scale`` (float32); Adamax's ``exp_inf``
+  (uint8), ``exp_inf_scale`` (float32). The scale is the block's largest
+  magnitude, so every block uses its whole code range. How each key is coded
+  is ``CODES``.
 
   The map is not linear: a code ``q`` stands for ``scale * (q / Q)**2``
   (``Q`` = 127 signed for ``exp_avg``, 255 unsigned for the square root of
@@ -34,6 +39,25 @@ moments are 8 of them. ``state_dtype`` (Adam, AdamW) stores them smaller:
   A non-zero ``v`` never gets code 0 (it is clamped to code 1): a zero
   denominator under a non-zero ``exp_avg`` would make the update ``lr * m / eps``.
   Rounding is to nearest, deterministic, so eager and streamed runs agree.
+
+  Adamax's ``exp_inf`` ``u = max(beta2 u, |g| + eps)`` is, like ``sqrt(v)``,
+  non-negative and what the update divides by, so it gets the codes
+  ``sqrt(v)`` gets: unsigned (uint8, Q = 255), the same square-law map, of
+  ``u`` itself (``u`` is already of the gradient's scale; coding its square
+  root would square the range again, which nothing needs, and coarsen the top).
+  Its error is then relative to the denominator, half a code step (about 1/q
+  at code q, 0.4% at the top), as for Adam's ``sqrt(v)``. ``u >= eps > 0``
+  after the first step, so no ``u`` gets code 0 (the clamp above): never a
+  zero denominator.
+  Rounding is to nearest, not up, though ``u`` is a maximum: rounding up
+  would keep the stored maximum at or above every ``|g|`` it covers (Adamax's
+  bound ``|step| <= lr`` exactly), but re-encoding a decoded value computes
+  ``Q sqrt(u / scale)`` in float32, a hair above the integer code as often as
+  below, and ceil would then add a code a step with nothing pushing ``u`` up:
+  drift. Round to nearest gives a decoded value its own code back; the bound
+  holds to within that half step. Decay works in int8 where bfloat16 state stalls:
+  codes are relative to the block maximum, so while no new maximum arrives
+  ``beta2 u`` shrinks the scale and keeps the codes.
 
 The scales are optimizer state like the codes: allocated through
 ``binding.zeros_like`` (a disk store's files, a sharded store's placeholders),
@@ -56,18 +80,21 @@ last rounding dropped. Each step computes in float32 ``x = p + comp``, applies
 weight decay and the update to ``x``, stores ``p = round(x)`` and
 ``comp = x - p`` (rounded again, but the residual is below half an ulp of
 ``p`` so its own rounding error is ~2**-8 of that: about 16 significant bits
-together). The Adam family (Adam, AdamW) and SGD keep it; 2 bytes a
+together). The Adam family (Adam, AdamW, NAdam, RAdam, Adamax) and SGD keep
+it; 2 bytes a
 parameter. For float32 (and wider) parameters it is a no-op, not an error:
 the default is on, and a float32 model must not need a flag to run; no buffer
 is allocated and the arithmetic is unchanged. ``fused=True`` (torch's fused
-kernel) keeps no compensation: it needs float32 state and parameters, or
+kernel, Adam and AdamW) keeps no compensation: it needs float32 state and
+parameters, or
 ``kahan_summation=False``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -111,6 +138,15 @@ def parse_state_dtype(optimizer: str, value: Any) -> torch.dtype:
     return dtype
 
 
+def check_kahan(optimizer: str, kahan_summation: Any) -> bool:
+    """``kahan_summation`` checked to be a bool (Note [Kahan summation])."""
+    if not isinstance(kahan_summation, bool):
+        raise TypeError(
+            f"{optimizer}: kahan_summation must be True or False, got {kahan_summation!r}."
+        )
+    return kahan_summation
+
+
 def kahan_applies(p: Tensor, kahan_summation: bool) -> bool:
     """Whether ``p`` keeps a compensation buffer (Note [Kahan summation])."""
     return kahan_summation and p.dtype in LOW_PRECISION
@@ -128,12 +164,28 @@ def num_blocks(numel: int) -> int:
     return max(1, math.ceil(numel / BLOCK))
 
 
-def create_moment(
-    state: dict[str, Any], p: Tensor, key: str, state_dtype: torch.dtype, signed: bool
-) -> None:
+class Code(NamedTuple):
+    """How one moment is coded in int8 (Note [compact optimizer state])."""
+
+    #: int8 codes for a signed value, uint8 for a non-negative one.
+    signed: bool
+    #: The codes hold the square root of the value: what the update divides by.
+    root: bool
+
+
+#: The int8 coding of each moment of the Adam family, by state key.
+CODES = {
+    "exp_avg": Code(signed=True, root=False),
+    "exp_avg_sq": Code(signed=False, root=True),
+    "max_exp_avg_sq": Code(signed=False, root=True),
+    "exp_inf": Code(signed=False, root=False),
+}
+
+
+def create_moment(state: dict[str, Any], p: Tensor, key: str, state_dtype: torch.dtype) -> None:
     """Zero state ``key`` of ``p`` in ``state_dtype`` (int8: codes and ``key + "_scale"``)."""
     if state_dtype == torch.int8:
-        state[key] = zeros_like(p, dtype=torch.int8 if signed else torch.uint8)
+        state[key] = zeros_like(p, dtype=torch.int8 if CODES[key].signed else torch.uint8)
         state[key + "_scale"] = zeros_like(p, dtype=torch.float32, shape=(num_blocks(p.numel()),))
     else:
         state[key] = zeros_like(p, dtype=moment_dtype(p, state_dtype))
@@ -154,14 +206,18 @@ class Moment:
 
     ``read(start, end)`` returns a float32 tensor of ``padded(end - start)`` values
     (whole blocks for int8, zeros past ``end``): a view of fp32 state itself (written
-    in place), or a decoded copy that ``write`` encodes back.
+    in place), or a decoded copy that ``write`` encodes back. How int8 codes map to
+    values is ``CODES[key]``.
     """
 
-    def __init__(self, state: dict[str, Any], key: str, signed: bool) -> None:
+    def __init__(self, state: dict[str, Any], key: str) -> None:
         self.codes: Tensor = state[key].view(-1)
         self.scale: Tensor | None = state.get(key + "_scale")
-        self.signed = signed
-        self.q = _SIGNED_Q if signed else _UNSIGNED_Q
+        code = CODES[key]
+        self.signed = code.signed
+        self.q = _SIGNED_Q if code.signed else _UNSIGNED_Q
+        #: int8 codes of the square root: :meth:`write` takes the root, not the value.
+        self.stores_root = self.scale is not None and code.root
 
     @property
     def in_place(self) -> bool:
@@ -176,18 +232,20 @@ class Moment:
         out[: end - start].copy_(codes)
         rows = out.view(blocks, BLOCK)
         scale = self.scale[start // BLOCK : start // BLOCK + blocks]
-        # value = scale * (q / Q)**2, with q's sign for exp_avg; exp_avg_sq stores
-        # the square root of its value.
+        # value = scale * (q / Q)**2, with q's sign for a signed moment; a root
+        # moment's codes hold the square root of its value.
         factor = scale.mul(1.0 / (self.q * self.q)).unsqueeze(1)
         if self.signed:
             rows.mul_(rows.abs()).mul_(factor)
         else:
-            rows.square_().mul_(factor).square_()
+            rows.square_().mul_(factor)
+            if self.stores_root:
+                rows.square_()
         return out
 
     def write(self, values: Tensor, start: int, end: int) -> None:
-        """Store ``values`` (from :meth:`read`, updated; int8 ``exp_avg_sq`` takes its
-        square root, which :func:`adam_step` computes for the denominator anyway)."""
+        """Store ``values`` (from :meth:`read`, updated; where :attr:`stores_root`, their
+        square root, which the update computes for its denominator anyway)."""
         if self.in_place:
             return
         codes = self.codes[start:end]
@@ -212,10 +270,6 @@ class Moment:
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _chunks(numel: int) -> range:
-    return range(0, numel, CHUNK)
 
 
 # ------------------------------------------------------------------ parameters
@@ -253,66 +307,182 @@ class Master:
             self.comp[start:end].copy_(x.sub_(target))
 
 
+def chunks(
+    p: Tensor, grad: Tensor, state: dict[str, Any], *keys: str
+) -> Iterator[tuple[Tensor, Tensor, list[Tensor]]]:
+    """The chunks of one parameter's update: ``(x, g, moments)``, all float32.
+
+    ``x`` is ``p`` (plus its Kahan compensation) and ``moments`` the decoded state
+    ``keys``, each to be updated in place: after the caller's loop body they are
+    written back (encoded, rounded), then ``x``. ``g`` has ``n = g.numel()`` values
+    and may be the gradient itself, so it is never written; a moment has
+    ``padded(n)`` values (int8: whole blocks), of which ``[:n]`` are the chunk's.
+    """
+    master = Master(p, state)
+    moments = [Moment(state, key) for key in keys]
+    g_flat = grad.reshape(-1)
+    for start in range(0, p.numel(), CHUNK):
+        end = min(start + CHUNK, p.numel())
+        x = master.read(start, end)
+        values = [moment.read(start, end) for moment in moments]
+        yield x, g_flat[start:end].to(torch.float32), values
+        for moment, value in zip(moments, values):
+            moment.write(value, start, end)
+        master.write(x, start, end)
+
+
+# ------------------------------------------------------------------ the updates
+#
+# One function per update, each in the order of torch's single-tensor code on the
+# decoded float32 values (Note [compact optimizer state]); the optimizers compute
+# their per-step scalars (bias corrections, schedules) and call these per parameter.
+
+
+class StepScalars(NamedTuple):
+    """The scalars of one parameter's step that every update of the Adam family takes."""
+
+    step: float
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+
+
+def _decay(x: Tensor, g: Tensor, lr: float, weight_decay: float, decoupled: bool) -> Tensor:
+    """Weight decay on ``x`` (decoupled) or as the L2 term of a new gradient."""
+    if weight_decay == 0:
+        return g
+    if decoupled:
+        x.mul_(1 - lr * weight_decay)
+        return g
+    return g.add(x, alpha=weight_decay)
+
+
+def _adam_moments(
+    g: Tensor, m: Tensor, v: Tensor, v_state: Moment, beta1: float, beta2: float
+) -> Tensor | None:
+    """Adam's two moments of one chunk, in place. Where ``v_state`` stores its root
+    (int8), ``v`` becomes ``sqrt(v)`` here and ``v[:n]``, returned, must stay so (a
+    new tensor for a denominator); otherwise None."""
+    n = g.numel()
+    m[:n].lerp_(g, 1 - beta1)
+    v[:n].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    if not v_state.stores_root:
+        return None
+    return v.sqrt_()[:n]
+
+
 def adam_step(
     p: Tensor,
     grad: Tensor,
     state: dict[str, Any],
+    h: StepScalars,
     *,
-    step: float,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
     decoupled: bool,
     correct_bias: bool,
     amsgrad: bool,
 ) -> None:
-    """One Adam/AdamW step of ``p`` in float32 on decoded state (Note [compact optimizer
-    state]), in the order of torch's single-tensor Adam."""
-    master = Master(p, state)
-    exp_avg = Moment(state, "exp_avg", signed=True)
-    exp_avg_sq = Moment(state, "exp_avg_sq", signed=False)
-    max_sq = Moment(state, "max_exp_avg_sq", signed=False) if amsgrad else None
-    g_flat = grad.reshape(-1)
+    """One Adam/AdamW step of ``p`` in float32 on decoded state."""
+    step, lr, beta1, beta2, eps, weight_decay = h
+    keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
+    v_state = Moment(state, "exp_avg_sq")
     if correct_bias:
         step_size = lr / (1 - beta1**step)
         bias_correction2_sqrt = (1 - beta2**step) ** 0.5
     else:
         step_size, bias_correction2_sqrt = lr, 1.0
-    for start in _chunks(p.numel()):
-        end = min(start + CHUNK, p.numel())
-        n = end - start
-        g = g_flat[start:end].to(torch.float32)  # never written: may be the gradient itself
-        x = master.read(start, end)
-        if weight_decay != 0:
-            if decoupled:
-                x.mul_(1 - lr * weight_decay)
-            else:
-                g = g.add(x, alpha=weight_decay)
-        m = exp_avg.read(start, end)
-        v = exp_avg_sq.read(start, end)
-        m[:n].lerp_(g, 1 - beta1)
-        v[:n].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        if exp_avg_sq.scale is not None:
-            v.sqrt_()  # int8 stores sqrt(v), which the denominator needs too
-            root = v[:n]
-        elif max_sq is not None:
-            top = max_sq.read(start, end)
-            torch.maximum(top, v, out=top)
-            max_sq.write(top, start, end)
-            root = top.sqrt()
-        else:
+    for x, g, (m, v, *top) in chunks(p, grad, state, *keys):
+        n = g.numel()
+        g = _decay(x, g, lr, weight_decay, decoupled)
+        root = _adam_moments(g, m, v, v_state, beta1, beta2)
+        if top:  # amsgrad (float32 or bfloat16 state)
+            torch.maximum(top[0], v, out=top[0])
+            root = top[0][:n].sqrt()
+        elif root is None:
             root = v[:n].sqrt()
         if correct_bias:
             denom = root.div(bias_correction2_sqrt)
         else:  # a view of v (int8) must stay sqrt(v) for its encoding
-            denom = root.clone() if exp_avg_sq.scale is not None else root
+            denom = root.clone() if v_state.stores_root else root
         denom.add_(eps)
         x.addcdiv_(m[:n], denom, value=-step_size)
-        exp_avg.write(m, start, end)
-        exp_avg_sq.write(v, start, end)
-        master.write(x, start, end)
+
+
+def nadam_step(
+    p: Tensor,
+    grad: Tensor,
+    state: dict[str, Any],
+    h: StepScalars,
+    *,
+    decoupled: bool,
+    grad_coef: float,
+    avg_coef: float,
+) -> None:
+    """One NAdam step of ``p`` in float32 on decoded state: the Nesterov step's
+    gradient and momentum terms with the optimizer's coefficients."""
+    step, lr, beta1, beta2, eps, weight_decay = h
+    v_state = Moment(state, "exp_avg_sq")
+    bias_correction2 = 1 - beta2**step
+    for x, g, (m, v) in chunks(p, grad, state, "exp_avg", "exp_avg_sq"):
+        n = g.numel()
+        g = _decay(x, g, lr, weight_decay, decoupled)
+        root = _adam_moments(g, m, v, v_state, beta1, beta2)
+        if root is None:
+            denom = v[:n].div(bias_correction2).sqrt_()
+        else:
+            denom = root.div(bias_correction2**0.5)
+        denom.add_(eps)
+        x.addcdiv_(g, denom, value=grad_coef)
+        x.addcdiv_(m[:n], denom, value=avg_coef)
+
+
+def radam_step(
+    p: Tensor,
+    grad: Tensor,
+    state: dict[str, Any],
+    h: StepScalars,
+    *,
+    decoupled: bool,
+    rect: float | None,
+) -> None:
+    """One RAdam step of ``p`` in float32 on decoded state: rectified by ``rect``, or
+    plain momentum SGD where the rectification is undefined (None)."""
+    step, lr, beta1, beta2, eps, weight_decay = h
+    v_state = Moment(state, "exp_avg_sq")
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    for x, g, (m, v) in chunks(p, grad, state, "exp_avg", "exp_avg_sq"):
+        n = g.numel()
+        g = _decay(x, g, lr, weight_decay, decoupled)
+        root = _adam_moments(g, m, v, v_state, beta1, beta2)
+        update = m[:n].div(bias_correction1).mul_(lr)
+        if rect is not None:
+            # adaptive lr = sqrt(1 - beta2^t) / (sqrt(v) + eps), reciprocal-then-multiply
+            # as torch's `scalar / tensor`.
+            adaptive = root.add(eps) if root is not None else v[:n].sqrt().add_(eps)
+            adaptive.reciprocal_().mul_(bias_correction2**0.5)
+            update.mul_(adaptive).mul_(rect)
+        x.add_(update, alpha=-1.0)
+
+
+def adamax_step(
+    p: Tensor,
+    grad: Tensor,
+    state: dict[str, Any],
+    h: StepScalars,
+) -> None:
+    """One Adamax step of ``p`` in float32 on decoded state (``exp_inf``'s int8 codes:
+    Note [compact optimizer state])."""
+    step, lr, beta1, beta2, eps, weight_decay = h
+    step_size = lr / (1 - beta1**step)
+    for x, g, (m, u) in chunks(p, grad, state, "exp_avg", "exp_inf"):
+        n = g.numel()
+        g = _decay(x, g, lr, weight_decay, decoupled=False)
+        m[:n].lerp_(g, 1 - beta1)
+        # u = max(beta2 u, |g| + eps)
+        torch.maximum(u[:n].mul_(beta2), g.abs().add_(eps), out=u[:n])
+        x.addcdiv_(m[:n], u[:n], value=-step_size)
 
 
 def sgd_step(
@@ -329,19 +499,15 @@ def sgd_step(
 ) -> None:
     """One SGD step of a low-precision ``p`` in float32 with Kahan compensation (Note
     [Kahan summation]); the momentum buffer keeps ``p``'s dtype, as in torch."""
-    master = Master(p, state)
     buf_flat = state["momentum_buffer"].view(-1) if momentum != 0 else None
-    g_flat = grad.reshape(-1)
-    for start in _chunks(p.numel()):
-        end = min(start + CHUNK, p.numel())
-        g = g_flat[start:end].to(torch.float32)
-        x = master.read(start, end)
-        if weight_decay != 0:
-            g = g.add(x, alpha=weight_decay)
+    start = 0
+    for x, g, _ in chunks(p, grad, state):
+        end = start + g.numel()
+        g = _decay(x, g, lr, weight_decay, decoupled=False)
         if buf_flat is not None:
             buf = buf_flat[start:end]
             b = g.clone() if first else buf.float().mul_(momentum).add_(g, alpha=1 - dampening)
             buf.copy_(b)
             g = g.add(b, alpha=momentum) if nesterov else b
         x.add_(g, alpha=-lr)
-        master.write(x, start, end)
+        start = end

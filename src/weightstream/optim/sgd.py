@@ -16,7 +16,7 @@ from weightstream.optim._common import (
     state_list,
     zeros_like,
 )
-from weightstream.optim.compact import LOW_PRECISION, kahan_applies, sgd_step
+from weightstream.optim.compact import LOW_PRECISION, check_kahan, kahan_applies, sgd_step
 from weightstream.optim.optimizer import Optimizer, ParamsT
 
 __all__ = ["ASGD", "SGD"]
@@ -49,11 +49,7 @@ class SGD(_ZeroStateOptimizer):
         kahan_summation: bool = True,
     ) -> None:
         name = type(self).__name__
-        if not isinstance(kahan_summation, bool):
-            raise TypeError(
-                f"{name}: kahan_summation must be True or False, got {kahan_summation!r}."
-            )
-        self.kahan_summation = kahan_summation
+        self.kahan_summation = check_kahan(name, kahan_summation)
         check_non_negative(name, lr=lr, momentum=momentum)
         check_number(name, "dampening", dampening)
         check_non_negative(name, weight_decay=weight_decay)
