@@ -60,9 +60,10 @@ class OptimizerParams:
     momentum: float | None = setting(None, ge=0, doc="SGD's (and RMSprop's) momentum.")
     state_dtype: Literal["float32", "bfloat16", "int8"] | None = setting(
         None,
-        doc="Adam and AdamW: the dtype of the two moments. float32 (8 bytes a parameter), "
-        "bfloat16 (4), int8 (2, with one float32 scale per block of 256: Note [compact "
-        "optimizer state] in optim/compact.py); null: float32.",
+        doc="The Adam family (Adam, AdamW, NAdam, RAdam, Adamax): the dtype of the two "
+        "moments. float32 (8 bytes a parameter), bfloat16 (4), int8 (2, with one float32 "
+        "scale per block of 256: Note [compact optimizer state] in optim/compact.py); "
+        "null: float32.",
     )
     max_gradient_norm: float | None = setting(
         None, ge=0, doc="Clip the gradients' global norm to this (excludes max_gradient_value)."
