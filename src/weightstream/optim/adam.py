@@ -131,6 +131,7 @@ class _AdamFamily(_ZeroStateOptimizer):
         return [{"decoupled": group["decoupled_weight_decay"]}] * len(params)
 
     def _foreach_update(self, group, params, grads) -> None:
+        """torch's arithmetic over the group's float32 parameters with float32 state."""
         raise NotImplementedError
 
 
