@@ -31,10 +31,18 @@ def _model(master_dtype: torch.dtype) -> torch.nn.Module:
     return zoo.gpt_tied().to(master_dtype)
 
 
-def _optimizer(model, state_dtype, **kw):
-    return cstorch.optim.AdamW(
-        model.parameters(), lr=1e-2, weight_decay=0.1, state_dtype=state_dtype, **kw
-    )
+# Each optimizer with options that reach its weight decay (L2 or decoupled).
+FAMILY = {
+    "AdamW": dict(lr=1e-2, weight_decay=0.1),
+    "NAdam": dict(lr=1e-2, weight_decay=0.1),
+    "RAdam": dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
+    "Adamax": dict(lr=1e-2, weight_decay=0.1),
+}
+
+
+def _optimizer(model, state_dtype, name="AdamW", **kw):
+    options = {**FAMILY[name], **kw}
+    return getattr(cstorch.optim, name)(model.parameters(), state_dtype=state_dtype, **options)
 
 
 def _train(runner, opt, steps, first=0):
@@ -245,6 +253,184 @@ def test_configure_optimizer_takes_state_dtype_by_name():
     w = torch.nn.Parameter(torch.zeros(4))
     opt = cstorch.optim.configure_optimizer("AdamW", [w], learning_rate=1e-3, state_dtype="int8")
     assert opt.state_dtype == torch.int8 and opt.state[w]["exp_avg"].dtype == torch.int8
+
+
+# ------------------------------------------------------------------ NAdam, RAdam, Adamax
+
+OTHERS = ["NAdam", "RAdam", "Adamax"]  # STEPS = 6 reaches RAdam's rectified branch
+
+
+def _run_small(make, init, grads):
+    params = [p.clone().requires_grad_(True) for p in init]
+    opt = make(params)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    return [p.detach() for p in params], opt
+
+
+def _small_problem(steps=20):
+    """Parameters over a chunk's blocks (a partial last block) and random gradients,
+    some exactly zero (Adamax's max, int8's zero codes)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7,), (17, 33), (3, BLOCK + 5)]
+    init = [torch.randn(s, generator=g) for s in shapes]
+    grads = [
+        [torch.randn(s, generator=g) * (torch.rand(s, generator=g) > 0.1) for s in shapes]
+        for _ in range(steps)
+    ]
+    return init, grads
+
+
+@pytest.mark.parametrize("name", ["Adam", *OTHERS])
+@pytest.mark.parametrize("kernel", [False, True], ids=["foreach", "kernel"])
+def test_float32_state_matches_torch_optim_bitwise(monkeypatch, name, kernel):
+    """state_dtype=float32 on float32 parameters is torch.optim's update bit for bit;
+    so is the float32 chunk kernel that compact state and bf16 parameters take
+    (forced here onto float32 state): its arithmetic is torch's, in torch's order."""
+    import weightstream.optim.adam as adam_module
+
+    if kernel:
+        monkeypatch.setattr(adam_module, "is_compact", lambda p, state: True)
+    options = dict(FAMILY.get(name, FAMILY["AdamW"]), eps=1e-6)
+    init, grads = _small_problem()
+    ours, opt = _run_small(
+        lambda ps: getattr(cstorch.optim, name)(ps, state_dtype="float32", **options),
+        init,
+        grads,
+    )
+    theirs, _ = _run_small(
+        lambda ps: getattr(torch.optim, name)(ps, foreach=False, **options), init, grads
+    )
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+    assert all(v.dtype == torch.float32 for st in opt.state.values() for v in st.values())
+
+
+@pytest.mark.parametrize("name", OTHERS)
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
+def test_compact_state_tracks_float32_state(name, state_dtype):
+    """Compact state changes the update by its rounding only: after 20 steps the
+    parameters are where float32 state takes them, to a few percent of how far they
+    moved."""
+    init, grads = _small_problem()
+    runs = {
+        sd: _run_small(
+            lambda ps, sd=sd: getattr(cstorch.optim, name)(ps, state_dtype=sd, **FAMILY[name]),
+            init,
+            grads,
+        )[0]
+        for sd in ("float32", state_dtype)
+    }
+    for w0, want, got in zip(init, runs["float32"], runs[state_dtype]):
+        moved = (want - w0).abs().max()
+        assert moved > 0.05
+        assert (got - want).abs().max() < 0.05 * moved
+
+
+OTHERS_GRID = [
+    # (master dtype, state_dtype)
+    (torch.float32, "bfloat16"),
+    (torch.float32, "int8"),
+    (torch.bfloat16, "float32"),  # bf16 masters + Kahan
+    (torch.bfloat16, "int8"),
+]
+
+
+@pytest.mark.parametrize("name", OTHERS)
+@pytest.mark.parametrize("master_dtype, state_dtype", OTHERS_GRID)
+def test_family_streamed_training_matches_eager_bitwise(name, master_dtype, state_dtype):
+    ref = _model(master_dtype)
+    ref_opt = _optimizer(ref, state_dtype, name)
+    ref_losses = _train(ref, ref_opt, STEPS)
+
+    model = _model(master_dtype)
+    runner = cstorch.compile(model, backend="wse_ws", device="cpu", granularity="module")
+    opt = _optimizer(model, state_dtype, name)
+    assert torch.equal(_train(runner, opt, STEPS), ref_losses)
+    _assert_same(model, opt, ref, ref_opt)
+    state = opt.state[next(model.parameters())]
+    assert ("kahan_comp" in state) == (master_dtype == torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", OTHERS)
+def test_family_checkpoint_round_trip_and_exact_resume(tmp_path, name):
+    """bf16 masters with int8 state: codes, scales, the Kahan buffer and NAdam's
+    mu_product all round-trip; N steps, save, M more == load and M."""
+    model = _model(torch.bfloat16)
+    runner = cstorch.compile(model, backend="ws", granularity="module")
+    opt = _optimizer(model, "int8", name)
+    _train(runner, opt, 3)
+    path = tmp_path / "ckpt.mdl"
+    cstorch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    straight = _train(runner, opt, 3, first=3)
+
+    resumed = _model(torch.bfloat16)
+    runner2 = cstorch.compile(resumed, backend="ws", granularity="module")
+    opt2 = _optimizer(resumed, "int8", name)
+    saved = cstorch.load(path)
+    resumed.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["optimizer"])
+    assert torch.equal(_train(runner2, opt2, 3, first=3), straight)
+    _assert_same(model, opt, resumed, opt2)
+
+
+@pytest.mark.parametrize(
+    "name, moments",
+    [
+        ("NAdam", {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}),
+        ("RAdam", {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}),
+        ("Adamax", {"exp_avg": torch.int8, "exp_inf": torch.uint8}),
+    ],
+)
+def test_family_state_layout_and_bytes(name, moments):
+    w = torch.nn.Parameter(torch.zeros(1000, 3))
+    blocks = -(-3000 // BLOCK)
+    state = getattr(cstorch.optim, name)([w], state_dtype=torch.int8).state[w]
+    for key, dtype in moments.items():
+        assert state[key].dtype == dtype and state[key].shape == w.shape, key
+        scale = state[key + "_scale"]
+        assert scale.dtype == torch.float32 and scale.shape == (blocks,), key
+    moment_bytes = sum(state[k].nbytes + state[k + "_scale"].nbytes for k in moments)
+    assert moment_bytes == 2 * w.numel() + 2 * 4 * blocks
+    assert "kahan_comp" not in state
+
+    bf16 = torch.nn.Parameter(torch.zeros(1000, 3, dtype=torch.bfloat16))
+    state = getattr(cstorch.optim, name)([bf16], state_dtype="bfloat16").state[bf16]
+    assert all(state[k].dtype == torch.bfloat16 and state[k].shape == bf16.shape for k in moments)
+    assert not any(k.endswith("_scale") for k in state)
+    assert state["kahan_comp"].dtype == torch.bfloat16
+    state = getattr(cstorch.optim, name)([bf16], kahan_summation=False).state[bf16]
+    assert all(state[k].dtype == torch.float32 for k in moments) and "kahan_comp" not in state
+
+
+@pytest.mark.parametrize("name", OTHERS)
+def test_family_bad_state_format_is_refused_with_fix(name):
+    w = torch.nn.Parameter(torch.zeros(4))
+    cls = getattr(cstorch.optim, name)
+    with pytest.raises(ValueError, match=rf"{name}: state_dtype 'int4'.*float32, bfloat16, int8"):
+        cls([w], state_dtype="int4")
+    with pytest.raises(TypeError, match=f"{name}: state_dtype must be a torch dtype"):
+        cls([w], state_dtype=8)
+    with pytest.raises(TypeError, match=f"{name}: kahan_summation must be True or False"):
+        cls([w], kahan_summation="yes")
+    float32_state = cls([w]).state_dict()
+    with pytest.raises(ValueError, match="_scale"):
+        cls([w], state_dtype="int8").load_state_dict(float32_state)
+
+
+@pytest.mark.parametrize("name", OTHERS)
+def test_params_file_state_dtype_reaches_the_family(name):
+    from weightstream.optim.params import OptimizerParams
+
+    section = OptimizerParams.from_dict(
+        {"optimizer_type": name, "learning_rate": 1e-3, "state_dtype": "bfloat16"}
+    )
+    w = torch.nn.Parameter(torch.zeros(4))
+    opt = cstorch.optim.configure_optimizer(name, [w], **section.optimizer_kwargs())
+    assert type(opt).__name__ == name and opt.state_dtype == torch.bfloat16
+    assert opt.state[w]["exp_avg"].dtype == torch.bfloat16
 
 
 # ------------------------------------------------------------------ the run command
