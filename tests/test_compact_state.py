@@ -13,6 +13,7 @@ import models as zoo
 import pytest
 import torch
 import torch.nn.functional as F
+from test_optim import run as _run_small  # one optimizer over copies of the params
 
 import weightstream as cstorch
 from weightstream.optim.compact import BLOCK, Moment
@@ -258,16 +259,6 @@ def test_configure_optimizer_takes_state_dtype_by_name():
 # ------------------------------------------------------------------ NAdam, RAdam, Adamax
 
 OTHERS = ["NAdam", "RAdam", "Adamax"]  # STEPS = 6 reaches RAdam's rectified branch
-
-
-def _run_small(make, init, grads):
-    params = [p.clone().requires_grad_(True) for p in init]
-    opt = make(params)
-    for step_grads in grads:
-        for p, g in zip(params, step_grads):
-            p.grad = g.clone()
-        opt.step()
-    return [p.detach() for p in params], opt
 
 
 def _small_problem(steps=20):
