@@ -427,41 +427,22 @@ def test_params_file_state_dtype_reaches_the_family(name):
 # ------------------------------------------------------------------ the run command
 
 
-def _run_params(tmp_path, **runconfig):
-    import params_files as pf
-
-    section = pf.text_input(4, 32)
-    return pf.write(
-        tmp_path / "params.yaml",
-        pf.params(
-            train_input={**section, "shuffle_seed": 3},
-            eval_input=section,
-            model=pf.gpt2(2, 32, 32),
-            optimizer=pf.adamw(3e-3, weight_decay=0.01, state_dtype="int8"),
-            runconfig={
-                "max_steps": 6,
-                "checkpoint_steps": 3,
-                "log_steps": 2,
-                "seed": 7,
-                "master_dtype": "bfloat16",
-                **runconfig,
-            },
-        ),
-    )
-
-
 def test_run_with_bf16_masters_and_int8_state_resumes_exactly_and_exports_bf16(tmp_path):
     pytest.importorskip("tensorboard")
+    import params_files as pf
+    from test_run_command import _params
+
     from weightstream import checkpoint as ckpt
     from weightstream.cli.main import main
 
-    params = _run_params(tmp_path)
+    int8 = pf.adamw(3e-3, weight_decay=0.01, state_dtype="int8")
+    params = _params(tmp_path, optimizer=int8, master_dtype="bfloat16")
     whole, split = tmp_path / "whole", tmp_path / "split"
     assert main(["run", "CPU", "-p", str(params), "-o", str(whole)]) == 0
-    assert main(["run", "CPU", "-p", str(params), "-o", str(split), "--max_steps", "3"]) == 0
-    assert main(["run", "CPU", "-p", str(params), "-o", str(split)]) == 0  # resumes at 3
-    a = ckpt.load(whole / "checkpoint_6.mdl", map_location="cpu")
-    b = ckpt.load(split / "checkpoint_6.mdl", map_location="cpu")
+    assert main(["run", "CPU", "-p", str(params), "-o", str(split), "--max_steps", "4"]) == 0
+    assert main(["run", "CPU", "-p", str(params), "-o", str(split)]) == 0  # resumes at 4
+    a = ckpt.load(whole / "checkpoint_8.mdl", map_location="cpu")
+    b = ckpt.load(split / "checkpoint_8.mdl", map_location="cpu")
     for key, value in a["model"].items():
         assert torch.equal(value, b["model"][key]), key
     weights = [v for k, v in a["model"].items() if k.endswith("weight")]

@@ -17,7 +17,7 @@ from weightstream.cli.main import main
 pytest.importorskip("tensorboard")
 
 
-def _params(tmp_path: Path, **runconfig) -> Path:
+def _params(tmp_path: Path, optimizer: dict | None = None, **runconfig) -> Path:
     section = pf.text_input(4, 32)
     return pf.write(
         tmp_path / "params.yaml",
@@ -25,9 +25,8 @@ def _params(tmp_path: Path, **runconfig) -> Path:
             train_input={**section, "shuffle_seed": 3},
             eval_input=section,
             model=pf.gpt2(2, 32, 32),
-            optimizer=pf.adamw(
-                pf.warmup_cosine(3e-3, 4, 100), weight_decay=0.01, max_gradient_norm=1.0
-            ),
+            optimizer=optimizer
+            or pf.adamw(pf.warmup_cosine(3e-3, 4, 100), weight_decay=0.01, max_gradient_norm=1.0),
             runconfig={
                 "max_steps": 8,
                 "checkpoint_steps": 4,
