@@ -165,9 +165,8 @@ class _Counter(TorchDispatchMode):
         if not (func.is_view or func._schema.is_mutable):  # a new tensor
             stats[3] += fresh_bytes(out)
         if flops or nbytes >= KERNEL_BYTES:
-            k = self.kernels.setdefault(
-                *(lambda k: (k.key, k))(Kernel.of(func, args, kwargs, flops))
-            )
+            k = Kernel.of(func, args, kwargs, flops)
+            k = self.kernels.setdefault(k.key, k)
             stats[4].append((k.key, flops, nbytes))
         else:
             stats[2] += nbytes

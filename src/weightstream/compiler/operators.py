@@ -126,8 +126,8 @@ class Kernel:
     kwargs: dict
     flops: int = 0  # not part of the key
 
-    @property
-    def key(self) -> str:
+    @functools.cached_property
+    def key(self) -> str:  # a repr of every argument: made once
         return f"{self.fn}{(self.args, self.kwargs)!r}"
 
     @property
