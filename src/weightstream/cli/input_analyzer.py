@@ -205,7 +205,7 @@ def _analyze(args) -> int:
     )
     print(
         f"estimated consumption: {consumption:.1f} samples/sec "
-        f"(step {1e3 * (est.step_s - est.input_s):.2f} ms without input, bound by {est.bound})"
+        f"(step {1e3 * (est.step_s - est.settings.input_s):.2f} ms without input, bound by {est.bound})"
     )
     print(
         f"train_input: {section['data_processor']}, num_workers {section.get('num_workers', 0)} "

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from weightstream.compiler.cost import unit_costs
+from weightstream.compiler.cost import StepCosts, unit_costs
 from weightstream.compiler.estimate import (
     CLIP_BYTES,
     DEFAULT_UPDATE_BYTES,
@@ -64,15 +64,11 @@ def update_bytes(params) -> int:
     name = opt.optimizer_type.lower()
     if name == "sgd" and opt.optimizer_kwargs().get("momentum"):
         name = "sgd_momentum"
-    clip = (
-        CLIP_BYTES if opt.max_gradient_norm is not None or opt.max_gradient_value is not None else 0
-    )
-    state = opt.state_dtype or "float32"
+    clipped = opt.max_gradient_norm is not None or opt.max_gradient_value is not None
+    clip, state = CLIP_BYTES if clipped else 0, opt.state_dtype or "float32"
     if name in ("adam", "adamw") and (state, master) != ("float32", "float32"):
-        p = getattr(torch, master).itemsize
-        moment = getattr(torch, state).itemsize
-        kahan = 2 * p if p < 4 else 0
-        return 3 * p + 2 * 2 * moment + kahan + clip
+        p, moment = getattr(torch, master).itemsize, getattr(torch, state).itemsize
+        return 3 * p + 2 * 2 * moment + (2 * p if p < 4 else 0) + clip
     return UPDATE_BYTES.get(name, DEFAULT_UPDATE_BYTES) + clip
 
 
@@ -82,9 +78,7 @@ def settings_of(run) -> dict:
     return {
         "execution_mode": rc.execution_mode,
         "device": str(run.device),
-        "prefetch_depth": s.prefetch_depth,
-        "unit_size_target": s.unit_size_target,
-        "granularity": s.granularity,
+        **{k: getattr(s, k) for k in ("prefetch_depth", "unit_size_target", "granularity")},
         "unit_modules": list(s.unit_modules or ()),
         "activation_checkpointing": s.activation_checkpointing,
         "compute_dtype": run._compute_dtype() or "float32",
@@ -128,15 +122,23 @@ def input_seconds_per_batch(section: dict, quick: bool = False) -> float:
     ).seconds_per_batch
 
 
-def estimate_for(model, plan: Plan, args: tuple, *, task, probe: Probe, settings, kwargs=None):
-    """Cost ``model`` on ``plan`` for ``args`` and ``kwargs``, time the kernels the
-    probe has not met, and estimate: what a run reports. ``task`` picks the loss
-    (None: the sum of the outputs)."""
+def estimate_for(
+    params, model, plan: Plan, args: tuple, kwargs: dict, device, *, batch_size: int,
+    input_s: float = 0.0, recompute: tuple[int, ...] = (), store=None,
+) -> tuple[StepCosts, Estimate, Probe]:  # fmt: skip
+    """Cost ``model`` on ``plan`` for one batch of a params file's run, time the kernels
+    the probe has not met, and estimate: what a run reports (``recompute``: the units
+    activation checkpointing runs again; ``store``: the running engine's)."""
+    rc, task = params.runconfig, params.model.spec.task
+    ws = rc.execution_mode == "weight_streaming"
+    placement = _disk_placement(rc.streaming, ws, model, plan, torch.device(device), store)
+    probe = load_or_measure(device, quick=quick_profile(), disk_dir=_disk_dir(rc, placement))
+    es = estimate_settings(params, batch_size, input_s, recompute, placement)
     loss_fn = task_loss_fn(task, args) if task is not None else None
-    mixed = None if settings.compute_dtype == "float32" else getattr(torch, settings.compute_dtype)
-    costs = unit_costs(model, plan, args, kwargs or {}, loss_fn, probe.device, mixed)
+    mixed = None if es.compute_dtype == "float32" else getattr(torch, es.compute_dtype)
+    costs = unit_costs(model, plan, args, kwargs, loss_fn, probe.device, mixed)
     time_kernels(probe, costs.kernels)
-    return costs, estimate(costs, probe, settings)
+    return costs, estimate(costs, probe, es), probe
 
 
 def estimate_from_params(
@@ -164,18 +166,14 @@ def estimate_from_params(
         model = params.model.build()
     kwargs = model_kwargs(task, batch, attention_of(model))
     rc = params.runconfig
-    ws = rc.execution_mode == "weight_streaming"
     plan = build_plan(model, StreamingConfig(granularity="module"))
-    if ws:
+    if rc.execution_mode == "weight_streaming":
         try:
             plan = build_plan(model, rc.streaming, trace_forward(model, args, kwargs))
         except Exception:  # as the engine: a structural plan when the trace fails
             plan = build_plan(model, rc.streaming)
-    placement = _disk_placement(rc.streaming, ws, model, plan, torch.device(device))
-    probe = load_or_measure(device, quick=quick_profile(), disk_dir=_disk_dir(rc, placement))
-    settings = estimate_settings(params, batch_size_of(batch), input_s, placement=placement)
-    _, est = estimate_for(
-        model, plan, args, task=task, probe=probe, settings=settings, kwargs=kwargs
+    _, est, probe = estimate_for(
+        params, model, plan, args, kwargs, device, batch_size=batch_size_of(batch), input_s=input_s
     )
     return est, probe
 
@@ -228,18 +226,13 @@ def run(run, compiled, args: tuple, batch_size: int, kwargs: dict | None = None)
         log.info("Validation passed: the model traces and every unit fits the device budget.")
         return {"est_samples_per_sec": None, "cache_hit": False}
     plan = compiled.plan or build_plan(model, StreamingConfig(granularity="module"))
-    quick = quick_profile()
-    store = compiled.engine.store if compiled.engine is not None else None
-    placement = _disk_placement(rc.streaming, run.ws, model, compiled.plan, run.device, store)
-    probe = load_or_measure(run.device, quick=quick, disk_dir=_disk_dir(rc, placement))
-    input_s = input_seconds_per_batch(run.params.train_input.to_dict(), quick)
-    settings_e = estimate_settings(
-        run.params, batch_size, input_s, recomputed(compiled, plan), placement
-    )
+    input_s = input_seconds_per_batch(run.params.train_input.to_dict(), quick_profile())
     try:
-        costs, est = estimate_for(
-            model, plan, args, task=run.task, probe=probe, settings=settings_e, kwargs=kwargs
-        )
+        costs, est, probe = estimate_for(
+            run.params, model, plan, args, kwargs, run.device, batch_size=batch_size,
+            input_s=input_s, recompute=recomputed(compiled, plan),
+            store=compiled.engine.store if compiled.engine is not None else None,
+        )  # fmt: skip
     except (RuntimeError, NotImplementedError, TypeError) as exc:
         # A forward with data-dependent Python on tensor values cannot run on fakes.
         warnings.warn(

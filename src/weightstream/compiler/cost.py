@@ -5,12 +5,12 @@ over meta storages that claim the run's device, so that the device's own kernels
 are chosen, CPU flash attention rather than its math decomposition, and autocast
 applies; no data is copied), and the shadow runs one forward and one backward of
 a scalar loss on fake inputs of the real batch shape, under the RNG fork.
-``_Counter`` (a TorchDispatchMode, with ``FlopCounterMode`` counting the FLOPs
-of matmul-like operators) sees every aten operator: it counts them, adds the
-bytes each moves (Note [operator bytes] in operators.py), keeps the large ones
-as kernels for the probe to time (Note [timed kernels]) and adds the new outputs
-that take fresh pages (Note [fresh pages]). A saved-tensors hook sees every
-tensor autograd keeps: the activation bytes (not weights or buffers; each
+``_Counter`` (a TorchDispatchMode) sees every aten operator: it counts it, its
+FLOPs (``FlopCounterMode``'s formulas, for matmul-like operators and attention)
+and the bytes it moves (Note [operator bytes] in operators.py), keeps the large
+ones as kernels for the probe to time (Note [timed kernels]) and adds the new
+outputs that take fresh pages (Note [fresh pages]). A saved-tensors hook sees
+every tensor autograd keeps: the activation bytes (not weights or buffers; each
 storage once). Module hooks on the units open and close their windows.
 
 Note [attributing FLOPs]
@@ -18,25 +18,27 @@ Note [attributing FLOPs]
 Forward: work goes to the innermost unit whose forward window is open (a unit
 that encloses others gets only what runs outside its children's windows); with
 no window open, to the "outside units" entry (the loss, root-level operators).
-Backward: every autograd node created while a window was open is tagged with
-that unit (a TorchFunctionMode walks the new part of the graph after each torch
-call), and a pre-hook / post-hook pair on the node gives the unit the work done
-while it runs. The FLOP counter is read at each switch, so the entries sum to
-``FlopCounterMode``'s total (whose own module tracking misattributes backward
-FLOPs around identity modules such as ``Dropout(0.0)``). If the backward cannot
-run on fakes, it counts as twice the forward per entry (exact for products whose
-inputs all need gradients) and ``StepCosts.backward_measured`` is False.
+Backward: autograd numbers its nodes in the order they are made, so the
+sequence number at each window switch of the forward says which unit made a
+node, and the node running an operator in the backward
+(``torch._C._current_autograd_node``) says whose backward it is. Gradient
+accumulation into the leaves goes to the outside entry. (``FlopCounterMode``'s
+own module tracking misattributes backward FLOPs around identity modules such
+as ``Dropout(0.0)``.) If the backward cannot run on fakes, it counts as twice
+the forward per entry (exact for products whose inputs all need gradients) and
+``StepCosts.backward_measured`` is False.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch._C._autograd import _get_sequence_nr
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
@@ -129,30 +131,39 @@ def default_loss(output) -> torch.Tensor | None:
 
 
 class _Counter(TorchDispatchMode):
-    """Credits every operator to the entry and pass that own it now (see the module
-    docstring); reads the FLOP counter at every switch."""
+    """Credits every operator to the entry and pass that own it (Note [attributing FLOPs])."""
 
-    def __init__(self, flops: FlopCounterMode, n_units: int):
+    def __init__(self, n_units: int):
         super().__init__()
-        self.counter = flops
-        entries = range(n_units + 1)  # index n_units: outside
+        flops = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
+        self.formulas, self.outside, self.backward = flops.flop_registry, n_units, False
+        self.stack: list[int] = []  # open unit windows, innermost last
+        self.marks, self.owners = [-1], [n_units]  # sequence numbers at the switches, their unit
         # per pass and entry: FLOPs, operators, bytes, fresh bytes, kernels
-        self.stats = {p: [[0, 0, 0, 0, []] for _ in entries] for p in ("fwd", "bwd")}
+        self.stats = {p: [[0, 0, 0, 0, []] for _ in range(n_units + 1)] for p in ("fwd", "bwd")}
         self.kernels: dict[str, Kernel] = {}
-        self.outside = self.current = n_units
-        self.phase, self._seen = "fwd", 0
 
-    def switch(self, phase: str, entry: int) -> None:
-        total = self.counter.get_total_flops()
-        self.stats[self.phase][self.current][0] += total - self._seen
-        self._seen, self.phase, self.current = total, phase, entry
+    def open_unit(self) -> int:
+        return self.stack[-1] if self.stack else self.outside
+
+    def switch(self) -> None:
+        self.marks.append(_get_sequence_nr())
+        self.owners.append(self.open_unit())
+
+    def _owner(self) -> tuple[str, int]:
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return ("bwd", self.outside) if self.backward else ("fwd", self.open_unit())
+        if type(node).__name__ == "AccumulateGrad":
+            return "bwd", self.outside
+        return "bwd", self.owners[bisect.bisect_right(self.marks, node._sequence_nr()) - 1]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func in QUERIES:
             return out
-        formula = self.counter.flop_registry.get(func._overloadpacket)
+        formula = self.formulas.get(func._overloadpacket)
         flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
         if func is torch.ops.aten.embedding.default:
             nbytes = tensor_bytes(args[1]) + 2 * tensor_bytes(out)
@@ -160,7 +171,9 @@ class _Counter(TorchDispatchMode):
             nbytes = 0
         else:
             nbytes = tensor_bytes((args, kwargs)) + tensor_bytes(out)
-        stats = self.stats[self.phase][self.current]
+        phase, entry = self._owner()
+        stats = self.stats[phase][entry]
+        stats[0] += flops
         stats[1] += 1
         if not (func.is_view or func._schema.is_mutable):  # a new tensor
             stats[3] += fresh_bytes(out)
@@ -170,30 +183,6 @@ class _Counter(TorchDispatchMode):
             stats[4].append((k.key, flops, nbytes))
         else:
             stats[2] += nbytes
-        return out
-
-
-class _NodeTagger(TorchFunctionMode):
-    """Tags the autograd nodes each torch call creates with the open unit (Note
-    [attributing FLOPs])."""
-
-    def __init__(self, current_unit: Callable[[], int], on_new_node: Callable):
-        super().__init__()
-        self._current_unit, self._on_new_node = current_unit, on_new_node
-        self.tagged: set = set()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        todo = [t.grad_fn for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        entry = self._current_unit()
-        while todo:
-            node = todo.pop()
-            if node is None or node in self.tagged:
-                continue
-            self.tagged.add(node)
-            if type(node).__name__ != "AccumulateGrad":  # a leaf: no compute of its own
-                self._on_new_node(node, entry)
-            todo.extend(n for n, _ in node.next_functions)
         return out
 
 
@@ -221,25 +210,20 @@ def unit_costs(
     shadow_of = {id(r): s for r, s in zip(model.modules(), shadow.modules())}
     for m in shadow.modules():
         clear_hooks(m)  # the user's hooks (and a streamer's) must not run in a dry run
-    flops = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
-    c = _Counter(flops, n)
-    stack: list[int] = []  # open unit windows, innermost last
+    c = _Counter(n)
     activation = [0] * (n + 1)
     saved: dict[int, torch.Tensor] = {}  # keeps the storages alive: ids stay unique
 
-    def open_unit() -> int:
-        return stack[-1] if stack else n
-
     def pre(index: int):
         def hook(_mod, _args) -> None:  # returns None: the arguments stay
-            c.switch("fwd", index)
-            stack.append(index)
+            c.stack.append(index)
+            c.switch()
 
         return hook
 
     def post(_mod, _args, _out):
-        stack.pop()
-        c.switch("fwd", open_unit())
+        c.stack.pop()
+        c.switch()
 
     handles = []
     for u in plan.units:
@@ -247,56 +231,42 @@ def unit_costs(
         handles.append(mod.register_forward_pre_hook(pre(u.index)))
         handles.append(mod.register_forward_hook(post, always_call=True))
 
-    def on_new_node(node, entry: int) -> None:
-        node.register_prehook(lambda _grad_outputs: c.switch("bwd", entry))
-        node.register_hook(lambda _grad_inputs, _grad_outputs: c.switch("bwd", c.outside))
-
     def pack(t: torch.Tensor):
         key = t.untyped_storage()._cdata
         if key not in resident and key not in saved:
             saved[key] = t
-            activation[open_unit()] += t.untyped_storage().nbytes()
+            activation[c.open_unit()] += t.untyped_storage().nbytes()
         return t
 
     def to_fake(x):
-        return (
-            fake_like(x, fake, device).requires_grad_(x.requires_grad)
-            if isinstance(x, torch.Tensor)
-            else x
-        )
+        if not isinstance(x, torch.Tensor):
+            return x
+        return fake_like(x, fake, device).requires_grad_(x.requires_grad)
 
     args, kwargs = pytree.tree_map(to_fake, (tuple(example_args), example_kwargs or {}))
-    batch = [
-        (list(t.shape), str(t.dtype))
-        for t in pytree.tree_leaves((args, kwargs))
-        if isinstance(t, torch.Tensor)
-    ]
+    batch = [(list(t.shape), str(t.dtype)) for t in pytree.tree_leaves((args, kwargs))
+             if isinstance(t, torch.Tensor)]  # fmt: skip
     mixed = torch.autocast(device.type, autocast) if autocast else contextlib.nullcontext()
     devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
     error = None
     try:
-        with torch.random.fork_rng(devices=devices), fake, flops, c:
-            hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-            with torch.enable_grad(), _NodeTagger(open_unit, on_new_node), hooks:
+        with torch.random.fork_rng(devices=devices), fake, c, torch.enable_grad():
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 with mixed:
                     out = shadow(*args, **kwargs)
                 loss = (loss_fn or default_loss)(out)
-            c.switch("bwd", c.outside)
+            c.backward = True
             if loss is not None:
                 try:
                     loss.backward()
                 except Exception as exc:  # an operator without a fake backward
                     error = f"{type(exc).__name__}: {exc}"
-            c.switch("bwd", c.outside)
     finally:
         for h in handles:
             h.remove()
     fwd, bwd = c.stats["fwd"], c.stats["bwd"]
     if error is not None:  # twice the forward (see the Note)
-        bwd = [
-            [2 * s[0], 2 * s[1], 2 * s[2], 2 * s[3], [(k, 2 * f, 2 * b) for k, f, b in s[4]]]
-            for s in fwd
-        ]
+        bwd = [[*(2 * x for x in s[:4]), [(k, 2 * f, 2 * b) for k, f, b in s[4]]] for s in fwd]
 
     def fields(i: int) -> dict:
         (ff, fo, fb, fr, fk), (bf, bo, bb, br, bk) = fwd[i], bwd[i]
@@ -324,18 +294,3 @@ def unit_costs(
         )
     outside = UnitCost(-1, OUTSIDE_NAME, **fields(n))
     return StepCosts(units, outside, error is None, error, batch, c.kernels)
-
-
-class _Function(torch.nn.Module):
-    def __init__(self, fn: Callable):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
-
-
-def function_costs(fn: Callable, example_args: tuple) -> UnitCost:
-    """The costs of one forward and backward of ``fn(*example_args)``, as one entry
-    (the probe counts the operators it times with this)."""
-    return unit_costs(_Function(fn), Plan([], traced=True), example_args).outside

@@ -34,7 +34,7 @@ training process itself makes the batches.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
@@ -79,21 +79,14 @@ class EstimateSettings:
         self.recompute = tuple(sorted(self.recompute))
         for name in ("compute_dtype", "transfer_dtype"):
             value = getattr(self, name)
-            if value is None:
-                continue
-            value = str(value).removeprefix("torch.")
-            setattr(self, name, value)
-            if not isinstance(getattr(torch, value, None), torch.dtype):
+            value = value if value is None else str(value).removeprefix("torch.")
+            if value is not None and not isinstance(getattr(torch, value, None), torch.dtype):
                 raise ValueError(
-                    f"{name} must name a torch dtype (e.g. 'bfloat16'), got {value!r}."
+                    f"{name} must name a torch dtype (e.g. 'bfloat16'), not {value!r}."
                 )
+            setattr(self, name, value)
         if not isinstance(self.batch_size, int) or self.batch_size <= 0:
             raise ValueError(f"batch_size must be a positive int, got {self.batch_size!r}.")
-        if not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 0:
-            raise ValueError(f"prefetch_depth must be an int >= 0, got {self.prefetch_depth!r}.")
-        for name in ("update_bytes", "input_s", "disk_read_bytes", "disk_write_bytes"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}.")
 
 
 @dataclass
@@ -102,29 +95,17 @@ class UnitEstimate:
 
     index: int
     name: str
-    fwd_compute_s: float = 0.0
-    bwd_compute_s: float = 0.0
-    fwd_memory_s: float = 0.0
-    bwd_memory_s: float = 0.0
-    fwd_overhead_s: float = 0.0
-    bwd_overhead_s: float = 0.0
-    stream_s: float = 0.0  # its parameter tensors' fixed costs
+    compute_s: float = 0.0  # kernels with FLOPs
+    memory_s: float = 0.0  # the other kernels, the small operators' bytes, fresh pages
+    overhead_s: float = 0.0  # operators and parameter tensors at their fixed costs
     update_s: float = 0.0
-    transfer_s: float = 0.0  # link: 2 fetches + gradients back
+    link_s: float = 0.0  # 2 fetches + gradients back
     disk_s: float = 0.0
     time_s: float = 0.0  # its share of the step
     bound: str = "compute"  # the term that sets time_s
 
-    @property
-    def terms(self) -> dict[str, float]:
-        return {
-            "compute": self.fwd_compute_s + self.bwd_compute_s,
-            "memory": self.fwd_memory_s + self.bwd_memory_s,
-            "overhead": self.fwd_overhead_s + self.bwd_overhead_s + self.stream_s,
-            "update": self.update_s,
-            "link": self.transfer_s,
-            "disk": self.disk_s,
-        }
+    def term(self, name: str) -> float:
+        return getattr(self, f"{name}_s")
 
 
 @dataclass
@@ -133,33 +114,25 @@ class Estimate:
     units: list[UnitEstimate]
     outside: UnitEstimate
     step_s: float
-    est_samples_per_sec: float
     bound: str  # the largest term of the step (TERMS or input)
-    compute_s: float
-    memory_s: float
-    overhead_s: float  # operators, parameter tensors and the probe's step_s
-    update_s: float
-    transfer_s: float
-    disk_s: float
-    input_s: float
-    total_flops: int
-    ops: int
-    op_bytes: int
+    terms: dict[str, float]  # seconds a step per term of TERMS and "input"
     link_bytes: int  # 2 x weights fetched + gradients back
     host_bytes: int  # the update's traffic
     limit_s: float  # the physical limit of one step: max over the resources
     limit_bound: str
-    limit_samples_per_sec: float
     timed_kernels: str  # "timed / all" kernels priced by the probe's timings
     notes: list[str] = field(default_factory=list)
+
+    est_samples_per_sec = property(lambda self: self.settings.batch_size / self.step_s)
 
     @property
     def model_samples_per_sec(self) -> float:
         """What the model consumes when the input costs the training process nothing."""
-        return self.settings.batch_size / (self.step_s - self.input_s)
+        return self.settings.batch_size / (self.step_s - self.settings.input_s)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    @property
+    def limit_samples_per_sec(self) -> float:
+        return self.settings.batch_size / self.limit_s if self.limit_s > 0 else float("inf")
 
 
 def _link_bytes(u: UnitCost, transfer_dtype: str | None) -> int:
@@ -169,47 +142,38 @@ def _link_bytes(u: UnitCost, transfer_dtype: str | None) -> int:
     return (2 * u.numel + u.trainable_numel) * getattr(torch, transfer_dtype).itemsize
 
 
-def _pass(kernels, nbytes: int, ops: int, peak: float, probe: Probe) -> tuple[float, float, float]:
-    """(compute, memory, overhead) seconds of one pass of one entry."""
+def _work(e: UnitCost, probe: Probe, peak: float, recomputed: bool) -> UnitEstimate:
+    """An entry's compute, memory and operator overhead; the caller adds the rest."""
+    again = int(recomputed)  # activation checkpointing: the forward again in the backward
     bw = probe.memory_bandwidth
-    compute, memory = 0.0, nbytes / bw
-    for key, flops, b in kernels:
+    memory = (e.fwd_bytes * (1 + again) + e.bwd_bytes) / bw
+    if probe.fresh_bandwidth:
+        memory += e.fresh_bytes / probe.fresh_bandwidth
+    compute = 0.0
+    for key, flops, nbytes in e.fwd_kernels * (1 + again) + e.bwd_kernels:
         s = probe.kernel_s.get(key)
-        s = max(flops / peak, b / bw) if s is None else s
-        if flops:
-            compute += s
-        else:
-            memory += s
-    return compute, memory, ops * probe.op_s
-
-
-def _entry(e: UnitCost, probe: Probe, settings: EstimateSettings, recomputed: bool) -> UnitEstimate:
-    """An entry's work terms; link, disk and update are the caller's."""
-    peak = probe.peak_flops(settings.compute_dtype)
-    fresh = e.fresh_bytes / probe.fresh_bandwidth if probe.fresh_bandwidth else 0.0
-    fc, fm, fo = _pass(e.fwd_kernels, e.fwd_bytes, e.fwd_ops, peak, probe)
-    bc, bm, bo = _pass(e.bwd_kernels, e.bwd_bytes, e.bwd_ops, peak, probe)
-    if recomputed:  # activation checkpointing: the forward again in the backward
-        bc, bm, bo = bc + fc, bm + fm, bo + fo
-    return UnitEstimate(e.index, e.name, fc, bc, fm + fresh, bm, fo, bo)
+        s = max(flops / peak, nbytes / bw) if s is None else s
+        compute, memory = (compute + s, memory) if flops else (compute, memory + s)
+    overhead = (e.fwd_ops * (1 + again) + e.bwd_ops) * probe.op_s
+    return UnitEstimate(e.index, e.name, compute, memory, overhead)
 
 
 def _close(u: UnitEstimate, on_cpu: bool, overlap: bool) -> None:
     """Set ``u.time_s`` and ``u.bound`` from its terms (Note [the roofline])."""
-    t = u.terms
-    data = t["compute"] + t["memory"]
-    work = (data + t["overhead"] if on_cpu else max(data, t["overhead"])) + t["update"]
-    u.time_s = max(work, t["link"], t["disk"]) if overlap else work + t["link"] + t["disk"]
+    data = u.compute_s + u.memory_s
+    work = (data + u.overhead_s if on_cpu else max(data, u.overhead_s)) + u.update_s
+    u.time_s = max(work, u.link_s, u.disk_s) if overlap else work + u.link_s + u.disk_s
     if overlap and u.time_s > work:
-        u.bound = "link" if t["link"] >= t["disk"] else "disk"
+        u.bound = "link" if u.link_s >= u.disk_s else "disk"
     else:
-        u.bound = max(TERMS[:4], key=t.__getitem__)
+        u.bound = max(TERMS[:4], key=u.term)
 
 
 def estimate(costs: StepCosts, probe: Probe, settings: EstimateSettings) -> Estimate:
     """Estimate one step of ``costs`` on ``probe``'s machine (Note [the roofline])."""
     ws, on_cpu = settings.weight_streaming, probe.device_type == "cpu"
     host_bw = probe.host_memory_bandwidth if ws else probe.memory_bandwidth
+    peak, overlap = probe.peak_flops(settings.compute_dtype), settings.prefetch_depth >= 1
     disk_s, notes = 0.0, []
     if settings.disk_read_bytes + settings.disk_write_bytes:
         rates = probe.disk.get(str(settings.disk_dir))
@@ -224,31 +188,30 @@ def estimate(costs: StepCosts, probe: Probe, settings: EstimateSettings) -> Esti
     link_bytes = host_bytes = 0
     units = []
     for u in costs.units:
-        e = _entry(u, probe, settings, u.index in settings.recompute)
-        e.stream_s = u.trainable_tensors * probe.tensor_s
+        e = _work(u, probe, peak, u.index in settings.recompute)
+        e.overhead_s += u.trainable_tensors * probe.tensor_s
         host_bytes += u.trainable_numel * settings.update_bytes
         e.update_s = u.trainable_numel * settings.update_bytes / host_bw
         if ws:
             nbytes = _link_bytes(u, settings.transfer_dtype)
             link_bytes += nbytes
-            e.transfer_s = (
+            e.link_s = (
                 2 * nbytes / probe.memory_bandwidth if on_cpu else nbytes / probe.link_bandwidth
             )
         e.disk_s = disk_s * u.trainable_numel / trainable
-        _close(e, on_cpu, settings.prefetch_depth >= 1)
+        _close(e, on_cpu, overlap)
         units.append(e)
-    outside = _entry(costs.outside, probe, settings, False)
-    _close(outside, on_cpu, settings.prefetch_depth >= 1)
+    outside = _work(costs.outside, probe, peak, False)
+    _close(outside, on_cpu, overlap)
     step = sum(e.time_s for e in units) + outside.time_s + probe.step_s + settings.input_s
     if step <= 0:
         raise ValueError(
             "the step has no cost (no FLOPs, no bytes, no operators): nothing to estimate. "
             "Check that the model has parameters and the example batch reaches them."
         )
-    totals = {k: sum(e.terms[k] for e in (*units, outside)) for k in TERMS}
-    totals["overhead"] += probe.step_s
-    totals["input"] = settings.input_s
-    peak = probe.peak_flops(settings.compute_dtype)
+    terms = {k: sum(e.term(k) for e in (*units, outside)) for k in TERMS}
+    terms["overhead"] += probe.step_s
+    terms["input"] = settings.input_s
     if on_cpu:  # one memory for everything: a copy of n bytes reads n and writes n
         limits = {"host memory": (2 * link_bytes + host_bytes + costs.op_bytes) / host_bw}
     else:
@@ -261,28 +224,6 @@ def estimate(costs: StepCosts, probe: Probe, settings: EstimateSettings) -> Esti
     if probe.quick:
         notes.append("the probe was measured with tiny sizes (quick=True)")
     timed = sum(key in probe.kernel_s for key in costs.kernels)
-    return Estimate(
-        settings=settings,
-        units=units,
-        outside=outside,
-        step_s=step,
-        est_samples_per_sec=settings.batch_size / step,
-        bound=max(totals, key=totals.__getitem__),
-        compute_s=totals["compute"],
-        memory_s=totals["memory"],
-        overhead_s=totals["overhead"],
-        update_s=totals["update"],
-        transfer_s=totals["link"],
-        disk_s=totals["disk"],
-        input_s=settings.input_s,
-        total_flops=costs.flops,
-        ops=costs.ops,
-        op_bytes=costs.op_bytes,
-        link_bytes=link_bytes,
-        host_bytes=host_bytes,
-        limit_s=limit,
-        limit_bound=limit_bound,
-        limit_samples_per_sec=settings.batch_size / limit if limit > 0 else float("inf"),
-        timed_kernels=f"{timed} / {len(costs.kernels)}",
-        notes=notes,
-    )
+    bound = max(terms, key=terms.__getitem__)
+    return Estimate(settings, units, outside, step, bound, terms, link_bytes, host_bytes,
+                    limit, limit_bound, f"{timed} / {len(costs.kernels)}", notes)  # fmt: skip

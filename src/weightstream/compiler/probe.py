@@ -32,7 +32,7 @@ on tiny workloads whose data work is nil:
 
 * ``op_s``: a forward + backward of a chain of tiny blocks (LayerNorm, Linear,
   GELU, Linear, residual; 4 x 16 activations) over the operators
-  ``cost.function_costs`` counts on it;
+  ``cost.unit_costs`` counts on it;
 * ``tensor_s`` and ``step_s``: a tiny streamed training step (AdamW, loss read
   back) of the chain with 8 blocks and with 2, less their operators at ``op_s``:
   the difference per parameter tensor is ``tensor_s``, what is left of the
@@ -209,18 +209,21 @@ def _fixed_costs(device: torch.device, sizes: _Sizes) -> dict[str, float]:
     """op_s, tensor_s, step_s (Note [fixed costs])."""
     from weightstream.amp.step_helper import apply_gradients
     from weightstream.backend import compile as ws_compile
-    from weightstream.compiler.cost import function_costs
+    from weightstream.compiler.cost import unit_costs
     from weightstream.optim import AdamW
+    from weightstream.runtime.partition import Plan
 
     x = torch.randn(4, 16, device=device)
     eager = nn.Sequential(*[_TinyBlock() for _ in range(8)]).to(device)
-    op_s = (
-        _seconds(lambda: eager(x).sum().backward(), sizes.run_s) / function_costs(eager, (x,)).ops
-    )
+
+    def ops(model: nn.Module) -> int:
+        return unit_costs(model, Plan([], traced=True), (x,)).ops
+
+    op_s = _seconds(lambda: eager(x).sum().backward(), sizes.run_s) / ops(eager)
 
     def step_seconds(blocks: int) -> tuple[float, int]:
         model = nn.Sequential(*[_TinyBlock() for _ in range(blocks)])
-        ops = function_costs(model, (x,)).ops
+        n_ops = ops(model)
         # This rank's own speed, also under data parallel: the probe never joins the ranks.
         compiled = ws_compile(
             model, "wse_ws", device=device, unit_classes=[_TinyBlock], data_parallel=False
@@ -233,7 +236,7 @@ def _fixed_costs(device: torch.device, sizes: _Sizes) -> dict[str, float]:
             opt.zero_grad(set_to_none=True)
 
         try:
-            return _seconds(step, sizes.run_s) - ops * op_s, len(list(model.parameters()))
+            return _seconds(step, sizes.run_s) - n_ops * op_s, len(list(model.parameters()))
         finally:
             compiled.engine.close()
 

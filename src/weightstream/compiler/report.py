@@ -21,79 +21,65 @@ import torch
 from weightstream.common.files import write_text_atomic
 from weightstream.common.units import format_bytes
 from weightstream.compiler.cost import StepCosts
-from weightstream.compiler.estimate import Estimate
+from weightstream.compiler.estimate import TERMS, Estimate
 from weightstream.compiler.probe import Probe
 from weightstream.runtime.partition import Plan
 
-SCHEMA = 4  # 4: timed kernels and fresh pages
+SCHEMA = 5  # 5: one term per resource, fwd and bwd together
 PLAN_FILE = "plan.json"
 REPORT_FILE = "compile_report.txt"
 _REQUIRED = ("schema", "checksum", "settings", "units", "totals", "estimate", "est_samples_per_sec")
-_COST_KEYS = (
-    "fwd_flops",
-    "bwd_flops",
-    "activation_bytes",
-    "fwd_ops",
-    "bwd_ops",
-    "op_bytes",
-    "fresh_bytes",
-)
+_RATES = (("memory", "memory_bandwidth"), ("host memory", "host_memory_bandwidth"))
+_RATES += (("link", "link_bandwidth"), ("fresh pages", "fresh_bandwidth"))
+_COST_KEYS = ("fwd_flops", "bwd_flops", "activation_bytes", "ops", "op_bytes", "fresh_bytes")
 
 
-def _canonical(x):
-    """A JSON-able, repr-free form of ``x`` (no object addresses: the digest must be stable)."""
+def _plain(x):
+    """``json.dumps``' fallback: a stable form without object addresses (a tensor as its
+    ``(shape, dtype)`` pair)."""
     if isinstance(x, torch.Tensor):
-        return {"shape": list(x.shape), "dtype": str(x.dtype)}
+        return [list(x.shape), x.dtype]
     if isinstance(x, (torch.dtype, torch.device)):
         return str(x)
-    if isinstance(x, torch.Size):
-        return list(x)
     if isinstance(x, type):
         return f"{x.__module__}.{x.__qualname__}"
     if isinstance(x, enum.Enum):
-        return _canonical(x.value)
+        return x.value
     if dataclasses.is_dataclass(x):
-        fields = {f.name: _canonical(getattr(x, f.name)) for f in dataclasses.fields(x)}
-        return {"__class__": _canonical(type(x)), **fields}
-    if isinstance(x, dict):
-        return {str(k): _canonical(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        if len(x) == 2 and isinstance(x[1], torch.dtype) and isinstance(x[0], (list, tuple)):
-            return {"shape": [int(d) for d in x[0]], "dtype": str(x[1])}  # as a tensor's
-        return [_canonical(v) for v in x]
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
+        fields = {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
+        return {"__class__": _plain(type(x)), **fields}
     raise TypeError(
         f"cannot include a {type(x).__name__} in the compile checksum; pass tensors, "
         "(shape, dtype) pairs, dtypes, classes, dataclasses or plain JSON values."
     )
 
 
+def _json(x, **kwargs) -> str:
+    return json.dumps(x, default=_plain, sort_keys=True, **kwargs)
+
+
 def _structure(model: torch.nn.Module) -> dict:
+    """Names, classes, shapes, dtypes, ``requires_grad`` and which module or parameter
+    is another's (shared modules, tied parameters) by the name it was first met at."""
+
     def first(seen: dict, obj, name: str):
         return None if seen.setdefault(id(obj), name) == name else seen[id(obj)]
 
     mods, params = {}, {}
-    modules = [
-        [name, _canonical(type(m)), first(mods, m, name)]
-        for name, m in model.named_modules(remove_duplicate=False)
-    ]
-    parameters = [
-        [name, list(p.shape), str(p.dtype), p.requires_grad, first(params, p, name)]
-        for name, p in model.named_parameters(remove_duplicate=False)
-    ]
-    buffers = [
-        [
-            f"{mname}.{bname}" if mname else bname,
-            list(b.shape),
-            str(b.dtype),
-            bname not in m._non_persistent_buffers_set,
-        ]
-        for mname, m in model.named_modules(remove_duplicate=False)
-        for bname, b in m._buffers.items()
-        if b is not None
-    ]
-    return {"modules": modules, "parameters": parameters, "buffers": buffers}
+    named = list(model.named_modules(remove_duplicate=False))
+    return {
+        "modules": [[n, type(m), first(mods, m, n)] for n, m in named],
+        "parameters": [
+            [n, p.shape, p.dtype, p.requires_grad, first(params, p, n)]
+            for n, p in model.named_parameters(remove_duplicate=False)
+        ],
+        "buffers": [
+            [f"{mn}.{bn}".lstrip("."), b.shape, b.dtype, bn not in m._non_persistent_buffers_set]
+            for mn, m in named
+            for bn, b in m._buffers.items()
+            if b is not None
+        ],
+    }
 
 
 def compile_checksum(model: torch.nn.Module, batch_shapes_and_dtypes, settings: dict) -> str:
@@ -102,8 +88,8 @@ def compile_checksum(model: torch.nn.Module, batch_shapes_and_dtypes, settings: 
     ``batch_shapes_and_dtypes``: tensors or ``(shape, dtype)`` pairs in any nesting;
     ``settings``: those that change the plan or the estimate.
     """
-    data = [SCHEMA, _structure(model), _canonical(batch_shapes_and_dtypes), _canonical(settings)]
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:20]
+    data = [SCHEMA, _structure(model), batch_shapes_and_dtypes, settings]
+    return hashlib.sha256(_json(data).encode()).hexdigest()[:20]
 
 
 def compile_dir_path(root: str | Path, checksum: str) -> Path:
@@ -112,8 +98,7 @@ def compile_dir_path(root: str | Path, checksum: str) -> Path:
 
 def _entry(cost, e) -> dict:
     """An entry's counted costs and its estimated seconds, term by term."""
-    terms = dataclasses.asdict(e)
-    terms = {f"est_{k}": v for k, v in terms.items() if k.endswith("_s") and k != "time_s"}
+    terms = {f"est_{k}_s": e.term(k) for k in TERMS}
     return {
         **{k: getattr(cost, k) for k in _COST_KEYS},
         **terms,
@@ -122,30 +107,28 @@ def _entry(cost, e) -> dict:
     }
 
 
-def _plan_dict(
-    checksum, plan: Plan, costs: StepCosts, est: Estimate, probe: Probe, settings
-) -> dict:
-    units = []
-    for spec, cost, e in zip(plan.units, costs.units, est.units, strict=True):
-        units.append(
-            {
-                "index": spec.index,
-                "name": spec.display_name,
-                "module_class": type(spec.module).__name__,
-                "params": cost.numel,
-                "trainable_params": cost.trainable_numel,
-                "weight_bytes": cost.weight_bytes,
-                "trainable_tensors": cost.trainable_tensors,
-                "pinned": spec.pinned,
-                **_entry(cost, e),
-            }
-        )
-    scalars = {k: v for k, v in dataclasses.asdict(est).items() if not isinstance(v, (dict, list))}
+def _plan_dict(checksum, plan: Plan, costs: StepCosts, est: Estimate, probe: Probe, settings):
+    units = [
+        {
+            "index": spec.index,
+            "name": spec.display_name,
+            "module_class": type(spec.module).__name__,
+            "params": cost.numel,
+            "trainable_params": cost.trainable_numel,
+            "weight_bytes": cost.weight_bytes,
+            "trainable_tensors": cost.trainable_tensors,
+            "pinned": spec.pinned,
+            **_entry(cost, e),
+        }
+        for spec, cost, e in zip(plan.units, costs.units, est.units, strict=True)
+    ]
+    totals = ("weight_bytes", "fwd_flops", "bwd_flops", "flops", "activation_bytes", "ops")
+    es = est.settings
     return {
         "schema": SCHEMA,
         "checksum": checksum,
-        "settings": _canonical(settings or {}),
-        "estimate_settings": dataclasses.asdict(est.settings),
+        "settings": json.loads(_json(settings or {})),
+        "estimate_settings": dataclasses.asdict(es),
         "traced": plan.traced,
         "trace_error": plan.trace_error,
         "batch": costs.batch,
@@ -154,16 +137,18 @@ def _plan_dict(
         "outside_units": _entry(costs.outside, est.outside),
         "totals": {
             "params": sum(u.numel for u in costs.units),
-            **{k: getattr(costs, k) for k in ("weight_bytes", "fwd_flops", "bwd_flops", "flops")},
-            **{k: getattr(costs, k) for k in ("activation_bytes", "ops", "op_bytes")},
+            **{k: getattr(costs, k) for k in (*totals, "op_bytes")},
             "largest_unit_bytes": plan.largest_unit_bytes,
             "pinned_bytes": plan.pinned_bytes,
-            "weight_bound_bytes": plan.weight_bound(est.settings.prefetch_depth),
+            "weight_bound_bytes": plan.weight_bound(es.prefetch_depth),
         },
         "estimate": {
-            **scalars,
-            "disk_bytes": est.settings.disk_read_bytes + est.settings.disk_write_bytes,
+            **{f"{k}_s": v for k, v in est.terms.items()},
+            **{k: getattr(est, k) for k in ("step_s", "bound", "link_bytes", "host_bytes")},
+            **{k: getattr(est, k) for k in ("limit_s", "limit_bound", "limit_samples_per_sec")},
+            "disk_bytes": es.disk_read_bytes + es.disk_write_bytes,
             "model_samples_per_sec": est.model_samples_per_sec,
+            "timed_kernels": est.timed_kernels,
             "notes": est.notes,
         },
         "est_samples_per_sec": est.est_samples_per_sec,
@@ -184,18 +169,11 @@ def _ms(seconds: float) -> str:
 
 def _row(u: dict) -> str:
     """The cost and estimate columns of one entry."""
-    terms = [
-        u["est_fwd_compute_s"] + u["est_bwd_compute_s"],
-        u["est_fwd_memory_s"] + u["est_bwd_memory_s"],
-        u["est_fwd_overhead_s"] + u["est_bwd_overhead_s"] + u["est_stream_s"],
-        *(u[f"est_{k}_s"] for k in ("update", "transfer", "disk")),
-        u["est_s"],
-    ]
+    times = [u[f"est_{k}_s"] for k in TERMS] + [u["est_s"]]
     return (
         f"{_si(u['fwd_flops']):>11} {_si(u['bwd_flops']):>11} "
-        f"{format_bytes(u['activation_bytes']):>11} {u['fwd_ops'] + u['bwd_ops']:>6} "
-        f"{format_bytes(u['op_bytes']):>11} "
-        + " ".join(f"{_ms(t):>9}" for t in terms)
+        f"{format_bytes(u['activation_bytes']):>11} {u['ops']:>6} {format_bytes(u['op_bytes']):>11} "
+        + " ".join(f"{_ms(t):>9}" for t in times)
         + f"  {u['bound']:<9}"
     )
 
@@ -203,10 +181,10 @@ def _row(u: dict) -> str:
 def _report_text(data: dict) -> str:
     est, es, m, t = data["estimate"], data["estimate_settings"], data["machine"], data["totals"]
     w = max([len("<outside units>")] + [len(u["name"]) for u in data["units"]])
-    head = (
-        f"{'#':>3}  {'unit':<{w}} {'params':>12} {'weights':>11} {'fwd FLOP':>11} {'bwd FLOP':>11} "
-        f"{'activations':>11} {'ops':>6} {'op bytes':>11} {'flop ms':>9} {'mem ms':>9} "
-        f"{'ovh ms':>9} {'upd ms':>9} {'link ms':>9} {'disk ms':>9} {'time ms':>9}  bound     pinned"
+    columns = ("fwd FLOP", "bwd FLOP", "activations", "ops", "op bytes", "flop ms", "mem ms")
+    columns += ("ovh ms", "upd ms", "link ms", "disk ms", "time ms")
+    head = f"{'#':>3}  {'unit':<{w}} {'params':>12} {'weights':>11} " + " ".join(
+        f"{c:>{6 if c == 'ops' else 9 if ' ms' in c else 11}}" for c in columns
     )
     lines = [
         f"weightstream compile report  ws_{data['checksum']}",
@@ -217,8 +195,8 @@ def _report_text(data: dict) -> str:
         f"plan: {len(data['units'])} streaming units"
         + ("" if data["traced"] else f" (structural, not traced: {data['trace_error']})"),
         "",
-        head,
-        "-" * len(head),
+        head + "  bound     pinned",
+        "-" * (len(head) + 18),
     ]
     for u in data["units"]:
         lines.append(
@@ -228,7 +206,7 @@ def _report_text(data: dict) -> str:
     lines.append(
         f"{'':>3}  {'<outside units>':<{w}} {'':>12} {'':>11} {_row(data['outside_units'])}"
     )
-    disk = f", disk {_ms(est['disk_s'])} ms" if est["disk_s"] else ""
+    terms = ", ".join(f"{k} {_ms(est[f'{k}_s'])} ms" for k in (*TERMS, "input") if est[f"{k}_s"])
     lines += [
         "",
         "summary",
@@ -242,10 +220,7 @@ def _report_text(data: dict) -> str:
         f"{format_bytes(t['pinned_bytes'])})",
         f"  operators per step    {t['ops']:,} (moving {format_bytes(t['op_bytes'])}; kernels "
         f"timed by the probe: {est['timed_kernels']})",
-        f"  step time             {_ms(est['step_s'])} ms (compute {_ms(est['compute_s'])} ms, "
-        f"memory {_ms(est['memory_s'])} ms, overhead {_ms(est['overhead_s'])} ms, "
-        f"update {_ms(est['update_s'])} ms, link {_ms(est['transfer_s'])} ms{disk}, "
-        f"input {_ms(est['input_s'])} ms)",
+        f"  step time             {_ms(est['step_s'])} ms ({terms})",
         "                        (per unit the larger of work, link and disk with prefetching: "
         "the terms can sum to more)",
         f"  est. samples/sec      {data['est_samples_per_sec']:.2f}  (bound by {est['bound']})",
@@ -258,10 +233,7 @@ def _report_text(data: dict) -> str:
         f"{m['num_threads']} threads, measured {m['measured_at']}",
         "  matmul peak  "
         + ", ".join(f"{k} {_si(v, 'FLOP/s')}" for k, v in sorted(m["matmul_flops"].items())),
-        f"  memory {_si(m['memory_bandwidth'], 'B/s')}, host memory "
-        f"{_si(m['host_memory_bandwidth'], 'B/s')}"
-        + (f", link {_si(m['link_bandwidth'], 'B/s')}" if m["link_bandwidth"] else "")
-        + (f", fresh pages {_si(m['fresh_bandwidth'], 'B/s')}" if m["fresh_bandwidth"] else ""),
+        "  " + ", ".join(f"{name} {_si(m[k], 'B/s')}" for name, k in _RATES if m[k]),
         f"  fixed costs: {m['op_s'] * 1e6:.1f} us per operator, {m['tensor_s'] * 1e6:.1f} us per "
         f"parameter tensor, {m['step_s'] * 1e6:.0f} us per step",
     ]
