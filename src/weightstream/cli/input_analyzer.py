@@ -7,8 +7,9 @@ workers"). Two numbers are compared:
 
 * the model's consumption: the samples/sec the compile phase estimates for the
   params file's model and training batch when the input costs the training
-  process nothing (``Estimate.model_samples_per_sec``; computed with the
-  compiler's functions on the meta device, without training);
+  process nothing (``model_samples_per_sec`` of its ``plan.json``: the run
+  command's own compile, with ``compile_only`` into a scratch directory, on the
+  meta device, without training);
 * the input pipeline's throughput: the samples/sec the ``train_input``
   pipeline (its data processor's torch DataLoader) delivers to the training
   process with 0, 1, ..., N worker processes (``num_workers``), measured over
@@ -187,25 +188,47 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _analyze(args) -> int:
-    import torch
+def model_estimate(params_path, target: str = "CPU") -> dict:
+    """The ``plan.json`` of the run command's compile of ``params_path`` (``compile_only``,
+    into a scratch directory): the estimate the run would report."""
+    import json
+    import tempfile
+    from pathlib import Path
 
     from weightstream.cli.params import load_params, parse_params
-    from weightstream.compiler.compile_phase import estimate_from_params
+    from weightstream.cli.run import Run
+
+    raw = load_params(params_path)
+    with tempfile.TemporaryDirectory(prefix="weightstream-input-analyzer-") as scratch:
+        rc = raw.setdefault("runconfig", {})
+        rc.update(model_dir=scratch, compile_dir=None, compile_only=True, validate_only=False)
+        Run(parse_params(raw, "train"), "train", target).execute()
+        plans = list(Path(scratch).glob("ws_*/plan.json"))
+        if not plans:
+            raise ValueError(
+                f"{params_path}: the compile phase made no estimate (its warning says why), "
+                "so there is no consumption to compare the input with."
+            )
+        return json.loads(plans[0].read_text())
+
+
+def _analyze(args) -> int:
+    from weightstream.cli.params import load_params, parse_params
 
     params = parse_params(load_params(args.params), "train")
     section = params.train_input.to_dict()
-    device = torch.device("cuda" if args.target == "GPU" else "cpu")
-    est, machine = estimate_from_params(params, device)
-    consumption = est.model_samples_per_sec
+    plan = model_estimate(args.params, args.target)
+    est, machine = plan["estimate"], plan["machine"]
+    consumption = est["model_samples_per_sec"]
     print(f"params: {args.params}")
     print(
         f"model: {params.model.name} ({params.runconfig.execution_mode}), batch size "
-        f"{est.settings.batch_size}, on {machine.device} ({machine.device_name})"
+        f"{plan['estimate_settings']['batch_size']}, on {machine['device']} "
+        f"({machine['device_name']})"
     )
     print(
-        f"estimated consumption: {consumption:.1f} samples/sec "
-        f"(step {1e3 * (est.step_s - est.settings.input_s):.2f} ms without input, bound by {est.bound})"
+        f"estimated consumption: {consumption:.1f} samples/sec (step "
+        f"{1e3 * (est['step_s'] - est['input_s']):.2f} ms without input, bound by {est['bound']})"
     )
     print(
         f"train_input: {section['data_processor']}, num_workers {section.get('num_workers', 0)} "

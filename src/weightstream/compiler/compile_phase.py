@@ -35,10 +35,7 @@ from weightstream.compiler.estimate import (
 )
 from weightstream.compiler.probe import Probe, load_or_measure, time_kernels
 from weightstream.compiler.report import compile_checksum, load_compile_dir, write_compile_dir
-from weightstream.models.tasks import attention_of, model_inputs, model_kwargs
-from weightstream.runtime import swarm
 from weightstream.runtime.config import StreamingConfig
-from weightstream.runtime.engine import predicted_placement
 from weightstream.runtime.partition import Plan, build_plan
 
 log = logging.getLogger("weightstream")
@@ -128,10 +125,10 @@ def estimate_for(
 ) -> tuple[StepCosts, Estimate, Probe]:  # fmt: skip
     """Cost ``model`` on ``plan`` for one batch of a params file's run, time the kernels
     the probe has not met, and estimate: what a run reports (``recompute``: the units
-    activation checkpointing runs again; ``store``: the running engine's)."""
+    activation checkpointing runs again; ``store``: the running engine's, whose disk
+    tier predicts its file traffic, a sharded store's for this rank's share)."""
     rc, task = params.runconfig, params.model.spec.task
-    ws = rc.execution_mode == "weight_streaming"
-    placement = _disk_placement(rc.streaming, ws, model, plan, torch.device(device), store)
+    placement = None if store is None else store.predicted_placement()
     probe = load_or_measure(device, quick=quick_profile(), disk_dir=_disk_dir(rc, placement))
     es = estimate_settings(params, batch_size, input_s, recompute, placement)
     loss_fn = task_loss_fn(task, args) if task is not None else None
@@ -139,43 +136,6 @@ def estimate_for(
     costs = unit_costs(model, plan, args, kwargs, loss_fn, probe.device, mixed)
     time_kernels(probe, costs.kernels)
     return costs, estimate(costs, probe, es), probe
-
-
-def estimate_from_params(
-    params, device: torch.device | str = "cpu", batch: dict | None = None, input_s: float = 0.0
-) -> tuple[Estimate, Probe]:
-    """The compile phase's estimate for a params file's model and training batch
-    (default: the first of its train_input), without a run (the input analyzer's).
-    The model is built on the meta device where it can be and planned as the run
-    plans it."""
-    from weightstream.data.streaming import batch_size_of
-    from weightstream.data.throughput import section_with_workers
-    from weightstream.runtime.trace import trace_forward
-
-    task = params.model.spec.task
-    if batch is None:
-        from weightstream.data.processors import get_data_processor
-
-        section = section_with_workers(params.train_input.to_dict(), 0)
-        batch = next(iter(get_data_processor(section["data_processor"])(section, True)))
-    args = model_inputs(task, batch)
-    try:
-        with torch.device("meta"):
-            model = params.model.build()
-    except Exception:  # an operator without a meta kernel in __init__: build it for real
-        model = params.model.build()
-    kwargs = model_kwargs(task, batch, attention_of(model))
-    rc = params.runconfig
-    plan = build_plan(model, StreamingConfig(granularity="module"))
-    if rc.execution_mode == "weight_streaming":
-        try:
-            plan = build_plan(model, rc.streaming, trace_forward(model, args, kwargs))
-        except Exception:  # as the engine: a structural plan when the trace fails
-            plan = build_plan(model, rc.streaming)
-    _, est, probe = estimate_for(
-        params, model, plan, args, kwargs, device, batch_size=batch_size_of(batch), input_s=input_s
-    )
-    return est, probe
 
 
 def _disk_dir(rc, placement) -> str | None:
@@ -250,17 +210,3 @@ def run(run, compiled, args: tuple, batch_size: int, kwargs: dict | None = None)
         est.bound,
     )
     return {"est_samples_per_sec": est.est_samples_per_sec, "cache_hit": False}
-
-
-def _disk_placement(streaming, ws: bool, model, plan, device, store=None):
-    """Where the run's disk store places this rank's state: a running store's own
-    prediction (a sharded store's share), else as a store would place it unless the
-    store may be sharded over ranks. None for a store in RAM, or where not known."""
-    if not ws or streaming.store != "disk" or plan is None:
-        return None
-    predicted = None if store is None else store.predicted_placement()
-    if predicted is not None:
-        return predicted
-    if swarm.world_size() > 1 and streaming.store_sharding != "replicated":
-        return None
-    return predicted_placement(model, plan, streaming, device)

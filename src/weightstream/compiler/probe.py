@@ -1,24 +1,11 @@
 """The probe: this machine's rates, the denominators of the roofline (``estimate.py``).
 
-Measured once per machine and torch version and cached as JSON under
-``$WEIGHTSTREAM_CACHE_DIR`` (default ``~/.cache/weightstream``), in a file named
-by a hash of the device, its name, the torch version and the thread count. Each
-figure is the median of ``torch.utils.benchmark.Timer.blocked_autorange``:
-
-* ``matmul_flops``: FLOP/s of a large square product, per dtype the device runs;
-* ``memory_bandwidth``: bytes read + written per second by an elementwise add
-  on the compute device; ``host_memory_bandwidth`` the same on
-  the host (on the CPU the same figure);
-* ``link_bandwidth``: a pinned host -> device copy (None on the CPU);
-* ``fresh_bandwidth``: on the CPU, bytes per second of a new mapping of 4 KiB
-  pages written once and unmapped (faults, zeroing, the write; Note [fresh pages]
-  in operators.py);
-* ``kernel_s``: seconds of each kernel a run has met (Note [timed kernels] in
-  operators.py), timed when a compile first meets it (``time_kernels``);
-* ``disk``: write (with ``fsync``) and read (page cache dropped) bandwidths of a
-  directory, measured when a run first keeps a disk store there;
-* ``op_s``, ``tensor_s``, ``step_s``: fixed costs (Note [fixed costs]).
-
+Measured once per machine and torch version, each figure the median of
+``torch.utils.benchmark``'s ``blocked_autorange``, and cached as JSON under
+``$WEIGHTSTREAM_CACHE_DIR`` (default ``~/.cache/weightstream``) in a file named
+by a hash of the device, its name, the torch version and the thread count. A
+compile adds the seconds of the kernels it meets (``time_kernels``, Note [timed
+kernels] in operators.py) and a disk store the bandwidths of its directory.
 Nothing is measured again when the library changes and nothing watches other
 processes: a probe measured on a busy machine stays until its file is deleted.
 
@@ -64,7 +51,6 @@ log = logging.getLogger("weightstream")
 
 ENV_CACHE_DIR = "WEIGHTSTREAM_CACHE_DIR"
 SCHEMA = 2  # 2: kernel_s, fresh_bandwidth
-_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -75,16 +61,18 @@ class Probe:
     device_name: str
     torch_version: str
     num_threads: int
-    matmul_flops: dict[str, float]  # dtype name -> FLOP/s
-    memory_bandwidth: float  # bytes read + written per second
-    host_memory_bandwidth: float
-    link_bandwidth: float | None  # host -> device bytes per second; None on the CPU
-    fresh_bandwidth: float | None = None  # first touch of fresh pages; None off the CPU
-    op_s: float = 0.0
+    matmul_flops: dict[str, float]  # dtype name -> FLOP/s of a large square product
+    memory_bandwidth: float  # bytes read + written per second by an add on the device
+    host_memory_bandwidth: float  # the same on the host
+    link_bandwidth: float | None  # a pinned host -> device copy; None on the CPU
+    # the CPU's new 4 KiB pages written once (Note [fresh pages] in operators.py)
+    fresh_bandwidth: float | None = None
+    op_s: float = 0.0  # Note [fixed costs]
     tensor_s: float = 0.0
     step_s: float = 0.0
     kernel_s: dict[str, float] = field(default_factory=dict)  # kernel key -> seconds
-    disk: dict[str, dict[str, float]] = field(default_factory=dict)  # dir -> read, write B/s
+    # directory -> bytes per second of a write with fsync and a cold read
+    disk: dict[str, dict[str, float]] = field(default_factory=dict)
     quick: bool = False  # tiny sizes (tests): not representative
     measured_at: str = ""
     schema: int = SCHEMA
@@ -104,15 +92,6 @@ class Probe:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> Probe:
-        if data.get("schema") != SCHEMA:
-            raise ValueError(f"probe schema {data.get('schema')!r}, expected {SCHEMA}")
-        probe = cls(**data)
-        if not probe.matmul_flops or probe.memory_bandwidth <= 0:
-            raise ValueError("the probe is incomplete")
-        return probe
 
 
 @dataclass(frozen=True)
@@ -150,12 +129,12 @@ def default_path(device: torch.device | str, quick: bool = False) -> Path:
 
 def _seconds(fn, run_s: float) -> float:
     """Median seconds of one ``fn()`` (``torch.utils.benchmark`` synchronizes CUDA); a call
-    longer than ``run_s`` / 4 is timed three times instead."""
+    longer than ``run_s`` is timed once more instead."""
     t0 = time.perf_counter()
     fn()  # warm-up: first-call allocations and kernel selection
     timer = Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
     if time.perf_counter() - t0 > run_s:
-        return timer.timeit(1).mean  # a long call: one more is enough
+        return timer.timeit(1).mean
     return timer.blocked_autorange(min_run_time=run_s).median
 
 
@@ -164,9 +143,9 @@ def _matmul_flops(device: torch.device, sizes: _Sizes) -> dict[str, float]:
     tenth of the run time: a dtype without fast kernels (float16 on most CPUs) must
     not make the probe take minutes."""
     flops = {}
-    for name in _DTYPES:
-        n = min(128, sizes.matmul_n)
+    for name in ("float32", "bfloat16", "float16"):
         a = torch.randn(sizes.matmul_n, sizes.matmul_n, device=device).to(getattr(torch, name))
+        n = min(128, sizes.matmul_n)
         try:
             rate = 2 * n**3 / _seconds(lambda: a[:n, :n] @ a[:n, :n], 0.0)  # noqa: B023
         except (RuntimeError, TypeError):
@@ -176,22 +155,24 @@ def _matmul_flops(device: torch.device, sizes: _Sizes) -> dict[str, float]:
     return flops
 
 
-def _fresh_bandwidth(sizes: _Sizes) -> float:
-    """A new anonymous mapping of 4 KiB pages written through once by every thread, as a
-    kernel writes its output, and unmapped (Note [fresh pages] in operators.py)."""
-    nbytes = 4 * sizes.numel
+def _bandwidths(device: torch.device, sizes: _Sizes) -> dict:
+    """The memory, host memory, link and fresh-page bandwidths (``Probe``'s fields)."""
 
-    def touch() -> None:
-        with mmap.mmap(-1, nbytes) as m:
+    def add(on: torch.device) -> float:  # 3 tensors moved; fresh pages are priced apart
+        a, b, c = torch.ones(3, sizes.numel, device=on)
+        return 3 * a.nbytes / _seconds(lambda: torch.add(a, b, out=c), sizes.run_s)
+
+    def touch() -> None:  # written through by every thread, as a kernel writes its output
+        with mmap.mmap(-1, 4 * sizes.numel) as m:
             torch.frombuffer(m, dtype=torch.float32).fill_(1.0)
 
-    return nbytes / _seconds(touch, sizes.run_s)
-
-
-def _bandwidth(device: torch.device, sizes: _Sizes) -> float:
-    """Bytes per second of ``a + b`` (3 tensors moved; fresh pages are priced apart)."""
-    a, b, c = torch.ones(3, sizes.numel, device=device)
-    return 3 * a.nbytes / _seconds(lambda: torch.add(a, b, out=c), sizes.run_s)
+    found = {"memory_bandwidth": add(device), "link_bandwidth": None, "fresh_bandwidth": None}
+    if device.type == "cpu":
+        found["fresh_bandwidth"] = 4 * sizes.numel / _seconds(touch, sizes.run_s)
+        return {**found, "host_memory_bandwidth": found["memory_bandwidth"]}
+    src, dst = torch.ones(sizes.numel).pin_memory(), torch.empty(sizes.numel, device=device)
+    link = src.nbytes / _seconds(lambda: dst.copy_(src, non_blocking=True), sizes.run_s)
+    return {**found, "host_memory_bandwidth": add(torch.device("cpu")), "link_bandwidth": link}
 
 
 class _TinyBlock(nn.Module):
@@ -215,10 +196,7 @@ def _fixed_costs(device: torch.device, sizes: _Sizes) -> dict[str, float]:
 
     x = torch.randn(4, 16, device=device)
     eager = nn.Sequential(*[_TinyBlock() for _ in range(8)]).to(device)
-
-    def ops(model: nn.Module) -> int:
-        return unit_costs(model, Plan([], traced=True), (x,)).ops
-
+    ops = lambda model: unit_costs(model, Plan([], traced=True), (x,)).ops  # noqa: E731
     op_s = _seconds(lambda: eager(x).sum().backward(), sizes.run_s) / ops(eager)
 
     def step_seconds(blocks: int) -> tuple[float, int]:
@@ -288,13 +266,7 @@ def measure(device: torch.device | str = "cpu", quick: bool = False) -> Probe:
     sizes = _QUICK if quick else _FULL
     with _rng(device), torch.no_grad():
         torch.manual_seed(0)
-        flops = _matmul_flops(device, sizes)
-        memory = _bandwidth(device, sizes)
-        host = memory if device.type == "cpu" else _bandwidth(torch.device("cpu"), sizes)
-        link, fresh = None, _fresh_bandwidth(sizes) if device.type == "cpu" else None
-        if device.type != "cpu":
-            src, dst = torch.ones(sizes.numel).pin_memory(), torch.empty(sizes.numel, device=device)
-            link = src.nbytes / _seconds(lambda: dst.copy_(src, non_blocking=True), sizes.run_s)
+        flops, rates = _matmul_flops(device, sizes), _bandwidths(device, sizes)
     with _rng(device):
         fixed = _fixed_costs(device, sizes)
     return Probe(
@@ -303,12 +275,9 @@ def measure(device: torch.device | str = "cpu", quick: bool = False) -> Probe:
         torch_version=torch.__version__,
         num_threads=torch.get_num_threads(),
         matmul_flops=flops,
-        memory_bandwidth=memory,
-        host_memory_bandwidth=host,
-        link_bandwidth=link,
-        fresh_bandwidth=fresh,
         quick=quick,
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **rates,
         **fixed,
     )
 
@@ -326,18 +295,18 @@ def time_kernels(probe: Probe, kernels: dict, path: str | Path | None = None) ->
     time is over ``kernel_max_s``, that fails to run, or that is left when
     ``kernels_s`` have passed, stays untimed: the roofline prices it (a later
     compile times what is left)."""
-    device = torch.device(probe.device)
-    sizes = _QUICK if probe.quick else _FULL
+    device, sizes = torch.device(probe.device), _QUICK if probe.quick else _FULL
     peak, bw = max(probe.matmul_flops.values()), probe.memory_bandwidth
-    todo = [k for key, k in kernels.items() if key not in probe.kernel_s]
-    todo = [k for k in todo if max(k.flops / peak, k.nbytes / bw) <= sizes.kernel_max_s]
+    roofline = {key: max(k.flops / peak, k.nbytes / bw) for key, k in kernels.items()}
+    todo = [key for key, s in roofline.items() if key not in probe.kernel_s]
+    todo = sorted((key for key in todo if roofline[key] <= sizes.kernel_max_s), key=roofline.get)
     if not todo:
         return
     path = Path(path or default_path(device, probe.quick))
     log.info("Timing %d kernels of this model on %s, once (cached in %s)", len(todo), device, path)
     stop = time.monotonic() + sizes.kernels_s
     with _rng(device), torch.no_grad():
-        for k in sorted(todo, key=lambda k: -max(k.flops / peak, k.nbytes / bw)):
+        for k in (kernels[key] for key in reversed(todo)):
             if time.monotonic() > stop or 4 * k.nbytes > _free_bytes(device):
                 continue
             try:
@@ -345,16 +314,6 @@ def time_kernels(probe: Probe, kernels: dict, path: str | Path | None = None) ->
             except (RuntimeError, TypeError, ValueError, NotImplementedError):
                 continue  # an argument the replay cannot make
     _save(probe, path)
-
-
-def _load(path: Path) -> Probe | None:
-    try:
-        return Probe.from_dict(json.loads(path.read_text()))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, TypeError) as exc:
-        warnings.warn(f"weightstream: ignoring the probe {str(path)!r} ({exc}).", stacklevel=3)
-        return None
 
 
 def _save(probe: Probe, path: Path) -> None:
@@ -371,7 +330,18 @@ def load_or_measure(
     that directory's disk bandwidths measured and cached too if they are not yet."""
     device = torch.device(device)
     path = Path(path) if path is not None else default_path(device, quick)
-    probe = _load(path)
+    try:
+        data = json.loads(path.read_text())
+        if data.get("schema") != SCHEMA:
+            raise ValueError(f"probe schema {data.get('schema')!r}, expected {SCHEMA}")
+        probe = Probe(**data)
+        if not probe.matmul_flops or probe.memory_bandwidth <= 0:
+            raise ValueError("the probe is incomplete")
+    except FileNotFoundError:
+        probe = None
+    except (OSError, ValueError, TypeError) as exc:
+        probe = None
+        warnings.warn(f"weightstream: ignoring the probe {str(path)!r} ({exc}).", stacklevel=2)
     if probe is None or probe.device_name != device_name(device) or probe.quick != quick:
         log.info("Measuring this machine's rates on %s, once (cached in %s)", device, path)
         probe = measure(device, quick)
@@ -380,7 +350,6 @@ def load_or_measure(
         where = Path(disk_dir)
         while not where.is_dir() and where.parent != where:  # the store makes its own later
             where = where.parent
-        sizes = _QUICK if quick else _FULL
-        probe.disk[str(disk_dir)] = _disk_bandwidths(where, sizes.disk_bytes)
+        probe.disk[str(disk_dir)] = _disk_bandwidths(where, (_QUICK if quick else _FULL).disk_bytes)
         _save(probe, path)
     return probe
