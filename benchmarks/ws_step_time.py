@@ -69,7 +69,7 @@ def hf_step_flops(x: torch.Tensor, y: torch.Tensor) -> int:
     counted with the formulas torch's registry lacks)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from weightstream.compiler.operators import EXTRA_FLOP_FORMULAS
+    from weightstream.compiler.cost import EXTRA_FLOP_FORMULAS
 
     model = _hf_llama()
     with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as counter:

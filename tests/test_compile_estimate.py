@@ -22,13 +22,13 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from weightstream.compiler import probe as probe_mod
 from weightstream.compiler.cost import (
+    EXTRA_FLOP_FORMULAS,
     OUTSIDE_NAME,
     StepCosts,
     UnitCost,
     unit_costs,
 )
 from weightstream.compiler.estimate import EstimateSettings, estimate
-from weightstream.compiler.operators import EXTRA_FLOP_FORMULAS
 from weightstream.compiler.probe import Probe, load_or_measure
 from weightstream.compiler.report import compile_checksum, load_compile_dir, write_compile_dir
 from weightstream.models import GPT, GPTConfig
@@ -127,7 +127,7 @@ def test_gpt_flops_per_unit_match_flop_counter_on_the_real_model():
     costs = unit_costs(model, plan, (idx,), {})
     assert costs.backward_measured
     # The count runs the CPU's own attention kernel (flash), as the real run does;
-    # torch's table lacks its formulas, which operators.py adds from torch's own.
+    # torch's table lacks its formulas, which cost.py adds from torch's own.
     ref = _per_unit_reference(model, plan, (idx,))
     with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as whole:
         model(idx).sum().backward()

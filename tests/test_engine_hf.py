@@ -95,8 +95,7 @@ def test_the_compile_costs_of_a_llama_without_its_cache_match_a_real_step():
     counted as an activation (a saved view of a weight shares the weight's storage)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from weightstream.compiler.cost import unit_costs
-    from weightstream.compiler.operators import EXTRA_FLOP_FORMULAS
+    from weightstream.compiler.cost import EXTRA_FLOP_FORMULAS, unit_costs
     from weightstream.runtime.config import StreamingConfig
     from weightstream.runtime.partition import build_plan
 

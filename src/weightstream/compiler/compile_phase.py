@@ -24,16 +24,15 @@ from pathlib import Path
 
 import torch
 
-from weightstream.compiler.cost import StepCosts, unit_costs
+from weightstream.compiler.cost import unit_costs
 from weightstream.compiler.estimate import (
     CLIP_BYTES,
     DEFAULT_UPDATE_BYTES,
     UPDATE_BYTES,
-    Estimate,
     EstimateSettings,
     estimate,
 )
-from weightstream.compiler.probe import Probe, load_or_measure, time_kernels
+from weightstream.compiler.probe import load_or_measure, time_kernels
 from weightstream.compiler.report import compile_checksum, load_compile_dir, write_compile_dir
 from weightstream.runtime.config import StreamingConfig
 from weightstream.runtime.partition import Plan, build_plan
@@ -119,53 +118,47 @@ def input_seconds_per_batch(section: dict, quick: bool = False) -> float:
     ).seconds_per_batch
 
 
-def estimate_for(
-    params, model, plan: Plan, args: tuple, kwargs: dict, device, *, batch_size: int,
-    input_s: float = 0.0, recompute: tuple[int, ...] = (), store=None,
-) -> tuple[StepCosts, Estimate, Probe]:  # fmt: skip
-    """Cost ``model`` on ``plan`` for one batch of a params file's run, time the kernels
-    the probe has not met, and estimate: what a run reports (``recompute``: the units
-    activation checkpointing runs again; ``store``: the running engine's, whose disk
-    tier predicts its file traffic, a sharded store's for this rank's share)."""
-    rc, task = params.runconfig, params.model.spec.task
-    placement = None if store is None else store.predicted_placement()
-    probe = load_or_measure(device, quick=quick_profile(), disk_dir=_disk_dir(rc, placement))
-    es = estimate_settings(params, batch_size, input_s, recompute, placement)
-    loss_fn = task_loss_fn(task, args) if task is not None else None
-    mixed = None if es.compute_dtype == "float32" else getattr(torch, es.compute_dtype)
-    costs = unit_costs(model, plan, args, kwargs, loss_fn, probe.device, mixed)
-    time_kernels(probe, costs.kernels)
-    return costs, estimate(costs, probe, es), probe
-
-
-def _disk_dir(rc, placement) -> str | None:
-    """Where a disk store with file traffic keeps its files (its probe figures' key)."""
-    if placement is None or not placement.disk_reads_per_step + placement.disk_writes_per_step:
-        return None
-    return str(rc.streaming.store_dir or Path(rc.model_dir) / "store")
-
-
-def estimate_settings(
-    params, batch_size: int, input_s: float, recompute: tuple[int, ...] = (), placement=None
-) -> EstimateSettings:
-    """The estimate settings of a params file's run (``recompute``: the units activation
-    checkpointing runs again; ``placement``: a disk store's predicted placement)."""
-    rc, m = params.runconfig, params.model
-    ws = rc.execution_mode == "weight_streaming"
-    compute = (m.fp16_type if m.mixed_precision else None) or "float32"
-    return EstimateSettings(
-        batch_size=batch_size,
-        prefetch_depth=rc.streaming.prefetch_depth if ws else 0,
-        compute_dtype=compute if compute != "cbfloat16" else "float32",
-        transfer_dtype=None if compute in ("float32", "cbfloat16") or not ws else compute,
-        weight_streaming=ws,
-        update_bytes=update_bytes(params),
-        input_s=input_s,
-        recompute=recompute,
-        disk_read_bytes=placement.disk_reads_per_step if placement is not None else 0,
-        disk_write_bytes=placement.disk_writes_per_step if placement is not None else 0,
-        disk_dir=_disk_dir(rc, placement),
+def _estimate(run, compiled, plan: Plan, args: tuple, kwargs: dict, batch_size: int):
+    """Cost the model on ``plan`` for one batch, time the kernels the probe has not met,
+    and estimate: (costs, estimate, probe), or None where the forward cannot run on fakes."""
+    rc, m, quick = run.rc, run.params.model, quick_profile()
+    # A disk store predicts its file traffic (a sharded store: this rank's share).
+    placement = compiled.engine.store.predicted_placement() if compiled.engine is not None else None
+    reads = placement.disk_reads_per_step if placement is not None else 0
+    writes = placement.disk_writes_per_step if placement is not None else 0
+    disk_dir = (
+        str(rc.streaming.store_dir or Path(rc.model_dir) / "store") if reads + writes else None
     )
+    probe = load_or_measure(run.device, quick=quick, disk_dir=disk_dir)
+    compute = (m.fp16_type if m.mixed_precision else None) or "float32"
+    settings = EstimateSettings(
+        batch_size=batch_size,
+        prefetch_depth=rc.streaming.prefetch_depth if run.ws else 0,
+        compute_dtype=compute if compute != "cbfloat16" else "float32",
+        transfer_dtype=None if compute in ("float32", "cbfloat16") or not run.ws else compute,
+        weight_streaming=run.ws,
+        update_bytes=update_bytes(run.params),
+        input_s=input_seconds_per_batch(run.params.train_input.to_dict(), quick),
+        recompute=recomputed(compiled, plan),
+        disk_read_bytes=reads,
+        disk_write_bytes=writes,
+        disk_dir=disk_dir,
+    )
+    loss_fn = task_loss_fn(run.task, args) if run.task is not None else None
+    mixed = None if settings.compute_dtype == "float32" else getattr(torch, settings.compute_dtype)
+    try:
+        costs = unit_costs(compiled._orig_mod, plan, args, kwargs, loss_fn, probe.device, mixed)
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        # A forward with data-dependent Python on tensor values cannot run on fakes.
+        warnings.warn(
+            "weightstream: no compile estimate: the model's forward does not run on the meta "
+            f"device ({type(exc).__name__}: {exc}). Training is unaffected; the run reports "
+            "its measured samples/sec without an estimate beside it.",
+            stacklevel=3,
+        )
+        return None
+    time_kernels(probe, costs.kernels)
+    return costs, estimate(costs, probe, settings), probe
 
 
 def run(run, compiled, args: tuple, batch_size: int, kwargs: dict | None = None) -> dict:
@@ -186,27 +179,11 @@ def run(run, compiled, args: tuple, batch_size: int, kwargs: dict | None = None)
         log.info("Validation passed: the model traces and every unit fits the device budget.")
         return {"est_samples_per_sec": None, "cache_hit": False}
     plan = compiled.plan or build_plan(model, StreamingConfig(granularity="module"))
-    input_s = input_seconds_per_batch(run.params.train_input.to_dict(), quick_profile())
-    try:
-        costs, est, probe = estimate_for(
-            run.params, model, plan, args, kwargs, run.device, batch_size=batch_size,
-            input_s=input_s, recompute=recomputed(compiled, plan),
-            store=compiled.engine.store if compiled.engine is not None else None,
-        )  # fmt: skip
-    except (RuntimeError, NotImplementedError, TypeError) as exc:
-        # A forward with data-dependent Python on tensor values cannot run on fakes.
-        warnings.warn(
-            "weightstream: no compile estimate: the model's forward does not run on the meta "
-            f"device ({type(exc).__name__}: {exc}). Training is unaffected; the run reports "
-            "its measured samples/sec without an estimate beside it.",
-            stacklevel=2,
-        )
+    found = _estimate(run, compiled, plan, args, kwargs, batch_size)
+    if found is None:
         return {"est_samples_per_sec": None, "cache_hit": False}
+    costs, est, probe = found
     path = write_compile_dir(root, checksum, plan, costs, est, probe, settings=settings)
-    log.info(
-        "Compiled into %s: estimated %.3g samples/sec (bound by %s)",
-        path,
-        est.est_samples_per_sec,
-        est.bound,
-    )
-    return {"est_samples_per_sec": est.est_samples_per_sec, "cache_hit": False}
+    rate, bound = est.est_samples_per_sec, est.bound
+    log.info("Compiled into %s: estimated %.3g samples/sec (bound by %s)", path, rate, bound)
+    return {"est_samples_per_sec": rate, "cache_hit": False}

@@ -1,38 +1,68 @@
 """What one training step costs per streaming unit, counted without computing.
 
 The model is shadowed by the trace's copy (``trace.shadow_copy``: FakeTensors
-over meta storages that claim the run's device, so that the device's own kernels
-are chosen, CPU flash attention rather than its math decomposition, and autocast
-applies; no data is copied), and the shadow runs one forward and one backward of
-a scalar loss on fake inputs of the real batch shape, under the RNG fork.
-``_Counter`` (a TorchDispatchMode) sees every aten operator: it counts it, its
-FLOPs (``FlopCounterMode``'s formulas, for matmul-like operators and attention)
-and the bytes it moves (Note [operator bytes] in operators.py), keeps the large
-ones as kernels for the probe to time (Note [timed kernels]) and adds the new
-outputs that take fresh pages (Note [fresh pages]). A saved-tensors hook sees
-every tensor autograd keeps: the activation bytes (not weights or buffers; each
-storage once). Module hooks on the units open and close their windows.
+over meta storages that claim the run's device, so that its own kernels are
+chosen, CPU flash attention rather than the math decomposition, and autocast
+applies), and the shadow runs one forward and one backward of a scalar loss on
+fake inputs of the batch's shape, under the RNG fork. ``_Counter`` (a
+TorchDispatchMode) sees every aten operator: it counts it, its FLOPs
+(``FlopCounterMode``'s formulas: matmul-like operators and attention), the bytes
+it moves (Note [operator bytes]), the kernels for the probe to time (Note [timed
+kernels]) and the new outputs in fresh pages (Note [fresh pages]). A
+saved-tensors hook counts what autograd keeps (activations, not weights or
+buffers, each storage once); module hooks open and close the units' windows.
 
 Note [attributing FLOPs]
 ------------------------
-Forward: work goes to the innermost unit whose forward window is open (a unit
-that encloses others gets only what runs outside its children's windows); with
-no window open, to the "outside units" entry (the loss, root-level operators).
-Backward: autograd numbers its nodes in the order they are made, so the
-sequence number at each window switch of the forward says which unit made a
-node, and the node running an operator in the backward
-(``torch._C._current_autograd_node``) says whose backward it is. Gradient
-accumulation into the leaves goes to the outside entry. (``FlopCounterMode``'s
-own module tracking misattributes backward FLOPs around identity modules such
-as ``Dropout(0.0)``.) If the backward cannot run on fakes, it counts as twice
-the forward per entry (exact for products whose inputs all need gradients) and
-``StepCosts.backward_measured`` is False.
+Forward: work goes to the innermost unit whose forward window is open, else to
+the "outside units" entry (the loss, root-level operators). Backward: autograd
+numbers its nodes in the order they are made, so the sequence number at each
+window switch says which unit made a node, and the node running an operator
+(``torch._C._current_autograd_node``) whose backward it is; accumulation into
+the leaves goes outside. (``FlopCounterMode``'s own module tracking misplaces
+backward FLOPs around identity modules such as ``Dropout(0.0)``.) A backward
+that cannot run on fakes counts as twice the forward per entry (exact for
+products whose inputs all need gradients), and ``backward_measured`` is False.
+
+Note [operator bytes]
+---------------------
+An operator moves ``inputs + outputs`` bytes (an expanded input counts its
+storage, an in-place result counts as written). Views and allocations move
+nothing but still count as operators (each costs its dispatch). ``embedding``
+reads the gathered rows, not the whole table: indices + 2 x output.
+
+Note [timed kernels]
+--------------------
+A roofline prices a kernel at max(FLOPs / peak, bytes / bandwidth), and the
+large kernels of a step are far from either: on a 2-core EPYC, bf16 attention
+runs at 35 to 300 GFLOP/s by shape against a 930 GFLOP/s matmul peak, a bf16
+GELU at a sixth of the memory bandwidth. So every operator with FLOPs, and every
+other one moving at least ``KERNEL_BYTES``, is a *kernel*, keyed by the operator
+and its arguments (shapes, strides, dtypes, scalars); the probe runs it once per
+machine on tensors of that specification, cycling through copies of its
+arguments larger than the caches (in a step its operands were written long
+before), and caches its seconds (``probe.time_kernels``). The many small
+operators left are priced by their bytes and their count.
+
+Note [fresh pages]
+------------------
+On the CPU glibc maps every allocation over its mmap threshold (32 MiB at most)
+afresh, and the kernel faults its pages in and zeroes them, in the step, on the
+threads that compute. In a GPT-2 small step (batch 8 x 1024) that was 9 s of
+17 s (73,000 faults with huge pages; 14 s and 2.6 million faults without), and
+a kernel timed in a small process sees little of it (a vocabulary-wide
+log-softmax: 0.13 s timed, 1.8 s in the step). So each new output of at least
+``FRESH_BYTES`` counts as fresh bytes, priced at the probe's first-touch rate of
+fresh 4 KiB pages (huge pages are not to be counted on in a long run's
+fragmented memory). An accelerator's caching allocator reuses its blocks.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -41,21 +71,110 @@ from torch._C._autograd import _get_sequence_nr
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from weightstream.compiler.operators import (
-    EXTRA_FLOP_FORMULAS,
-    KERNEL_BYTES,
-    NO_TRAFFIC,
-    QUERIES,
-    Kernel,
-    fresh_bytes,
-    tensor_bytes,
-)
 from weightstream.runtime.partition import Plan
 from weightstream.runtime.trace import clear_hooks, fake_like, shadow_copy
 
 OUTSIDE_NAME = "<outside units>"
+KERNEL_BYTES = 1 << 20  # Note [timed kernels]
+COLD_BYTES, COLD_COPIES = 64 << 20, 16  # argument copies a timing cycles through
+FRESH_BYTES = 32 << 20  # Note [fresh pages]
+
+_aten = torch.ops.aten
+# FlopCounterMode knows the CUDA attention kernels but not the CPU flash kernel.
+EXTRA_FLOP_FORMULAS: dict = {
+    _aten._scaled_dot_product_flash_attention_for_cpu: (
+        lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v)
+    ),
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: (
+        lambda g, q, k, v, *a, out_shape=None, **kw: sdpa_backward_flop_count(g, q, k, v)
+    ),
+}
+_QUERY_NAMES = "sym_size sym_stride sym_numel sym_storage_offset size stride numel dim "
+_QUERY_NAMES += "is_contiguous storage_offset"
+_ALLOCATION_NAMES = "empty_like empty_strided new_empty new_empty_strided _unsafe_view lift_fresh"
+# Queries of tensor metadata: not operators a real run dispatches as kernels.
+QUERIES = {getattr(_aten, n).default for n in _QUERY_NAMES.split()}
+QUERIES |= {_aten.is_contiguous.memory_format, torch.ops.prim.device.default}
+QUERIES.add(torch.ops.prim.layout.default)
+# Operators that allocate or alias without touching data.
+NO_TRAFFIC = {getattr(_aten, n).default for n in _ALLOCATION_NAMES.split()}
+NO_TRAFFIC.add(_aten.empty.memory_format)
+
+
+def tensor_bytes(tree) -> int:
+    """Bytes of the tensors in ``tree`` (an expanded tensor: its storage)."""
+    leaves = [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    return sum(min(t.numel() * t.element_size(), t.untyped_storage().nbytes()) for t in leaves)
+
+
+def fresh_bytes(tree) -> int:
+    """Bytes of the tensors in ``tree`` of at least ``FRESH_BYTES`` each (Note [fresh pages])."""
+    sizes = [tensor_bytes(t) for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    return sum(n for n in sizes if n >= FRESH_BYTES)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def storage_numel(self) -> int:
+        span = 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride))
+        return span if all(self.shape) else 0
+
+    def make(self, device: torch.device) -> torch.Tensor:
+        """Floats in [0.5, 1.5) (safe for log, sqrt, division), integers 0 (valid
+        indices), booleans True."""
+        base = torch.empty(self.storage_numel, dtype=self.dtype, device=device)
+        if self.dtype.is_floating_point:
+            return base.uniform_(0.5, 1.5).as_strided(self.shape, self.stride)
+        return base.fill_(self.dtype == torch.bool).as_strided(self.shape, self.stride)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One operator call to time again: ``fn(*args, **kwargs)`` with ``TensorSpec`` leaves."""
+
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    flops: int = 0  # not part of the key
+
+    @functools.cached_property
+    def key(self) -> str:  # a repr of every argument: made once
+        return f"{self.fn}{(self.args, self.kwargs)!r}"
+
+    @property
+    def nbytes(self) -> int:
+        leaves = pytree.tree_leaves((self.args, self.kwargs))
+        return sum(t.storage_numel * t.dtype.itemsize for t in leaves if isinstance(t, TensorSpec))
+
+    def runner(self, device: torch.device) -> Callable[[], object]:
+        """Calls on tensors of ``device``, cycling through copies of the arguments."""
+
+        def real(x):
+            if isinstance(x, TensorSpec):
+                return x.make(device)
+            return device if isinstance(x, torch.device) else x
+
+        copies = max(1, min(COLD_COPIES, COLD_BYTES // max(1, self.nbytes)))
+        made = [pytree.tree_map(real, (self.args, self.kwargs)) for _ in range(copies)]
+        turn = itertools.cycle([functools.partial(self.fn, *a, **k) for a, k in made])
+        return lambda: next(turn)()
+
+    @classmethod
+    def of(cls, fn: Callable, args, kwargs, flops: int = 0) -> Kernel:
+        """The kernel of a call seen under the cost counter (fake tensors -> specs)."""
+
+        def spec(x):
+            is_tensor = isinstance(x, torch.Tensor)
+            return TensorSpec(tuple(x.shape), tuple(x.stride()), x.dtype) if is_tensor else x
+
+        return cls(fn, *pytree.tree_map(spec, (tuple(args), dict(kwargs or {}))), flops)
 
 
 @dataclass
@@ -122,11 +241,8 @@ class StepCosts:
 
 def default_loss(output) -> torch.Tensor | None:
     """Sum of every floating output that requires grad (None: nothing to differentiate)."""
-    leaves = [
-        t
-        for t in pytree.tree_leaves(output)
-        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
-    ]
+    leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+    leaves = [t for t in leaves if t.requires_grad and t.is_floating_point()]
     return sum((t.sum() for t in leaves[1:]), leaves[0].sum()) if leaves else None
 
 
@@ -165,7 +281,7 @@ class _Counter(TorchDispatchMode):
             return out
         formula = self.formulas.get(func._overloadpacket)
         flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
-        if func is torch.ops.aten.embedding.default:
+        if func is _aten.embedding.default:
             nbytes = tensor_bytes(args[1]) + 2 * tensor_bytes(out)
         elif func.is_view or func in NO_TRAFFIC:
             nbytes = 0
@@ -214,22 +330,21 @@ def unit_costs(
     activation = [0] * (n + 1)
     saved: dict[int, torch.Tensor] = {}  # keeps the storages alive: ids stay unique
 
-    def pre(index: int):
-        def hook(_mod, _args) -> None:  # returns None: the arguments stay
-            c.stack.append(index)
+    def window(index: int | None):
+        def hook(*_) -> None:  # returns None: the arguments and outputs stay
+            if index is None:
+                c.stack.pop()
+            else:
+                c.stack.append(index)
             c.switch()
 
         return hook
 
-    def post(_mod, _args, _out):
-        c.stack.pop()
-        c.switch()
-
     handles = []
     for u in plan.units:
         mod = shadow_of[id(u.module)]
-        handles.append(mod.register_forward_pre_hook(pre(u.index)))
-        handles.append(mod.register_forward_hook(post, always_call=True))
+        handles.append(mod.register_forward_pre_hook(window(u.index)))
+        handles.append(mod.register_forward_hook(window(None), always_call=True))
 
     def pack(t: torch.Tensor):
         key = t.untyped_storage()._cdata
@@ -244,8 +359,7 @@ def unit_costs(
         return fake_like(x, fake, device).requires_grad_(x.requires_grad)
 
     args, kwargs = pytree.tree_map(to_fake, (tuple(example_args), example_kwargs or {}))
-    batch = [(list(t.shape), str(t.dtype)) for t in pytree.tree_leaves((args, kwargs))
-             if isinstance(t, torch.Tensor)]  # fmt: skip
+    leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     mixed = torch.autocast(device.type, autocast) if autocast else contextlib.nullcontext()
     devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
     error = None
@@ -285,12 +399,14 @@ def unit_costs(
                 numel=u.numel,
                 trainable_numel=sum(p.numel() for p in trainable),
                 weight_bytes=u.weight_bytes,
-                trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
+                trainable_bytes=sum(p.nbytes for p in trainable),
                 pinned=u.pinned,
                 trainable_tensors=len(trainable),
                 tensors=len(u.params),
                 **fields(u.index),
             )
         )
-    outside = UnitCost(-1, OUTSIDE_NAME, **fields(n))
-    return StepCosts(units, outside, error is None, error, batch, c.kernels)
+    batch = [(list(t.shape), str(t.dtype)) for t in leaves]
+    return StepCosts(
+        units, UnitCost(-1, OUTSIDE_NAME, **fields(n)), error is None, error, batch, c.kernels
+    )

@@ -1,35 +1,29 @@
-"""Estimated step time and samples/sec of a training run, before any step: a roofline.
-
-Inputs: the counted per-unit costs (``cost.py``), the probe's rates
-(``probe.py``) and the run settings.
+"""Estimated step time and samples/sec of a training run, before any step: a roofline
+of the counted costs (``cost.py``) at the probe's rates (``probe.py``).
 
 Note [the roofline]
 -------------------
-Per streaming unit, with the probe's rates:
+Per streaming unit:
 
-* compute and memory: each kernel (Note [timed kernels] in operators.py) at its
-  timed seconds, or, untimed, at max(FLOPs / peak, bytes / memory bandwidth);
-  kernels with FLOPs count as compute, the others as memory. Memory also holds
-  the bytes of the operators that are not kernels at the memory bandwidth, and
-  on the CPU the large outputs at the first-touch bandwidth of fresh pages
-  (Note [fresh pages] in operators.py);
-* overhead: operators x ``op_s`` and trainable parameter tensors x ``tensor_s``
-  (Note [fixed costs] in probe.py);
-* update: the optimizer's bytes per trainable parameter (``update_bytes``) over
-  the bandwidth of the memory holding the masters (the host's when streaming);
-* link: 2 fetches of the weights and the gradients back, over the host -> device
-  link (on the CPU a fetch is a host copy: each byte read and written);
-* disk: the disk store's file traffic a step, shared among the units by their
-  trainable parameters.
+* compute and memory: each kernel (Note [timed kernels] in cost.py) at its
+  timed seconds, untimed at max(FLOPs / peak, bytes / bandwidth), as compute if
+  it has FLOPs, else as memory; memory also holds the other operators' bytes at
+  the memory bandwidth and, on the CPU, new large outputs at the fresh-page rate
+  (Note [fresh pages] in cost.py);
+* overhead: operators x ``op_s`` + trainable tensors x ``tensor_s`` (Note [fixed
+  costs] in probe.py);
+* update: ``update_bytes`` per trainable parameter at the masters' memory
+  bandwidth (the host's when streaming);
+* link: 2 fetches of the weights and the gradients back over the host -> device
+  link (on the CPU a host copy: each byte read and written);
+* disk: the disk store's file traffic a step, shared by trainable parameters.
 
-On a CPU compute, memory, overhead and update run one after the other; on an
-accelerator the host's operator overhead hides under the device's work, so the
-larger of the two counts. With prefetching (``prefetch_depth`` >= 1) link and
-disk overlap that work and the unit takes the largest; without, their sum. A
-unit whose forward runs again in the backward (activation checkpointing) has its
-forward's terms twice. The step is the sum over the units, plus what runs
-outside them, ``step_s`` and the input pipeline's seconds per batch when the
-training process itself makes the batches.
+On a CPU compute, memory, overhead and update add up; on an accelerator the
+host's overhead hides under the device's work (the larger counts). With
+prefetching link and disk overlap the work (the largest counts), without they
+add. A recomputed unit (activation checkpointing) does its forward twice. The
+step: the units, what runs outside them, ``step_s`` and the input pipeline's
+seconds per batch when the training process makes the batches.
 """
 
 from __future__ import annotations
@@ -53,27 +47,19 @@ TERMS = ("compute", "memory", "overhead", "update", "link", "disk")
 
 @dataclass
 class EstimateSettings:
-    """What the estimate needs to know of the run besides the costs.
-
-    ``prefetch_depth`` 0 serializes link and disk with the work;
-    ``transfer_dtype`` is the dtype weights and gradients travel in (None: their
-    own); ``weight_streaming`` False prices layer pipelined; ``input_s``: seconds
-    the input pipeline costs the training process per batch; ``recompute``: the
-    units whose forward runs again in their backward; ``disk_*``: the disk
-    store's file traffic a step and its directory (the probe's key).
-    """
+    """What the estimate needs to know of the run besides the costs."""
 
     batch_size: int
-    prefetch_depth: int = 1
+    prefetch_depth: int = 1  # 0: link and disk serialized with the work
     compute_dtype: str = "float32"
-    transfer_dtype: str | None = None
-    weight_streaming: bool = True
+    transfer_dtype: str | None = None  # weights and gradients on the link; None: their own
+    weight_streaming: bool = True  # False: layer pipelined
     update_bytes: int = DEFAULT_UPDATE_BYTES
-    input_s: float = 0.0
-    recompute: tuple[int, ...] = ()
-    disk_read_bytes: int = 0
+    input_s: float = 0.0  # what the input pipeline costs the training process a batch
+    recompute: tuple[int, ...] = ()  # units whose forward runs again in their backward
+    disk_read_bytes: int = 0  # the disk store's file traffic a step
     disk_write_bytes: int = 0
-    disk_dir: str | None = None
+    disk_dir: str | None = None  # its directory: the probe's key
 
     def __post_init__(self) -> None:
         self.recompute = tuple(sorted(self.recompute))

@@ -5,7 +5,7 @@ Measured once per machine and torch version, each figure the median of
 ``$WEIGHTSTREAM_CACHE_DIR`` (default ``~/.cache/weightstream``) in a file named
 by a hash of the device, its name, the torch version and the thread count. A
 compile adds the seconds of the kernels it meets (``time_kernels``, Note [timed
-kernels] in operators.py) and a disk store the bandwidths of its directory.
+kernels] in cost.py) and a disk store the bandwidths of its directory.
 Nothing is measured again when the library changes and nothing watches other
 processes: a probe measured on a busy machine stays until its file is deleted.
 
@@ -65,7 +65,7 @@ class Probe:
     memory_bandwidth: float  # bytes read + written per second by an add on the device
     host_memory_bandwidth: float  # the same on the host
     link_bandwidth: float | None  # a pinned host -> device copy; None on the CPU
-    # the CPU's new 4 KiB pages written once (Note [fresh pages] in operators.py)
+    # the CPU's new 4 KiB pages written once (Note [fresh pages] in cost.py)
     fresh_bandwidth: float | None = None
     op_s: float = 0.0  # Note [fixed costs]
     tensor_s: float = 0.0
@@ -289,7 +289,7 @@ def _free_bytes(device: torch.device) -> int:
 
 
 def time_kernels(probe: Probe, kernels: dict, path: str | Path | None = None) -> None:
-    """Time the kernels of ``kernels`` (key -> ``operators.Kernel``) the probe has not
+    """Time the kernels of ``kernels`` (key -> ``cost.Kernel``) the probe has not
     met yet, largest first, and cache their seconds (Note [timed kernels]). A kernel
     whose tensors would take more than a quarter of the free memory, whose roofline
     time is over ``kernel_max_s``, that fails to run, or that is left when
