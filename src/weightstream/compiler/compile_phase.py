@@ -34,7 +34,9 @@ from weightstream.compiler.estimate import (
 )
 from weightstream.compiler.probe import load_or_measure, time_kernels
 from weightstream.compiler.report import compile_checksum, load_compile_dir, write_compile_dir
+from weightstream.runtime import swarm
 from weightstream.runtime.config import StreamingConfig
+from weightstream.runtime.engine import predicted_placement
 from weightstream.runtime.partition import Plan, build_plan
 
 log = logging.getLogger("weightstream")
@@ -122,8 +124,7 @@ def _estimate(run, compiled, plan: Plan, args: tuple, kwargs: dict, batch_size: 
     """Cost the model on ``plan`` for one batch, time the kernels the probe has not met,
     and estimate: (costs, estimate, probe), or None where the forward cannot run on fakes."""
     rc, m, quick = run.rc, run.params.model, quick_profile()
-    # A disk store predicts its file traffic (a sharded store: this rank's share).
-    placement = compiled.engine.store.predicted_placement() if compiled.engine is not None else None
+    placement = _disk_placement(run, compiled, plan)
     reads = placement.disk_reads_per_step if placement is not None else 0
     writes = placement.disk_writes_per_step if placement is not None else 0
     disk_dir = (
@@ -187,3 +188,19 @@ def run(run, compiled, args: tuple, batch_size: int, kwargs: dict | None = None)
     rate, bound = est.est_samples_per_sec, est.bound
     log.info("Compiled into %s: estimated %.3g samples/sec (bound by %s)", path, rate, bound)
     return {"est_samples_per_sec": rate, "cache_hit": False}
+
+
+def _disk_placement(run, compiled, plan: Plan):
+    """Where the run's disk store places this rank's state: the running store's own
+    prediction (a sharded store's share), else, before the store has taken the model
+    (compile_only), as a store would place it, unless it may be sharded over ranks.
+    None for a store in RAM."""
+    streaming = run.rc.streaming
+    if not run.ws or streaming.store != "disk":
+        return None
+    predicted = compiled.engine.store.predicted_placement()
+    if predicted is not None or (
+        swarm.world_size() > 1 and streaming.store_sharding != "replicated"
+    ):
+        return predicted
+    return predicted_placement(compiled._orig_mod, plan, streaming, run.device)

@@ -20,7 +20,7 @@ import torch
 
 from weightstream.common.files import write_text_atomic
 from weightstream.common.units import format_bytes
-from weightstream.compiler.cost import StepCosts
+from weightstream.compiler.cost import OUTSIDE_NAME, StepCosts
 from weightstream.compiler.estimate import TERMS, Estimate
 from weightstream.compiler.probe import Probe
 from weightstream.runtime.partition import Plan
@@ -167,25 +167,59 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f}"
 
 
-def _row(u: dict) -> str:
-    """The cost and estimate columns of one entry."""
-    times = [u[f"est_{k}_s"] for k in TERMS] + [u["est_s"]]
-    return (
-        f"{_si(u['fwd_flops']):>11} {_si(u['bwd_flops']):>11} "
-        f"{format_bytes(u['activation_bytes']):>11} {u['ops']:>6} {format_bytes(u['op_bytes']):>11} "
-        + " ".join(f"{_ms(t):>9}" for t in times)
-        + f"  {u['bound']:<9}"
-    )
+_SHORT = list(zip(("flop", "mem", "ovh", "upd", "link", "disk"), TERMS, strict=True))
+# The table's columns after the unit's name: header, width, the text of an entry.
+_COLUMNS = [
+    ("params", 12, lambda u: f"{u['params']:,}" if "params" in u else ""),
+    ("weights", 11, lambda u: format_bytes(u["weight_bytes"]) if "weight_bytes" in u else ""),
+    ("fwd FLOP", 11, lambda u: _si(u["fwd_flops"])),
+    ("bwd FLOP", 11, lambda u: _si(u["bwd_flops"])),
+    ("activations", 11, lambda u: format_bytes(u["activation_bytes"])),
+    ("ops", 6, lambda u: str(u["ops"])),
+    ("op bytes", 11, lambda u: format_bytes(u["op_bytes"])),
+    *((f"{short} ms", 9, lambda u, k=k: _ms(u[f"est_{k}_s"])) for short, k in _SHORT),
+    ("time ms", 9, lambda u: _ms(u["est_s"])),
+]
 
 
 def _report_text(data: dict) -> str:
     est, es, m, t = data["estimate"], data["estimate_settings"], data["machine"], data["totals"]
-    w = max([len("<outside units>")] + [len(u["name"]) for u in data["units"]])
-    columns = ("fwd FLOP", "bwd FLOP", "activations", "ops", "op bytes", "flop ms", "mem ms")
-    columns += ("ovh ms", "upd ms", "link ms", "disk ms", "time ms")
-    head = f"{'#':>3}  {'unit':<{w}} {'params':>12} {'weights':>11} " + " ".join(
-        f"{c:>{6 if c == 'ops' else 9 if ' ms' in c else 11}}" for c in columns
-    )
+    w = max([len(OUTSIDE_NAME)] + [len(u["name"]) for u in data["units"]])
+
+    def row(index, name: str, u: dict, last: str) -> str:
+        cells = " ".join(f"{text(u):>{width}}" for _, width, text in _COLUMNS)
+        return f"{index:>3}  {name:<{w}} {cells}  {last}"
+
+    head = f"{'#':>3}  {'unit':<{w}} " + " ".join(f"{h:>{n}}" for h, n, _ in _COLUMNS)
+    head += "  bound     pinned"
+    table = [
+        row(u["index"], u["name"], u, f"{u['bound']:<9} {'yes' if u['pinned'] else ''}")
+        for u in data["units"]
+    ]
+    table.append(row("", OUTSIDE_NAME, data["outside_units"], data["outside_units"]["bound"]))
+    terms = ", ".join(f"{k} {_ms(est[f'{k}_s'])} ms" for k in (*TERMS, "input") if est[f"{k}_s"])
+    summary = {
+        "parameters": f"{t['params']:,} ({format_bytes(t['weight_bytes'])})",
+        "FLOPs per step": f"{_si(t['flops'])} (forward {_si(t['fwd_flops'])}, backward "
+        f"{_si(t['bwd_flops'])}{'' if data['backward_measured'] else ', 2 x forward'}; "
+        "matmul-like operators and attention only)",
+        "activations kept": format_bytes(t["activation_bytes"]),
+        "device weight bound": f"{format_bytes(t['weight_bound_bytes'])} ((prefetch_depth + 1) "
+        f"x largest unit {format_bytes(t['largest_unit_bytes'])} + pinned "
+        f"{format_bytes(t['pinned_bytes'])})",
+        "operators per step": f"{t['ops']:,} (moving {format_bytes(t['op_bytes'])}; kernels "
+        f"timed by the probe: {est['timed_kernels']})",
+        "step time": f"{_ms(est['step_s'])} ms ({terms})\n{'':24}(per unit the larger of "
+        "work, link and disk with prefetching: the terms can sum to more)",
+        "est. samples/sec": f"{data['est_samples_per_sec']:.2f}  (bound by {est['bound']})",
+        "model consumes": f"{est['model_samples_per_sec']:.2f} samples/sec (the step without "
+        "its input)",
+        "physical limit": f"{est['limit_samples_per_sec']:.2f} samples/sec (bound by "
+        f"{est['limit_bound']})",
+    }
+    rates = ", ".join(f"{name} {_si(m[k], 'B/s')}" for name, k in _RATES if m[k])
+    disks = sorted(m["disk"].items())
+    peaks = ", ".join(f"{k} {_si(v, 'FLOP/s')}" for k, v in sorted(m["matmul_flops"].items()))
     lines = [
         f"weightstream compile report  ws_{data['checksum']}",
         "",
@@ -195,53 +229,26 @@ def _report_text(data: dict) -> str:
         f"plan: {len(data['units'])} streaming units"
         + ("" if data["traced"] else f" (structural, not traced: {data['trace_error']})"),
         "",
-        head + "  bound     pinned",
-        "-" * (len(head) + 18),
-    ]
-    for u in data["units"]:
-        lines.append(
-            f"{u['index']:>3}  {u['name']:<{w}} {u['params']:>12,} "
-            f"{format_bytes(u['weight_bytes']):>11} {_row(u)} {'yes' if u['pinned'] else ''}"
-        )
-    lines.append(
-        f"{'':>3}  {'<outside units>':<{w}} {'':>12} {'':>11} {_row(data['outside_units'])}"
-    )
-    terms = ", ".join(f"{k} {_ms(est[f'{k}_s'])} ms" for k in (*TERMS, "input") if est[f"{k}_s"])
-    lines += [
+        head,
+        "-" * len(head),
+        *table,
         "",
         "summary",
-        f"  parameters            {t['params']:,} ({format_bytes(t['weight_bytes'])})",
-        f"  FLOPs per step        {_si(t['flops'])} (forward {_si(t['fwd_flops'])}, backward "
-        f"{_si(t['bwd_flops'])}{'' if data['backward_measured'] else ', 2 x forward'}; "
-        "matmul-like operators and attention only)",
-        f"  activations kept      {format_bytes(t['activation_bytes'])}",
-        f"  device weight bound   {format_bytes(t['weight_bound_bytes'])} ((prefetch_depth + 1) x "
-        f"largest unit {format_bytes(t['largest_unit_bytes'])} + pinned "
-        f"{format_bytes(t['pinned_bytes'])})",
-        f"  operators per step    {t['ops']:,} (moving {format_bytes(t['op_bytes'])}; kernels "
-        f"timed by the probe: {est['timed_kernels']})",
-        f"  step time             {_ms(est['step_s'])} ms ({terms})",
-        "                        (per unit the larger of work, link and disk with prefetching: "
-        "the terms can sum to more)",
-        f"  est. samples/sec      {data['est_samples_per_sec']:.2f}  (bound by {est['bound']})",
-        f"  model consumes        {est['model_samples_per_sec']:.2f} samples/sec "
-        "(the step without its input)",
-        f"  physical limit        {est['limit_samples_per_sec']:.2f} samples/sec "
-        f"(bound by {est['limit_bound']})",
+        *(f"  {label:<22}{text}" for label, text in summary.items()),
         "",
         f"probe: {m['device']} ({m['device_name']}), torch {m['torch_version']}, "
         f"{m['num_threads']} threads, measured {m['measured_at']}",
-        "  matmul peak  "
-        + ", ".join(f"{k} {_si(v, 'FLOP/s')}" for k, v in sorted(m["matmul_flops"].items())),
-        "  " + ", ".join(f"{name} {_si(m[k], 'B/s')}" for name, k in _RATES if m[k]),
+        f"  matmul peak  {peaks}",
+        f"  {rates}",
         f"  fixed costs: {m['op_s'] * 1e6:.1f} us per operator, {m['tensor_s'] * 1e6:.1f} us per "
         f"parameter tensor, {m['step_s'] * 1e6:.0f} us per step",
+        *(
+            f"  disk {d}: {_si(r['write'], 'B/s')} write, {_si(r['read'], 'B/s')} read"
+            for d, r in disks
+        ),
+        *(f"note: {n}" for n in est["notes"]),
     ]
-    for directory, rates in sorted(m["disk"].items()):
-        lines.append(
-            f"  disk {directory}: write {_si(rates['write'], 'B/s')}, read {_si(rates['read'], 'B/s')}"
-        )
-    return "\n".join(lines + [f"note: {n}" for n in est["notes"]]) + "\n"
+    return "\n".join(lines) + "\n"
 
 
 def write_compile_dir(root, checksum, plan, costs, estimate, probe, settings=None) -> Path:
