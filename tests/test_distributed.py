@@ -218,3 +218,52 @@ def test_a_device_only_backend_is_refused_for_host_collectives(backend, host):
     from weightstream.runtime import swarm
 
     assert swarm.host_capable(backend) is host
+
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.mark.parametrize(
+    "device, local_ranks, devices, backend, indices",
+    [
+        (CPU, 2, 0, "gloo", None),  # the CPU: gloo, no GPU to choose
+        (CUDA, 1, 1, "cpu:gloo,cuda:nccl", [0]),
+        (CUDA, 2, 2, "cpu:gloo,cuda:nccl", [0, 1]),  # a GPU each: NCCL for device tensors
+        (CUDA, 2, 4, "cpu:gloo,cuda:nccl", [0, 1]),
+        (CUDA, 2, 1, "gloo", [0, 0]),  # two ranks on one GPU: NCCL would refuse them
+        (CUDA, 4, 2, "gloo", [0, 1, 0, 1]),  # more ranks than GPUs: round robin
+    ],
+)
+def test_ranks_that_share_a_gpu_join_with_gloo_alone(
+    device, local_ranks, devices, backend, indices
+):
+    """Note [ranks sharing a device]: the backend and each local rank's GPU, chosen from
+    LOCAL_WORLD_SIZE and the visible GPUs only (the same choice on every rank)."""
+    from weightstream.runtime import swarm
+
+    assert swarm.backend_for(device, local_ranks, devices) == backend
+    assert swarm.host_capable(backend)  # weight streaming's collectives are host tensors
+    if indices is not None:
+        assert [swarm.device_index(r, local_ranks, devices) for r in range(local_ranks)] == indices
+
+
+@pytest.mark.parametrize(
+    "backend, device_type, native",
+    [
+        ("cpu:gloo,cuda:nccl", "cuda", True),
+        ("cpu:gloo,cuda:gloo", "cuda", False),  # what get_backend_config gives for "gloo"
+        ("gloo", "cuda", False),
+        ("nccl", "cuda", True),
+        ("cuda:nccl", "cuda", True),
+        ("cpu:gloo", "cuda", False),  # no backend for the device at all
+        ("CPU:GLOO, CUDA:NCCL", "cuda", True),
+    ],
+)
+def test_device_tensors_go_through_host_copies_where_gloo_serves_the_device(
+    backend, device_type, native
+):
+    """swarm's collectives on device tensors (buffers at build, loss and metric sums) use
+    the device's own backend where the group has one, else a host copy."""
+    from weightstream.runtime import swarm
+
+    assert swarm.device_native(backend, device_type) is native

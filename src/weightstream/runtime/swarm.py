@@ -1,4 +1,5 @@
-"""SwarmX: data parallelism over torch.distributed (gloo on CPU, NCCL on CUDA).
+"""SwarmX: data parallelism over torch.distributed (gloo on CPU, NCCL on CUDA; gloo alone
+where ranks share a GPU, Note [ranks sharing a device]).
 
 Every rank runs every layer on its share of the global batch. The gradients of
 all ranks are reduced (averaged: each rank's loss is a mean over its share,
@@ -20,6 +21,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import logging
 import os
 import time
 import weakref
@@ -36,6 +38,51 @@ from weightstream.common.flat import flatten, unflatten_views
 # tensor, each started as soon as its gradients are final.
 BUCKET_BYTES = 32 * 2**20
 
+log = logging.getLogger("weightstream")
+
+# The backend of ranks with a GPU each: gloo for host tensors, NCCL for device tensors.
+HOST_AND_CUDA = "cpu:gloo,cuda:nccl"
+
+# Note [ranks sharing a device]
+# -----------------------------
+# NCCL refuses two ranks of one communicator on one GPU, so ranks that outnumber
+# the GPUs their node shows them (LOCAL_WORLD_SIZE > torch.cuda.device_count():
+# two ranks on one GPU to test data parallel, or more ranks than GPUs) join a
+# process group whose every collective runs on gloo, and take the GPUs round
+# robin (local rank modulo the GPUs). Otherwise each rank has a GPU of its own
+# and the group is HOST_AND_CUDA: gloo for host tensors, NCCL for device tensors.
+# The choice (``backend_for``) reads only LOCAL_WORLD_SIZE and the number of
+# visible GPUs, so every rank of a node makes the same one; nodes must be alike.
+#
+# Weight streaming needs nothing of NCCL: its collectives move host tensors
+# (the masters' gradients, the sharded store's weights and whole-state gathers:
+# Note [sharded store] in runtime/sharding.py). The few collectives on device
+# tensors are the module functions below (the model's buffers broadcast when it
+# is built; the loops' loss, token-count and metric sums). Where the group has
+# no backend of the device's own (gloo alone, whether chosen here or by a user
+# who started the group with "gloo"), they run on a host copy of the tensor
+# (``_collective``): gloo takes some CUDA tensors (broadcast, all-reduce) but not
+# all collectives, and a host copy of a few scalars a step costs nothing that
+# matters. With NCCL present they run on the device tensor as before.
+#
+# A layer-pipelined model's gradients are device tensors: on gloo alone its
+# reducer's all-reduce relies on gloo's own CUDA all-reduce.
+
+
+def backend_for(device: torch.device, local_ranks: int, devices: int) -> str:
+    """The backend the ranks join with: gloo on the CPU; on CUDA, HOST_AND_CUDA when each
+    of the ``local_ranks`` ranks of a node has one of its ``devices`` GPUs to itself, and
+    gloo alone when they share (Note [ranks sharing a device])."""
+    if device.type != "cuda":
+        return "gloo"
+    return "gloo" if local_ranks > devices else HOST_AND_CUDA
+
+
+def device_index(local_rank: int, local_ranks: int, devices: int) -> int:
+    """The GPU of local rank ``local_rank``: its own, or round robin where the ranks
+    outnumber the GPUs (Note [ranks sharing a device])."""
+    return local_rank % devices if local_ranks > devices > 0 else local_rank
+
 
 def init_from_env(device: torch.device) -> bool:
     """Join the process group described by the torchrun environment, if there is one."""
@@ -44,10 +91,23 @@ def init_from_env(device: torch.device) -> bool:
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
     # Weight streaming reduces and broadcasts host tensors (the masters' gradients
-    # and weights); on CUDA, NCCL serves the device's and gloo the host's.
-    backend = HOST_AND_CUDA if device.type == "cuda" else "gloo"
+    # and weights); on CUDA, NCCL serves the device's and gloo the host's, or gloo
+    # both where ranks share a GPU (Note [ranks sharing a device]).
+    backend = "gloo"
     if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        devices = torch.cuda.device_count()
+        backend = backend_for(device, local_ranks, devices)
+        if backend == "gloo":
+            log.info(
+                "%d ranks on this node share %d GPU(s), and NCCL refuses two ranks on one "
+                "GPU: every collective runs on gloo (host tensors; Note [ranks sharing a "
+                "device] in weightstream/runtime/swarm.py).",
+                local_ranks,
+                devices,
+            )
+        torch.cuda.set_device(device_index(local_rank, local_ranks, devices))
     dist.init_process_group(backend=backend, timeout=timeout())
     # Joined here, so left here: a group still alive when the interpreter shuts down
     # can abort the process ("terminate called without an active exception": gloo's
@@ -55,9 +115,6 @@ def init_from_env(device: torch.device) -> bool:
     # makes this a no-op.
     atexit.register(shutdown)
     return True
-
-
-HOST_AND_CUDA = "cpu:gloo,cuda:nccl"
 
 
 def check_host_collectives() -> None:
@@ -82,6 +139,36 @@ def host_capable(backend: str) -> bool:
     return any(part.split(":")[0].strip() == "cpu" for part in backend.split(","))
 
 
+def device_native(backend: str, device_type: str) -> bool:
+    """Whether a backend string (``"cpu:gloo,cuda:nccl"``, ``"cpu:gloo,cuda:gloo"``,
+    ``"nccl"``, ``"gloo"``) serves tensors of ``device_type`` with a backend other than
+    gloo (the device's own, NCCL for CUDA). False: they go through host copies (Note
+    [ranks sharing a device])."""
+    backend = backend.lower()
+    if ":" not in backend:
+        return backend != "gloo"
+    for part in backend.split(","):
+        device, _, name = part.partition(":")
+        if device.strip() == device_type:
+            return name.strip() != "gloo"
+    return False
+
+
+def _collective(t: torch.Tensor, run: Callable[[torch.Tensor], object]) -> None:
+    """``run(t)``, a collective that writes ``t`` in place, on a host copy of ``t`` where
+    the group has no backend of ``t``'s device's own (Note [ranks sharing a device])."""
+    if t.device.type == "cpu":
+        run(t)
+        return
+    config = getattr(dist, "get_backend_config", dist.get_backend)()
+    if device_native(str(config), t.device.type):
+        run(t)
+        return
+    host = t.cpu()  # host sync point
+    run(host)
+    t.copy_(host)
+
+
 def timeout() -> datetime.timedelta:
     """How long a collective waits for a lost peer: ``WEIGHTSTREAM_DIST_TIMEOUT`` seconds (60)."""
     return datetime.timedelta(seconds=float(os.environ.get("WEIGHTSTREAM_DIST_TIMEOUT", "60")))
@@ -104,7 +191,7 @@ def sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
     if world_size() == 1:
         return value
     out = value.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM)  # host sync point
+    _collective(out, lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM))  # host sync point
     return out
 
 
@@ -113,7 +200,7 @@ def max_over_ranks(value: torch.Tensor) -> torch.Tensor:
     if world_size() == 1:
         return value
     out = value.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)  # host sync point
+    _collective(out, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX))  # host sync point
     return out
 
 
@@ -143,7 +230,7 @@ def broadcast_module(module: torch.nn.Module) -> None:
         return
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(t.data, src=0)
+            _collective(t.data, lambda x: dist.broadcast(x, src=0))
 
 
 def shutdown() -> None:
