@@ -150,7 +150,8 @@ class StreamingConfig:
         "owner rank that alone keeps its masters and optimizer state, broadcasts its "
         "weights and runs its update (Note [sharded store] in runtime/sharding.py). None: "
         "sharded on the CPU, as the reference's MemoryX, and replicated on accelerators, "
-        "which cannot shard yet. With one rank all are the same.",
+        "where a sharded store saves host memory but its fetches add a host broadcast "
+        "and skip the host mirror. With one rank all are the same.",
     )
     num_wgt_servers: int | None = setting(
         None,

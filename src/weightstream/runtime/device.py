@@ -449,6 +449,42 @@ class DeviceOps:
                 view.copy_(m.detach(), non_blocking=True)
         return flat
 
+    # ---- a unit's copy through host collectives (Note [sharded store] in sharding.py) ----
+
+    def staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized flat host buffer for part of a unit's copy, which a host
+        collective (gloo) sends or fills and :meth:`from_staging` puts on the device.
+
+        On the CPU it is the copy itself (a recycled buffer: Note [CPU copy buffers]).
+        On an accelerator it is page-locked memory of the caching host allocator: that
+        allocator hands a block out again only once the device copies reading it are
+        done, so the buffer may be dropped as soon as they are issued. It keeps the
+        blocks (each rounded up to a power of two) for the next fetches: about the
+        units in flight, (prefetch_depth + 1) of them.
+        """
+        if self.is_cpu:
+            return self.empty(numel, dtype)
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+    def staging_flat(
+        self, masters: Sequence[torch.Tensor], dtype: torch.dtype, out_numel: int
+    ) -> torch.Tensor:
+        """``masters`` back to back in a :meth:`staging` buffer, cast to ``dtype`` on the
+        host (on the CPU, :meth:`copy_flat`)."""
+        return flatten(masters, out=self.staging(out_numel, dtype))
+
+    def from_staging(self, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+        """One flat device buffer holding the :meth:`staging` buffers ``pieces`` back to
+        back: on the CPU the pieces themselves (joined where there are several), on an
+        accelerator copies issued on the current stream (the prefetch thread's copy
+        stream, whose event the compute stream waits for: :class:`Transfer`)."""
+        if self.is_cpu:
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        out = self.empty(sum(p.numel() for p in pieces), pieces[0].dtype)
+        for view, piece in zip(unflatten_views(out, pieces), pieces):
+            view.copy_(piece, non_blocking=True)
+        return out
+
     GRADS_IN_FLIGHT = 2  # units whose gradient copies may be queued at once
 
     def grads_to_host(

@@ -288,16 +288,13 @@ class StreamingEngine:
         owners = None
         # Events name a bucket by its first unit (a tied head's bucket is its embedding's).
         first_unit = [self.plan.units[g[0]].display_name for g in unit_groups(unit_params)]
-        # None: sharded on the CPU, as the reference's MemoryX (StreamingConfig).
+        # None: sharded on the CPU, as the reference's MemoryX, replicated on
+        # accelerators, where a sharded fetch adds a host broadcast and skips the
+        # host mirror (StreamingConfig; Note [sharded store]).
         sharding = self.config.store_sharding or (
             "sharded" if self.device.type == "cpu" else "replicated"
         )
         if sharding == "sharded":
-            if self.device.type != "cpu":
-                raise ValueError(
-                    "store_sharding='sharded' runs on the CPU (gloo) only so far; use "
-                    "store_sharding='replicated' on accelerators."
-                )
             # Fixed with the structural plan, before any optimizer state exists.
             servers = self.config.num_wgt_servers or current_config().max_wgt_servers
             shards = ShardedStore(unit_params, servers, self.store.tier)

@@ -26,6 +26,16 @@ is split across the ranks acting as weight servers (MemoryX with
   DeviceOps' single worker thread, on a process group of their own: no
   collective of another thread can interleave with them.
 
+* Host tensors only, whatever the compute device. The store's masters,
+  gradients and optimizer state are host tensors (there is no device tier), so
+  every collective of the store moves host tensors on gloo: the reduces of the
+  gradients, the whole-state gathers and the weight broadcasts. On an
+  accelerator a fetch broadcasts into page-locked host buffers (the owner casts
+  its masters into one on the host) and copies them to the device on the
+  prefetch thread's copy stream (``DeviceOps.staging``, ``from_staging``); NCCL
+  is never asked, so ranks that share a GPU work as ranks with one each (Note
+  [ranks sharing a device] in runtime/swarm.py).
+
 * Gradients. SwarmX's reducer (Note [swarm reduce] in runtime/swarm.py) sums
   each unit group's gradients on its owner as the backward produces them, and
   divides by the world size; the other ranks drop theirs, so every optimizer
@@ -52,8 +62,12 @@ owns only (the others' are given back when their masters are dropped), and a
 whole-model read gathers the other ranks' tensors into scratch files of the
 store, so saving stays within the host memory budget.
 
-Limits: the sharded store runs on gloo (CPU compute); with accelerators the
-store is replicated.
+On accelerators the store is replicated unless ``store_sharding="sharded"`` is
+asked for (StreamingConfig): a sharded fetch adds gloo's host broadcast and a
+host cast on the prefetch thread, and the host mirror is off (Note [host
+mirror] in runtime/mirror.py), so sharding trades fetch work for host memory
+there (not measured yet). Limits: a device tier's units would be gathered with
+NCCL; there is none yet.
 """
 
 from __future__ import annotations
@@ -290,12 +304,13 @@ class ShardedStore:
         for owner, run in runs:
             n = sum(m.numel() for m in run)
             if owner == self.rank:
-                piece = ops.copy_flat(run, dtype, n)
+                piece = ops.staging_flat(run, dtype, n)
             else:
-                piece = ops.empty(n, dtype)
+                piece = ops.staging(n, dtype)
+            # A host tensor on every compute device: gloo carries it (see the Note).
             dist.broadcast(piece, src=owner, group=self.weight_group)  # host sync point
             pieces.append(piece)
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return ops.from_staging(pieces)
 
     def _broadcast_from_owner(self, owner: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """``tensors`` as the owner has them, on every rank (one collective per dtype)."""
