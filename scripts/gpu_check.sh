@@ -15,7 +15,7 @@ OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 TESTS=${TESTS:-1}
-TEST_S=${TEST_S:-240}
+TEST_S=${TEST_S:-300}  # 240 before tests/test_sharded_store_cuda.py, which starts two ranks
 BENCH=${BENCH:---sizes 1b}
 BENCH_S=${BENCH_S:-300}
 
@@ -27,7 +27,8 @@ BENCH_S=${BENCH_S:-300}
 } 2>&1 | tee "$OUT/env.txt"
 
 if [ "$TESTS" = 1 ]; then
-  timeout "$TEST_S" python3 -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider \
+  timeout "$TEST_S" python3 -m pytest -q -m cuda tests/test_cuda.py tests/test_sharded_store_cuda.py \
+    -p no:cacheprovider \
     -o addopts="" -ra --timeout 120 2>&1 | tee "$OUT/cuda_tests.txt"
 fi
 

@@ -1,0 +1,260 @@
+"""The sharded store on a CUDA device, two ranks sharing one GPU (Note [sharded store] in
+runtime/sharding.py, Note [ranks sharing a device] in runtime/swarm.py).
+
+Two ranks started as torchrun starts them (RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE) see one GPU, so ``cstorch.compile`` joins them with gloo alone
+(NCCL refuses two ranks on one GPU) and puts both on it. Each trains half of every
+batch with ``store_sharding="sharded"``: each rank keeps the masters and optimizer
+state of its own units, fetches broadcast host buffers over gloo and copy them to
+the device, and the gradients are reduced to their owners. Rank 1 builds its model
+from another seed, with another buffer: the build must broadcast rank 0's weights
+and its device buffer (through a host copy on gloo). The trained weights must equal
+one rank streaming the whole batch and eager PyTorch (the model resident on the
+device, torch.optim.AdamW on host fp32 copies: tests/test_cuda.py's reference).
+
+The ``cuda`` case needs a GPU (``pytest -m cuda``, or ``scripts/gpu_check.sh``). The
+``cpu`` case runs the same script on the CPU everywhere, so the test itself is
+checked where no GPU is.
+
+Tolerance: that of tests/test_sharded_clipping.py, the same model, data,
+optimizer and steps, for its reason: two ranks sum the per-sample gradients in
+another order than one (each half's mean, then the mean of the two), and AdamW
+carries the last bits into the weights at the scale of an update. Measured on the
+CPU: losses within 9.7e-8 relative, weights within 3.0e-8 (one rank equals eager
+bit for bit there). Wrong runs are far outside: rank 1's own initial weights are
+up to 0.78 away from rank 0's, and training on one half of each batch moves the
+weights 5.7e-2 from eager's.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Deterministic cuBLAS needs this before its first handle (read once per process).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+WEIGHT_ATOL = 2e-6
+LOSS_RTOL = 1e-5
+STEPS, BATCH, WIDTH = 3, 8, 16
+WORLD = 2
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.cuda,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ],
+    ),
+]
+
+
+class _Scale(nn.Module):
+    """Multiplies by a buffer, which lives on the device (the engine broadcasts it)."""
+
+    def __init__(self, scale: torch.Tensor):
+        super().__init__()
+        self.register_buffer("scale", scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(4):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+    return nn.Sequential(*layers, _Scale(torch.rand(WIDTH) + 0.5))
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g))
+        for _ in range(STEPS)
+    ]
+
+
+def _full_fp32_products() -> None:
+    """Full fp32 products and deterministic kernels (tests/test_cuda.py's reason)."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+@pytest.fixture
+def full_fp32_products():
+    """:func:`_full_fp32_products` in this process, as it was afterwards."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    _full_fp32_products()
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+    torch.use_deterministic_algorithms(deterministic)
+
+
+def _adamw(params, cstorch=None):
+    if cstorch is None:
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01, foreach=False)
+    # torch.optim.AdamW's eps (the reference API's default is 1e-6).
+    return cstorch.optim.AdamW(params, lr=1e-2, eps=1e-8, weight_decay=0.01)
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def _rank(rank: int, port: int, out: str, device: str) -> None:
+    """One rank of two, joined by the engine from the torchrun environment."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_WORLD_SIZE=str(WORLD),
+    )
+    import torch.distributed as dist
+
+    import weightstream as cstorch
+    from weightstream.runtime import swarm
+
+    torch.set_num_threads(1)
+    _full_fp32_products()
+    model = _model(seed=rank)  # rank 1 starts elsewhere: the build broadcasts rank 0's
+    optimizer = _adamw(model.parameters(), cstorch)
+    compiled = cstorch.compile(
+        model, backend="wse_ws", device=device, granularity="module", store_sharding="sharded"
+    )
+    try:
+        shards = compiled.engine.store.replicas
+        share = BATCH // WORLD
+        losses = []
+        for x, y in _batches():
+            x, y = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
+            loss = F.mse_loss(compiled(x.to(device)), y.to(device))
+            loss.backward()  # SwarmX reduces each unit's gradients to its owner
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            # A collective on a device tensor (the run command's loss log does the same).
+            losses.append(swarm.average(loss.detach()).item())
+        state = _state(model)  # collective: the whole model on every rank
+        if rank == 0:
+            torch.save(state, Path(out, "sharded.pt"))
+        record = {
+            "backend": str(dist.get_backend()),
+            "device": str(compiled.engine.device),
+            "sharded": shards.sharded,
+            "owned": [n for n, p in model.named_parameters() if shards.owns(p)],
+            "losses": losses,
+        }
+        compiled.close()
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(record))
+
+
+def _two_ranks(out: Path, device: str) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.MonkeyPatch.context() as env:
+        if device == "cuda":
+            # One GPU for both ranks, whatever the machine has. In the environment the
+            # ranks start with: CUDA reads it once, at its first use (this module's
+            # import in each rank asks torch.cuda.is_available()).
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+            env.setenv("CUDA_VISIBLE_DEVICES", visible)
+        mp.start_processes(_rank, args=(port, str(out), device), nprocs=WORLD, start_method="spawn")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def _one_rank(device: str) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process streaming the whole batch (no torchrun environment: no ranks)."""
+    import weightstream as cstorch
+
+    model = _model(seed=0)
+    optimizer = _adamw(model.parameters(), cstorch)
+    compiled = cstorch.compile(model, backend="wse_ws", device=device, granularity="module")
+    losses = []
+    for x, y in _batches():
+        loss = F.mse_loss(compiled(x.to(device)), y.to(device))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    state = _state(model)
+    compiled.close()
+    return state, losses
+
+
+def _eager(device: str) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Eager PyTorch: the model resident on ``device``, AdamW on host fp32 copies."""
+    host = _model(seed=0)
+    resident = copy.deepcopy(host).to(device)
+    pairs = list(zip(host.parameters(), resident.parameters()))
+    optimizer = _adamw(host.parameters())
+    losses = []
+    for x, y in _batches():
+        with torch.no_grad():
+            for h, d in pairs:
+                d.copy_(h)
+        loss = F.mse_loss(resident(x.to(device)), y.to(device))
+        loss.backward()
+        for h, d in pairs:
+            h.grad, d.grad = d.grad.cpu(), None
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return _state(host), losses
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_ranks_on_one_device_with_a_sharded_store_equal_one_rank_and_eager(
+    tmp_path, device, full_fp32_products
+):
+    records = _two_ranks(tmp_path, device)
+    # Joined with gloo alone (on CUDA: two ranks, one GPU), both on the one device.
+    assert [r["backend"] for r in records] == ["gloo"] * WORLD
+    want_device = "cpu" if device == "cpu" else "cuda:0"
+    assert [r["device"] for r in records] == [want_device] * WORLD
+    # Sharded: each rank owns some of the units, every parameter has one owner.
+    owned = [set(r["owned"]) for r in records]
+    names = {n for n, _ in _model(seed=0).named_parameters()}
+    assert all(r["sharded"] for r in records)
+    assert all(owned) and not owned[0] & owned[1] and owned[0] | owned[1] == names
+    # Both ranks log the same mean loss of the global batch.
+    assert records[0]["losses"] == records[1]["losses"]
+    got = torch.load(tmp_path / "sharded.pt")
+    for what, (want, want_losses) in {
+        "one rank": _one_rank(device),
+        "eager": _eager(device),
+    }.items():
+        torch.testing.assert_close(
+            torch.tensor(records[0]["losses"]),
+            torch.tensor(want_losses),
+            rtol=LOSS_RTOL,
+            atol=0,
+            msg=lambda m, label=f"losses against {what}": f"{label}: {m}",
+        )
+        assert set(got) == set(want), what
+        for key, w in want.items():
+            torch.testing.assert_close(
+                got[key],
+                w,
+                rtol=0,
+                atol=WEIGHT_ATOL,
+                msg=lambda m, label=f"{what} {key}": f"{label}: {m}",
+            )
