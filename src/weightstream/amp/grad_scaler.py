@@ -358,7 +358,8 @@ class GradScaler:
     def _decide_isfinite(self) -> bool:
         """Global-norm finiteness of everything unscaled so far; see Note [dynamic loss scaling]."""
         if self._squared_norms:
-            squares = torch.sum(torch.stack(self._squared_norms))
+            first = self._squared_norms[0].device  # a device tier's are on the device
+            squares = torch.sum(torch.stack([s.to(first) for s in self._squared_norms]))
         else:
             squares = torch.zeros((), dtype=torch.float32)
         if self._sharded_engine is not None:

@@ -205,6 +205,7 @@ class Run:
             with self._autocast():
                 plan = compiled.engine.prepare(*args, **kwargs)
             log.info("Streaming plan: %d units\n%s", len(plan.units), plan.describe())
+            log.info("Training state: %s", compiled.engine.describe_tiers())
             predicted = compiled.engine.store.predicted_placement()
             if predicted is not None:  # a disk store's (Note [hybrid placement])
                 log.info("Disk store: %s", predicted.describe())

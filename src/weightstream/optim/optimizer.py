@@ -91,6 +91,10 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
         self._engine = hosts.holding(self._all_params())
         self._create_state()
         self._preinitialized = True
+        if self._engine is not None:
+            # Known to the engine, which moves this state with the units it places on
+            # the device (Note [device tier] in runtime/placement.py).
+            self._engine.bind_optimizer(self)
 
     # ------------------------------------------------------------------ abstract
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 
 import torch
 from torch import nn
@@ -20,7 +21,7 @@ from weightstream.runtime.loading import copy_then_release, holds_tensors
 from weightstream.runtime.memoryx import MemoryX, RamTier
 from weightstream.runtime.offload import ActivationOffload
 from weightstream.runtime.partition import Plan, build_plan
-from weightstream.runtime.placement import Placement, PlacementPlan, default_budget
+from weightstream.runtime.placement import Placement, PlacementPlan, default_budget, device_tier
 from weightstream.runtime.recompute import recomputed_units
 from weightstream.runtime.sharding import ShardedStore, unit_group_params, unit_groups
 from weightstream.runtime.store import DiskStore
@@ -263,6 +264,11 @@ class StreamingEngine:
         self._skipped_on_load: list[str] = []
         self._warned_update_in_backward = False
         self._warned_unchecked_step = False
+        # The units whose training state lives on the device (Note [device tier] in
+        # runtime/placement.py), placed at the first call; the optimizers bound so far,
+        # whose state moves with them.
+        self.resident: frozenset[int] = frozenset()
+        self._optimizers: weakref.WeakSet = weakref.WeakSet()
         hosts.add(self)
 
     def _tier(self, module: nn.Module):
@@ -330,6 +336,7 @@ class StreamingEngine:
 
     def bind_optimizer(self, optimizer) -> None:
         self.store.bind_optimizer(optimizer)
+        self._optimizers.add(optimizer)
 
     def apply_step(self, optimizer) -> None:
         """The optimizer's update of the masters, through the updater (Note [overlapped
@@ -499,10 +506,13 @@ class StreamingEngine:
             plan = build_plan(self.module, self.config, trace)
         check_budget(plan, self.config, self.device)
         self.plan = plan
-        # As many idle copy buffers as copies may be in flight (Note [CPU copy buffers]).
-        self.ops.keep(self.config.prefetch_depth + 1, plan.largest_unit_bytes)
         self.updater.set_units([u.params for u in plan.units])
         recompute = self._recomputed_units(plan, trace)
+        self.resident = self._place_device_tier(plan, recompute)
+        recompute -= self.resident  # a unit on the device keeps its activations
+        streamed = [u.weight_bytes for u in plan.units if u.index not in self.resident]
+        # As many idle copy buffers as copies may be in flight (Note [CPU copy buffers]).
+        self.ops.keep(self.config.prefetch_depth + 1, max(streamed, default=0))
         mirror = self._host_mirror()
         self.streamer = Streamer(
             plan,
@@ -517,11 +527,99 @@ class StreamingEngine:
             mirror=mirror,
             mirror_by_update=self.updater.apart,
             offload=self._activation_offload(),
+            resident=self.resident,
         )
         if mirror and self.updater.apart:
             # The update writes what it changed into the mirrors (Note [host mirror]).
             self.updater.on_updated = self.streamer.mirror_updated
         self.streamer.install()
+
+    def _place_device_tier(self, plan: Plan, recompute: set[int]) -> frozenset[int]:
+        """Choose the units of the device tier and move their masters and optimizer state
+        to the device (Note [device tier] in runtime/placement.py)."""
+        budget = self.config.device_tier_budget
+        if not budget:
+            return frozenset()
+        limit = None
+        if self.reducer is not None or (self.config.data_parallel and swarm.world_size() > 1):
+            limit = "under data parallel, where SwarmX reduces host gradients"
+        elif self.store.on_disk:
+            limit = "with a disk store, whose files hold the masters already"
+        elif self.config.compute_dtype == "cbfloat16":
+            limit = "with cbfloat16, whose grid is applied on the way to the device"
+        if limit is not None:
+            warnings.warn(
+                f"weightstream: device_tier_budget is ignored {limit}; every unit streams "
+                "(Note [device tier] in runtime/placement.py). Fix: drop device_tier_budget.",
+                stacklevel=4,
+            )
+            return frozenset()
+        unit_params = [u.params for u in plan.units]
+        groups = []
+        for indices in unit_groups(unit_params):
+            params = {id(p): p for i in indices for p in unit_params[i]}.values()
+            nbytes = sum(p.nbytes + (p.nbytes + self._state_bytes(p)) * p.requires_grad
+                         for p in params)  # fmt: skip
+            groups.append((indices, nbytes, max(2 + (i in recompute) for i in indices)))
+        chosen = frozenset(device_tier(groups, budget, len(plan.units)))
+        moved = {id(p): p for i in sorted(chosen) for p in unit_params[i]}
+        with torch.no_grad():
+            for p in moved.values():
+                if p.is_meta:
+                    continue  # shapes only (validate_only, compile_only): nothing to move
+                p.data = p.data.to(self.device)
+                for optimizer in self._optimizers:
+                    state = optimizer.state.get(p, {})
+                    for key, value in state.items():
+                        if isinstance(value, torch.Tensor) and value.device != self.device:
+                            state[key] = value.to(self.device)
+        return chosen
+
+    def describe_tiers(self) -> str:
+        """One line for the log: the training state on the device and on the host, and the
+        bytes a step moves over the link (fetches and gradients of the streamed units) and
+        through host memory in their update (masters and state read and written, gradients
+        read), once the plan is fixed (Note [device tier] in runtime/placement.py)."""
+        device, host, link, update = {}, {}, 0, 0
+        seen: set[int] = set()
+        recompute = self.streamer.recompute if self.streamer is not None else frozenset()
+        for u in self.plan.units:
+            on_device = u.index in self.resident
+            if not on_device:
+                fetches = 2 + (u.index in recompute)
+                link += sum(fetches * p.numel() * self.stream_dtype(p).itemsize for p in u.params)
+                link += sum(p.nbytes for p in u.params if p.requires_grad)
+            for p in u.params:
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                where = device if on_device else host
+                kinds = {"masters": p.nbytes}
+                if p.requires_grad:
+                    kinds |= {"gradients": p.nbytes, "optimizer state": self._state_bytes(p)}
+                    if not on_device:
+                        update += 2 * p.nbytes + p.nbytes + 2 * kinds["optimizer state"]
+                for k, n in kinds.items():
+                    where[k] = where.get(k, 0) + n
+
+        def parts(where: dict[str, int]) -> str:
+            return ", ".join(f"{k} {format_bytes(n)}" for k, n in where.items() if n) or "nothing"
+
+        streamed = len(self.plan.units) - len(self.resident)
+        return (
+            f"device tier: {len(self.resident)} of {len(self.plan.units)} units on "
+            f"{self.device} ({parts(device)}); host: {streamed} units ({parts(host)}); a step "
+            f"moves {format_bytes(link)} over the link and {format_bytes(update)} through host "
+            "memory in the update"
+        )
+
+    def _state_bytes(self, p: torch.Tensor) -> int:
+        """Bytes of ``p``'s optimizer state as the bound optimizers made it (AdamW's two
+        moments of ``p``'s size where none is bound yet)."""
+        if not self._optimizers:
+            return 2 * p.nbytes
+        states = [opt.state.get(p, {}) for opt in self._optimizers]
+        return sum(v.nbytes for s in states for v in s.values() if isinstance(v, torch.Tensor))
 
     def _activation_offload(self) -> ActivationOffload | None:
         """Saved activations in host memory (Note [activation offload] in offload.py)."""

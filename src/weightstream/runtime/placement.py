@@ -279,3 +279,52 @@ def spread(sizes: Sequence[int], room: int) -> list[bool]:
 def predict(master_bytes: Sequence[int], capacity: int, states_per_master: int = 2) -> Placement:
     """The placement of masters of ``master_bytes``, in order (see :class:`PlacementPlan`)."""
     return PlacementPlan(dict(enumerate(master_bytes)), capacity, states_per_master).predicted
+
+
+# Note [device tier]
+# ------------------
+# A streamed unit costs every step: its weights fetched twice (three times when
+# its forward is recomputed), its gradients sent back, and its update run on the
+# host, through host memory. Where the compute device has memory to spare, a
+# unit whose masters, gradients and optimizer state all live there costs none of
+# that: it computes on its masters as layer pipelined mode does, autograd leaves
+# its gradients in its masters' ``.grad`` on the device, and the updater runs its
+# share there, with the same kernels on the same values (eager PyTorch's bits).
+# On the CPU the device is host memory: such a unit only skips its copies.
+#
+# ``device_tier_budget`` bytes of the device hold whole unit groups (units that
+# share a parameter, a tied embedding and head, go together: a master is on one
+# device), each counted at its masters, its trainable masters' gradients and
+# their optimizer state (as the bound optimizer made it, compact state included;
+# AdamW's two moments where no optimizer is bound yet). The bytes a group saves
+# a step are about its fetches times its bytes, and its update's host traffic
+# in proportion, so per byte held the groups fetched most save most: recomputed
+# groups first; then the ends of the forward order, whose fetches have no work
+# of their own to hide behind (the first unit's at each forward's start, the
+# last unit's at the backward's); each group taken while it fits what is left.
+# The engine places them at the first call, when the traced plan is fixed
+# (``StreamingEngine._place_device_tier``): masters and any state already made
+# move to the device, and the streamer installs no fetch for them.
+#
+# Limits, each said by a warning that leaves every unit streamed: data parallel
+# (SwarmX reduces host gradients), a disk store (its files hold the masters
+# already), cbfloat16 (its grid is applied on the way to the device).
+
+
+def device_tier(
+    groups: Sequence[tuple[Sequence[int], int, int]], budget: int, units: int
+) -> set[int]:
+    """The units of the device tier (Note [device tier]): ``groups`` are (unit indices,
+    device bytes, fetches a step) of the plan's ``units`` unit groups."""
+
+    def rank(group: tuple[Sequence[int], int, int]) -> tuple[int, int, int]:
+        indices, _, fetches = group
+        return -fetches, min(min(i, units - 1 - i) for i in indices), min(indices)
+
+    chosen: set[int] = set()
+    left = budget
+    for indices, nbytes, _ in sorted(groups, key=rank):
+        if nbytes <= left:
+            chosen.update(indices)
+            left -= nbytes
+    return chosen

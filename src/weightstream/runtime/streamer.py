@@ -245,8 +245,12 @@ class Streamer:
         mirror: bool = False,
         mirror_by_update: bool = False,
         offload: ActivationOffload | None = None,
+        resident: frozenset[int] = frozenset(),
     ):
         self.plan = plan
+        # Units of the device tier: never fetched, their masters on the device (Note
+        # [device tier] in placement.py); their forward only waits for their update.
+        self.resident = frozenset(resident)
         # Indices of the units whose forward is recomputed in the backward
         # (Note [activation checkpointing] in recompute.py).
         self.recompute = frozenset(recompute)
@@ -284,7 +288,7 @@ class Streamer:
         self._hooks: list = []
         self._ids = itertools.count()
         # Predicted forward order of units (positions): the last forward's, or the plan's.
-        self._order_hint: list[int] = [u.index for u in self.units]
+        self._order_hint: list[int] = [u.index for u in self.units if u.index not in resident]
         # Forward state (one forward at a time).
         self._seq: _Sequence | None = None
         self._windows: list[_Window] = []
@@ -299,6 +303,10 @@ class Streamer:
     def install(self) -> None:
         for unit in self.units:
             m = unit.spec.module
+            if unit.index in self.resident:
+                if self._before_fetch is not None:
+                    self._hooks.append(m.register_forward_pre_hook(self._make_wait(unit)))
+                continue
             if unit.index in self.recompute:
                 # The window must sit inside the checkpointed call, which only a
                 # forward of ours can arrange (Note [activation checkpointing]).
@@ -318,6 +326,12 @@ class Streamer:
             self._enter(unit)
 
         return pre
+
+    def _make_wait(self, unit: StreamingUnit):
+        def wait(_module, _args):
+            self._before_fetch(unit.index)  # never compute on a master still being updated
+
+        return wait
 
     def _make_post(self, unit: StreamingUnit):
         def post(_module, _args, _out):

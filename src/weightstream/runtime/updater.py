@@ -177,8 +177,11 @@ class UnitUpdater:
                     if not at_step:
                         p.grad = None
         every = self._shares(snapshot, grads)
-        if at_step:  # one share: the same kernels over every parameter at once
-            every = [[p for share in every for p in share]]
+        if at_step:  # one share a device: the same kernels over its parameters at once
+            by_device: dict[torch.device, list[torch.nn.Parameter]] = {}
+            for p in (p for share in every for p in share):
+                by_device.setdefault(p.device, []).append(p)
+            every = list(by_device.values())
         grads.update(taken)
         pager = None
         if self._store is not None:

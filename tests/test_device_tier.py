@@ -1,0 +1,210 @@
+"""The device tier (Note [device tier] in runtime/placement.py): whole unit groups whose
+masters, gradients and optimizer state stay on the compute device within
+``device_tier_budget``, never streamed, updated there.
+
+The placement rule is checked on hand-made groups; the engine's placement against
+the bytes the chosen units really hold; training against eager PyTorch with
+torch.optim.AdamW (bit for bit: on the CPU the device is host memory and the same
+kernels run on the same values) in every update schedule.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import weightstream as cstorch
+from weightstream.models import GPT, GPTConfig
+from weightstream.runtime.placement import device_tier
+from weightstream.runtime.sharding import unit_groups
+
+CFG = GPTConfig(vocab_size=128, seq_len=16, n_layer=3, d_model=32, n_head=4)
+STEPS = 4
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, 128, (4, 16), generator=g)
+    return x, torch.roll(x, -1, 1)
+
+
+def _loss(model, step):
+    x, y = _batch(step)
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def _eager(steps=STEPS):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-6)
+    for step in range(steps):
+        _loss(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _streamed(budget, steps=STEPS, fetched=None, **config):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    runner = cstorch.compile(
+        model, backend="ws", granularity="module", device_tier_budget=budget, **config
+    )
+    opt = cstorch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    if fetched is not None:  # every master a fetch reads
+        store = runner.engine.store
+        fetch = store.fetch_flat
+
+        def counting(masters, *args):
+            fetched.update(id(m) for m in masters)
+            return fetch(masters, *args)
+
+        store.fetch_flat = counting
+    for step in range(steps):
+        _loss(runner, step).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, runner, opt
+
+
+def _unit_bytes(runner, opt, indices) -> int:
+    """Masters, gradients and optimizer state (AdamW's moments and step) of the units
+    ``indices``, each parameter once."""
+    params = {id(p): p for i in indices for p in runner.plan.units[i].params}.values()
+    state = [t for p in params for t in opt.state[p].values() if isinstance(t, torch.Tensor)]
+    return sum(2 * p.nbytes for p in params) + sum(t.nbytes for t in state)
+
+
+# ---- the rule -----------------------------------------------------------------------------
+
+
+def test_the_rule_fills_the_budget_with_whole_groups():
+    # (units, bytes, fetches a step) of 6 units; units 0 and 5 share a parameter
+    groups = [([0, 5], 400, 2), ([1], 100, 2), ([2], 100, 2), ([3], 100, 3), ([4], 100, 2)]
+    assert device_tier(groups, 0, 6) == set()
+    assert device_tier(groups, 10**6, 6) == {0, 1, 2, 3, 4, 5}
+    # a recomputed unit (3 fetches) saves the most per byte: first
+    assert device_tier(groups, 100, 6) == {3}
+    # then the ends of the order: the tied group (0 and 5) does not fit 250, so the
+    # next from the ends, unit 1 (the first unit after 0), then 4
+    assert device_tier(groups, 250, 6) == {3, 1}
+    assert device_tier(groups, 300, 6) == {3, 1, 4}
+    # a group is never split: 499 holds the recomputed unit and the tied pair is too big
+    # for what is left, so the smaller ones come in instead
+    assert device_tier(groups, 499, 6) == {3, 1, 4, 2}
+    assert device_tier(groups, 500, 6) == {3, 0, 5}
+
+
+def test_the_engine_places_groups_within_the_budget():
+    _, whole, opt = _streamed(10**9, steps=1)
+    units = whole.plan.units
+    assert whole.engine.resident == frozenset(range(len(units)))
+    groups = unit_groups([u.params for u in units])
+    assert any(len(g) > 1 for g in groups)  # the tied embedding and head
+    everything = _unit_bytes(whole, opt, range(len(units)))
+    for budget in (0, 4096, 20_000, everything // 2, everything - 1, everything):
+        _, runner, opt = _streamed(budget, steps=1)
+        resident = runner.engine.resident
+        held = _unit_bytes(runner, opt, resident)
+        assert held <= budget
+        for group in groups:  # whole groups only, and none left out that fits
+            assert set(group) <= resident or not set(group) & resident
+            if not set(group) & resident:
+                assert _unit_bytes(runner, opt, group) > budget - held
+        assert (len(resident) == len(units)) == (budget == everything)
+    assert "device tier: 0 of" in _streamed(0, steps=1)[1].engine.describe_tiers()
+
+
+# ---- training -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{}, {"overlap_updates": True}, {"update_in_backward": True}],
+    ids=["at_step", "overlapped", "in_backward"],
+)
+@pytest.mark.parametrize("part", ["some", "all"])
+def test_the_device_tier_trains_like_eager_pytorch(config, part):
+    eager, eager_opt = _eager()
+    budget = 20_000 if part == "some" else 10**9
+    fetched: set[int] = set()
+    model, runner, opt = _streamed(budget, fetched=fetched, **config)
+    resident = runner.engine.resident
+    assert resident and (part == "all") == (len(resident) == len(runner.plan.units))
+    on_device = {id(p) for i in resident for p in runner.plan.units[i].params}
+    assert not fetched & on_device  # the tier's masters were never streamed
+    assert fetched or part == "all"
+    state = model.state_dict()
+    for k, v in eager.state_dict().items():
+        assert torch.equal(state[k], v), k
+    ref, got = eager_opt.state_dict()["state"], opt.state_dict()["state"]
+    for i in ref:
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(ref[i][name], got[i][name]), (i, name)
+
+
+def test_compact_state_on_the_device_tier_equals_it_streamed():
+    """bf16 optimizer state (Note [compact optimizer state]) of units on the tier: the
+    same kernels as streamed, so the same bits as every unit streamed."""
+
+    def run(budget):
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        runner = cstorch.compile(model, backend="ws", device_tier_budget=budget)
+        opt = cstorch.optim.AdamW(model.parameters(), lr=3e-3, state_dtype=torch.bfloat16)
+        for step in range(STEPS):
+            _loss(runner, step).backward()
+            opt.step()
+            opt.zero_grad()
+        return model.state_dict(), runner.engine.resident
+
+    streamed, none = run(0)
+    placed, resident = run(60_000)
+    assert not none and resident
+    for k, v in streamed.items():
+        assert torch.equal(placed[k], v), k
+
+
+def test_a_checkpoint_of_the_device_tier_resumes_exactly(tmp_path):
+    eager, _ = _eager(steps=6)
+    model, runner, opt = _streamed(20_000, steps=3)
+    path = tmp_path / "checkpoint_3.mdl"
+    cstorch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    torch.manual_seed(1)  # another initialization: the checkpoint must set everything
+    resumed = GPT(CFG)
+    runner = cstorch.compile(resumed, backend="ws", granularity="module", device_tier_budget=20_000)
+    opt = cstorch.optim.AdamW(resumed.parameters(), lr=3e-3, weight_decay=0.1)
+    state = cstorch.load(path)
+    resumed.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    for step in range(3, 6):
+        _loss(runner, step).backward()
+        opt.step()
+        opt.zero_grad()
+    assert runner.engine.resident
+    got = resumed.state_dict()
+    for k, v in eager.state_dict().items():
+        assert torch.equal(got[k], v), k
+
+
+def test_recomputed_units_come_first_and_train_exactly():
+    eager, _ = _eager()
+    model, runner, _ = _streamed(30_000, activation_checkpointing=True)
+    resident = runner.engine.resident
+    assert resident and not resident & runner.engine.streamer.recompute
+    state = model.state_dict()
+    for k, v in eager.state_dict().items():
+        assert torch.equal(state[k], v), k
+
+
+@pytest.mark.parametrize(
+    "config, reason",
+    [({"compute_dtype": "cbfloat16"}, "cbfloat16"), ({"store": "disk"}, "disk store")],
+)
+def test_where_the_tier_cannot_be_it_says_so_and_streams(config, reason, tmp_path):
+    if config.get("store") == "disk":
+        config = {**config, "store_dir": str(tmp_path / "store")}
+    with pytest.warns(UserWarning, match=f"device_tier_budget is ignored.*{reason}"):
+        _, runner, _ = _streamed(10**9, steps=1, **config)
+    assert runner.engine.resident == frozenset()
