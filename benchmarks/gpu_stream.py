@@ -454,12 +454,14 @@ def _transfer_bytes(runner) -> tuple[int, int, int]:
     every gradient (in the masters' dtype: Note [gradients out]), and the device-memory
     bound of the streamed weights."""
     engine = runner.engine
-    fetch = sum(u.device_bytes() for u in engine.streamer.units)
-    grads = sum(p.numel() * p.element_size() for p in runner.parameters() if p.requires_grad)
+    streamed = [u for u in engine.streamer.units if u.index not in engine.resident]
+    fetch = sum(u.device_bytes() for u in streamed)
+    trainable = {id(p): p for u in streamed for p in u.params if p.requires_grad}.values()
+    grads = sum(p.numel() * p.element_size() for p in trainable)
     return fetch, grads, engine.plan.weight_bound(engine.config.prefetch_depth)
 
 
-def run_ws(cfg, x, y, device, dtype, args) -> dict:
+def run_ws(cfg, x, y, device, dtype, args, device_tier: int | None = None) -> dict:
     model = build(cfg)
     runner = backend.compile(
         model,
@@ -472,6 +474,7 @@ def run_ws(cfg, x, y, device, dtype, args) -> dict:
         update_in_backward=args.update_in_backward,
         activation_checkpointing=args.activation_checkpointing,
         activation_offload=args.activation_offload,
+        device_tier_budget=device_tier,
         # This process's model alone, even if a process group exists (FSDP2's is
         # destroyed after each size, but a launcher's environment must not join it).
         data_parallel=False,
@@ -514,6 +517,8 @@ def run_ws(cfg, x, y, device, dtype, args) -> dict:
             "offload_bytes": act,
             "device_peak_bytes": peak_bytes,
             "mirror": runner.engine.streamer.mirror_bytes() > 0,
+            "resident_units": len(runner.engine.resident),
+            "tiers": runner.engine.describe_tiers(),
             "transfer_bytes": torch.empty((), dtype=dtype).element_size(),
         }
     finally:
@@ -773,8 +778,42 @@ def run_size(name: str, size: Size, device, dtype, peak: float, limits: dict, ar
         "ws_vs_fsdp2": _ratio(fig["tokens_per_s"], peer["fsdp2_cpu_offload"].get("tokens_per_s")),
         "ws_vs_eager": _ratio(med, peer["eager"].get("step_s", {}).get("median")),
     }
+    if args.device_tier > 0:
+        result["device_tier"] = run_tier(cfg, x, y, device, dtype, args, fig, tokens, params, peak)
     report_size(result)
     return result
+
+
+def run_tier(cfg, x, y, device, dtype, args, streamed: dict, tokens, params, peak) -> dict:
+    """WS again with ``--device-tier`` GiB for its device tier (Note [device tier] in
+    runtime/placement.py), against the WS run above without it."""
+    budget = int(args.device_tier * GiB)
+    try:
+        ws = run_ws(cfg, x, y, device, dtype, args, device_tier=budget)
+    except Exception as exc:
+        error = _failure(exc)
+    else:
+        error = None
+    free_memory(device)
+    if error is not None:
+        print(f"  WS with the device tier failed: {error}")
+        return {"error": error}
+    fig = ws["timing"].figures(tokens, params, peak)
+    print(
+        f"  WS + device tier of {args.device_tier:g} GiB: {ws['tiers']}; "
+        f"{fig['tokens_per_s']:.0f} tokens/s, {fig['pct_peak']:.1f}% of peak, "
+        f"{fig['tokens_per_s'] / streamed['tokens_per_s']:.3f}x WS without it"
+    )
+    return {
+        **fig,
+        "budget_gib": args.device_tier,
+        "resident_units": ws["resident_units"],
+        "h2d_bytes_plan": ws["h2d_bytes_plan"],
+        "device_peak_gib": None
+        if ws["device_peak_bytes"] is None
+        else ws["device_peak_bytes"] / GiB,
+        "tier_vs_streamed": fig["tokens_per_s"] / streamed["tokens_per_s"],
+    }
 
 
 def _ratio(a: float, b: float | None) -> float | None:
@@ -881,6 +920,13 @@ def parse_args() -> argparse.Namespace:
         help="WS: each unit's update starts as soon as its gradient is final",
     )
     ap.add_argument(
+        "--device-tier",
+        type=float,
+        default=0.0,
+        help="GiB of device memory for WS's device tier: WS runs again with it, and its "
+        "tokens/s over WS's without it is printed (default 0: not run)",
+    )
+    ap.add_argument(
         "--profile", action="store_true", help="WS: one more step under torch.profiler, printed"
     )
     ap.add_argument(
@@ -960,6 +1006,7 @@ def main() -> None:
                 "overlap_updates",
                 "activation_checkpointing",
                 "activation_offload",
+                "device_tier",
             )
         },
         torch=torch.__version__,

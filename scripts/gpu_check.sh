@@ -6,6 +6,7 @@
 #   bash scripts/gpu_check.sh                      # tests, then the 1b benchmark
 #   TESTS=0 BENCH="--sizes 1b --profile" bash scripts/gpu_check.sh
 #   BENCH2="--sizes 1b --peers '' --update-in-backward" bash scripts/gpu_check.sh  # a second run
+#   BENCH="--sizes 5b --peers '' --device-tier 40" bash scripts/gpu_check.sh  # WS with and without a 40 GiB device tier
 #
 # Uses the machine's own python3 with PYTHONPATH=src (no set-up: the GPU machine
 # has torch, h5py, safetensors, transformers, tensorboard, tqdm and pytest).

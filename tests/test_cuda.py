@@ -378,3 +378,54 @@ def test_activation_offload_is_exact_and_frees_device_memory(checkpointing, monk
     held_plain, _ = forward_peak()
     held_off, records = forward_peak(activation_offload=True)
     assert records > 0 and held_off < held_plain
+
+
+def _tier_reference(make, cfg, steps: int, on_device: set[str]):
+    """Eager PyTorch as a device tier runs it (Note [device tier] in runtime/placement.py):
+    the model resident on the device, the parameters named in ``on_device`` updated
+    there by an AdamW of their own, the others by an AdamW on fp32 host copies."""
+    torch.manual_seed(0)
+    host = make(cfg)
+    resident = copy.deepcopy(host).to(DEVICE)
+    named = dict(resident.named_parameters())  # a tied weight once
+    pairs = [(h, named[n]) for n, h in host.named_parameters() if n not in on_device]
+    opts = [_adamw([h for h, _ in pairs])]
+    if on_device:
+        opts.append(_adamw([p for n, p in named.items() if n in on_device]))
+    losses = []
+    for step in range(steps):
+        with torch.no_grad():
+            for h, d in pairs:
+                d.copy_(h)
+        x, y = _batch(step, cfg.vocab_size)
+        loss = _loss(resident(x), y)
+        loss.backward()
+        for h, d in pairs:
+            h.grad, d.grad = (None if d.grad is None else d.grad.cpu()), None
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.detach().cpu())
+    with torch.no_grad():
+        for h, d in pairs:
+            d.copy_(h)
+    return resident, torch.stack(losses)
+
+
+@pytest.mark.parametrize("part", ["some", "all"])
+def test_the_device_tier_equals_eager_with_its_updates_on_the_device(part):
+    """Units of the device tier keep masters, gradients and AdamW state on the GPU and
+    are updated there by the same (single-tensor) AdamW as the reference's device part;
+    the other units stream as always: bit for bit in fp32."""
+    make, cfg = MODELS["gpt"]
+    budget = 200_000 if part == "some" else 2**40
+    model, runner, losses = _train(make, cfg, 4, granularity="module", device_tier_budget=budget)
+    resident = runner.engine.resident
+    assert resident and (part == "all") == (len(resident) == len(runner.plan.units))
+    tier = {id(p) for i in resident for p in runner.plan.units[i].params}
+    on_device = {n for n, p in model.named_parameters() if id(p) in tier}
+    assert all(p.device.type == "cuda" for p in model.parameters() if id(p) in tier)
+    assert all(p.device.type == "cpu" for p in model.parameters() if id(p) not in tier)
+    ref, ref_losses = _tier_reference(make, cfg, 4, on_device)
+    _same_losses(losses, ref_losses)
+    _same_weights(model, ref)

@@ -208,3 +208,22 @@ def test_where_the_tier_cannot_be_it_says_so_and_streams(config, reason, tmp_pat
     with pytest.warns(UserWarning, match=f"device_tier_budget is ignored.*{reason}"):
         _, runner, _ = _streamed(10**9, steps=1, **config)
     assert runner.engine.resident == frozenset()
+
+
+@pytest.mark.parametrize("part", ["some", "all"])
+def test_a_compute_dtype_on_the_device_tier_equals_it_streamed(part):
+    """compute_dtype bfloat16: streamed units compute on bf16 copies of their masters; a
+    unit of the tier on a bf16 cast of its masters, made in its window, whose gradient
+    autograd returns in float32: the same values either way."""
+
+    def run(budget):
+        model, runner, _ = _streamed(budget, compute_dtype=torch.bfloat16)
+        return model.state_dict(), runner.engine.resident
+
+    streamed, none = run(0)
+    placed, resident = run(20_000 if part == "some" else 10**9)
+    assert not none and resident
+    for k, v in streamed.items():
+        assert torch.equal(placed[k], v), k
+    fp32 = _streamed(0)[0].state_dict()  # bf16 products did change the training
+    assert any(not torch.equal(fp32[k], v) for k, v in streamed.items())

@@ -292,6 +292,8 @@ class Streamer:
         # Forward state (one forward at a time).
         self._seq: _Sequence | None = None
         self._windows: list[_Window] = []
+        # The device tier's open windows with casts: (unit, the slots' previous values).
+        self._resident_windows: list[tuple[StreamingUnit, list]] = []
         self._prefetched: dict[int, UnitCopy] = {}  # position -> copy
         self._buffer_owner: dict[int, tuple[_Sequence, int, int]] = {}  # id(buf) -> ref
         # Backward state.
@@ -304,8 +306,10 @@ class Streamer:
         for unit in self.units:
             m = unit.spec.module
             if unit.index in self.resident:
-                if self._before_fetch is not None:
-                    self._hooks.append(m.register_forward_pre_hook(self._make_wait(unit)))
+                self._hooks.append(m.register_forward_pre_hook(self._make_resident_pre(unit)))
+                self._hooks.append(
+                    m.register_forward_hook(self._make_resident_post(unit), always_call=True)
+                )
                 continue
             if unit.index in self.recompute:
                 # The window must sit inside the checkpointed call, which only a
@@ -327,11 +331,46 @@ class Streamer:
 
         return pre
 
-    def _make_wait(self, unit: StreamingUnit):
-        def wait(_module, _args):
-            self._before_fetch(unit.index)  # never compute on a master still being updated
+    def _make_resident_pre(self, unit: StreamingUnit):
+        """A unit of the device tier computes on its masters; where its compute dtype is
+        another, on casts of them made in its window (autograd's cast returns the
+        gradient to the master in the master's dtype, as ``_StreamIn`` does)."""
+        casts = {
+            i: dt for dt, idx in unit.groups.items() for i in idx if dt != unit.params[i].dtype
+        }
 
-        return wait
+        def pre(_module, _args):
+            if self._before_fetch is not None:
+                self._before_fetch(unit.index)  # never compute on a master being updated
+            if not casts:
+                return
+            tensors = [p.to(casts[i]) if i in casts else p for i, p in enumerate(unit.params)]
+            self._resident_windows.append(self._swap(unit, tensors))
+
+        return pre
+
+    def _make_resident_post(self, unit: StreamingUnit):
+        def post(_module, _args, _out):
+            windows = self._resident_windows
+            if windows and windows[-1][0] is unit:
+                for owner, name, value in reversed(windows.pop()[1]):
+                    owner._parameters[name] = value
+
+        return post
+
+    def _swap(self, unit: StreamingUnit, tensors) -> tuple[StreamingUnit, list]:
+        """Put ``tensors`` (one a parameter of ``unit``) into the unit's slots, its own and
+        foreign ones; returns what they held."""
+        by_param = {id(p): t for p, t in zip(unit.params, tensors)}
+        previous = []
+        for slot in unit.spec.slots:
+            previous.append((slot.module, slot.name, slot.module._parameters[slot.name]))
+            slot.module._parameters[slot.name] = by_param[id(slot.param)]
+        for p in unit.spec.foreign:
+            for owner, name in self._slots_by_param.get(id(p), ()):
+                previous.append((owner, name, owner._parameters[name]))
+                owner._parameters[name] = by_param[id(p)]
+        return unit, previous
 
     def _make_post(self, unit: StreamingUnit):
         def post(_module, _args, _out):
@@ -486,16 +525,7 @@ class Streamer:
                 token = _GradsIn.apply(handoff, *masters)
                 requires = tuple(m.requires_grad for m in masters)
                 tensors = list(_WeightsOut.apply(handoff, requires, token))
-        by_param = {id(p): t for p, t in zip(masters, tensors)}
-        previous = []
-        for slot in unit.spec.slots:
-            previous.append((slot.module, slot.name, slot.module._parameters[slot.name]))
-            slot.module._parameters[slot.name] = by_param[id(slot.param)]
-        for p in unit.spec.foreign:
-            for owner, name in self._slots_by_param.get(id(p), ()):
-                previous.append((owner, name, owner._parameters[name]))
-                owner._parameters[name] = by_param[id(p)]
-        return _Window(unit, pos, copy, previous)
+        return _Window(unit, pos, copy, self._swap(unit, tensors)[1])
 
     def _exit(self, unit: StreamingUnit) -> None:
         if not self._windows or self._windows[-1].unit is not unit:
