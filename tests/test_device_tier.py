@@ -45,12 +45,14 @@ def _eager(steps=STEPS):
     return model, opt
 
 
-def _streamed(budget, steps=STEPS, fetched=None, **config):
+def _streamed(budget, steps=STEPS, fetched=None, forward_hook=None, **config):
     torch.manual_seed(0)
     model = GPT(CFG)
     runner = cstorch.compile(
         model, backend="ws", granularity="module", device_tier_budget=budget, **config
     )
+    if forward_hook is not None:  # called with the tier at each forward of the model
+        model.register_forward_pre_hook(lambda *_: forward_hook(runner.engine.resident))
     opt = cstorch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     if fetched is not None:  # every master a fetch reads
         store = runner.engine.store
@@ -227,3 +229,30 @@ def test_a_compute_dtype_on_the_device_tier_equals_it_streamed(part):
         assert torch.equal(placed[k], v), k
     fp32 = _streamed(0)[0].state_dict()  # bf16 products did change the training
     assert any(not torch.equal(fp32[k], v) for k, v in streamed.items())
+
+
+@pytest.mark.parametrize("config", [{}, {"overlap_updates": True}], ids=["at_step", "overlapped"])
+def test_auto_places_the_tier_after_the_first_step_and_trains_like_eager(config, monkeypatch):
+    """``device_tier_budget="auto"``: the first step streams every unit; before the
+    second, the room the device has left after the first step's peak holds the tier, and
+    the masters move there with their stepped optimizer state. On the CPU that room is
+    nothing (its device is host memory); here it is made 20 kB to move state that exists."""
+    from weightstream.runtime.device import DeviceOps
+
+    assert DeviceOps(torch.device("cpu")).tier_room() == 0
+    _, cpu, _ = _streamed("auto", steps=2, **config)
+    assert cpu.engine.resident == frozenset()
+    monkeypatch.setattr(DeviceOps, "tier_room", lambda self: 20_000)
+    eager, eager_opt = _eager()
+    placed_at: list[frozenset] = []  # the tier at each forward
+    model, runner, opt = _streamed("auto", forward_hook=placed_at.append, **config)
+    resident = runner.engine.resident
+    # placed before the second step's forward
+    assert resident and placed_at == [frozenset()] + [resident] * (STEPS - 1)
+    state = model.state_dict()
+    for k, v in eager.state_dict().items():
+        assert torch.equal(state[k], v), k
+    ref, got = eager_opt.state_dict()["state"], opt.state_dict()["state"]
+    for i in ref:
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(ref[i][name], got[i][name]), (i, name)

@@ -286,7 +286,7 @@ def _check_bounds(path: str, value: Any, meta: Mapping[str, Any]) -> None:
     ):
         if bound is None:
             continue
-        if any(v is not None and not ok(v, bound) for v in values):
+        if any(isinstance(v, (int, float)) and not ok(v, bound) for v in values):
             fix = meta.get("fix") or f"use a value {words} {bound}"
             raise ValueError(f"{path} must be {words} {bound}, got {value!r}. Fix: {fix}.")
 

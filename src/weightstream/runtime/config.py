@@ -61,15 +61,17 @@ class StreamingConfig:
         doc="Bytes of device memory that streamed weights may use; compile fails, before "
         "any step, if the plan needs more.",
     )
-    device_tier_budget: int | None = setting(
+    device_tier_budget: int | Literal["auto"] | None = setting(
         None,
         ge=0,
-        fix=_BYTES,
+        fix=f"{_BYTES}, or 'auto'",
         doc="Bytes of compute-device memory for the device tier: whole units whose masters, "
         "gradients and optimizer state stay on the device, are updated there and are never "
         "streamed, chosen to move the fewest bytes a step (Note [device tier] in "
-        "runtime/placement.py). None or 0: every unit streams. On the CPU the device is host "
-        "memory: such units compute on their masters without a copy.",
+        "runtime/placement.py). 'auto': what an accelerator has left after the first step "
+        "(its peak), placed before the second (on the CPU nothing). None or 0: every unit "
+        "streams. On the CPU the device is host memory: such units compute on their masters "
+        "without a copy.",
     )
     compute_dtype: Any = setting(
         None,

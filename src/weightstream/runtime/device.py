@@ -401,6 +401,21 @@ class DeviceOps:
             self._grad_stream = torch.Stream(device=self.device)
             self._offload_stream = torch.Stream(device=self.device)
 
+    #: What the device tier leaves free of the device after a step, for fragmentation
+    #: and the peaks of later steps (Note [device tier] in placement.py).
+    TIER_MARGIN = 0.1
+
+    def tier_room(self) -> int:
+        """Bytes the device tier may take after a step ran: what the device has free,
+        plus what its caching allocator keeps for reuse, less the step's peak and a
+        margin (Note [device tier]); 0 on the CPU, whose device is host memory."""
+        if self.is_cpu:
+            return 0
+        free, total = torch.cuda.mem_get_info(self.device)
+        reusable = torch.cuda.memory_reserved(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        return max(0, int(free + reusable - peak - self.TIER_MARGIN * total))
+
     @property
     def helper_thread_init(self) -> Callable[[], None] | None:
         """What a helper thread of the engine runs first (Note [helper threads and OpenMP])."""

@@ -269,6 +269,8 @@ class StreamingEngine:
         # whose state moves with them.
         self.resident: frozenset[int] = frozenset()
         self._optimizers: weakref.WeakSet = weakref.WeakSet()
+        self._recompute: set[int] = set()
+        self._auto_tier_due = self._auto_tier_placed = False  # "auto": before the 2nd forward
         hosts.add(self)
 
     def _tier(self, module: nn.Module):
@@ -344,6 +346,8 @@ class StreamingEngine:
         if self.store.sharded:
             self._check_gradients_unchanged()
         self.updater.defer(optimizer)
+        if self.config.device_tier_budget == "auto" and not self._auto_tier_placed:
+            self._auto_tier_placed = self._auto_tier_due = True
 
     @contextlib.contextmanager
     def update_in_backward(self, optimizer):
@@ -507,9 +511,18 @@ class StreamingEngine:
         check_budget(plan, self.config, self.device)
         self.plan = plan
         self.updater.set_units([u.params for u in plan.units])
-        recompute = self._recomputed_units(plan, trace)
-        self.resident = self._place_device_tier(plan, recompute)
-        recompute -= self.resident  # a unit on the device keeps its activations
+        self._recompute = self._recomputed_units(plan, trace)
+        budget = self.config.device_tier_budget
+        if budget != "auto":  # "auto": after the first step (_place_auto_tier)
+            self.resident = self._place_device_tier(budget)
+        self._install_streamer()
+
+    def _install_streamer(self) -> None:
+        """The streamer of the plan and the device tier as they are now (a previous one's
+        hooks removed first)."""
+        if self.streamer is not None:
+            self.streamer.remove()
+        plan = self.plan
         streamed = [u.weight_bytes for u in plan.units if u.index not in self.resident]
         # As many idle copy buffers as copies may be in flight (Note [CPU copy buffers]).
         self.ops.keep(self.config.prefetch_depth + 1, max(streamed, default=0))
@@ -523,23 +536,34 @@ class StreamingEngine:
             self._postprocess(),
             before_fetch=self.updater.wait_unit,
             note=self.events,
-            recompute=recompute,
+            recompute=self._recompute - self.resident,  # a unit on the device keeps its own
             mirror=mirror,
             mirror_by_update=self.updater.apart,
             offload=self._activation_offload(),
             resident=self.resident,
         )
-        if mirror and self.updater.apart:
-            # The update writes what it changed into the mirrors (Note [host mirror]).
-            self.updater.on_updated = self.streamer.mirror_updated
+        # The update writes what it changed into the mirrors (Note [host mirror]).
+        mirrored = mirror and self.updater.apart
+        self.updater.on_updated = self.streamer.mirror_updated if mirrored else None
         self.streamer.install()
 
-    def _place_device_tier(self, plan: Plan, recompute: set[int]) -> frozenset[int]:
-        """Choose the units of the device tier and move their masters and optimizer state
-        to the device (Note [device tier] in runtime/placement.py)."""
-        budget = self.config.device_tier_budget
+    def _place_auto_tier(self) -> None:
+        """``device_tier_budget="auto"``: what the device has left after the first step's
+        peak holds the device tier from the second step on (Note [device tier])."""
+        self._auto_tier_due = False
+        self.updater.synchronize()  # the first step fully applied: its state moves as it is
+        room = self.ops.tier_room()
+        self.resident = self._place_device_tier(room) if room > 0 else frozenset()
+        if self.resident:
+            self._install_streamer()
+
+    def _place_device_tier(self, budget: int | None) -> frozenset[int]:
+        """Choose the units of the device tier within ``budget`` bytes and move their
+        masters, gradients and optimizer state to the device (Note [device tier] in
+        runtime/placement.py)."""
         if not budget:
             return frozenset()
+        plan, recompute = self.plan, self._recompute
         limit = None
         if self.reducer is not None or (self.config.data_parallel and swarm.world_size() > 1):
             limit = "under data parallel, where SwarmX reduces host gradients"
@@ -568,6 +592,8 @@ class StreamingEngine:
                 if p.is_meta:
                     continue  # shapes only (validate_only, compile_only): nothing to move
                 p.data = p.data.to(self.device)
+                if p.grad is not None:
+                    p.grad = p.grad.to(self.device)
                 for optimizer in self._optimizers:
                     state = optimizer.state.get(p, {})
                     for key, value in state.items():
@@ -710,6 +736,8 @@ class StreamingEngine:
         args, kwargs = self._to_device(args, kwargs)
         if self.streamer is None:
             self._compile(args, kwargs)
+        if self._auto_tier_due:
+            self._place_auto_tier()
         streamer = self.streamer
         streamer.begin_forward()
         try:

@@ -304,7 +304,12 @@ def predict(master_bytes: Sequence[int], capacity: int, states_per_master: int =
 # last unit's at the backward's); each group taken while it fits what is left.
 # The engine places them at the first call, when the traced plan is fixed
 # (``StreamingEngine._place_device_tier``): masters and any state already made
-# move to the device, and the streamer installs no fetch for them.
+# move to the device, and the streamer installs no fetch for them. With
+# ``device_tier_budget="auto"`` the budget is what the accelerator has left after
+# the first step (free memory and the caching allocator's reusable blocks, less
+# the step's peak and a tenth of the device: ``DeviceOps.tier_room``), placed
+# before the second step's forward with the state as the first step left it,
+# and the streamer is built again without those units. On the CPU it is nothing.
 #
 # Limits, each said by a warning that leaves every unit streamed: data parallel
 # (SwarmX reduces host gradients), a disk store (its files hold the masters
