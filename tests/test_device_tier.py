@@ -200,16 +200,43 @@ def test_recomputed_units_come_first_and_train_exactly():
         assert torch.equal(state[k], v), k
 
 
-@pytest.mark.parametrize(
-    "config, reason",
-    [({"compute_dtype": "cbfloat16"}, "cbfloat16"), ({"store": "disk"}, "disk store")],
-)
-def test_where_the_tier_cannot_be_it_says_so_and_streams(config, reason, tmp_path):
-    if config.get("store") == "disk":
-        config = {**config, "store_dir": str(tmp_path / "store")}
-    with pytest.warns(UserWarning, match=f"device_tier_budget is ignored.*{reason}"):
-        _, runner, _ = _streamed(10**9, steps=1, **config)
+def test_where_the_tier_cannot_be_it_says_so_and_streams():
+    with pytest.warns(UserWarning, match="device_tier_budget is ignored.*cbfloat16"):
+        _, runner, _ = _streamed(10**9, steps=1, compute_dtype="cbfloat16")
     assert runner.engine.resident == frozenset()
+
+
+@pytest.mark.parametrize("budget", ["files", "hybrid"])
+def test_the_tier_over_a_disk_store_takes_its_units_out_of_the_files(tmp_path, budget):
+    """A disk store holds the masters and the optimizer state in its files (or its RAM
+    tier) from the engine's construction: the units of the device tier leave it at the
+    first call, their files given back, and training stays eager PyTorch's."""
+    from weightstream.runtime.engine import disk_working_set
+
+    eager, _ = _eager()
+    probe = cstorch.compile(GPT(CFG), backend="ws", granularity="module", store="disk",
+                            store_dir=str(tmp_path / "probe"))  # fmt: skip
+    working = disk_working_set(probe.engine.plan, probe.engine.config, torch.device("cpu"))
+    probe.engine.close()
+    extra = {"files": 0, "hybrid": 100_000}[budget]
+    disk = {"store": "disk", "store_dir": str(tmp_path / "store"),
+            "host_memory_budget": working + extra}  # fmt: skip
+    _, streamed, _ = _streamed(0, steps=1, **disk)
+    mapped_without = streamed.engine.store.bytes_mapped
+    streamed.engine.close()
+    disk["store_dir"] = str(tmp_path / "store2")
+    model, runner, opt = _streamed(60_000, **disk)
+    engine = runner.engine
+    assert engine.resident
+    tier = {id(p) for i in engine.resident for p in runner.plan.units[i].params}
+    tensors = [(id(p), p.data) for p in model.parameters()]
+    tensors += [(id(p), t) for p, st in opt.state.items() for t in st.values() if t.dim() > 0]
+    assert all(engine.store.holds(t) == (pid not in tier) for pid, t in tensors)
+    # the files of the tier's masters and state are given back
+    assert 0 < engine.store.bytes_mapped < mapped_without
+    state = model.state_dict()
+    for k, v in eager.state_dict().items():
+        assert torch.equal(state[k], v), k
 
 
 @pytest.mark.parametrize("part", ["some", "all"])

@@ -567,8 +567,6 @@ class StreamingEngine:
         limit = None
         if self.reducer is not None or (self.config.data_parallel and swarm.world_size() > 1):
             limit = "under data parallel, where SwarmX reduces host gradients"
-        elif self.store.on_disk:
-            limit = "with a disk store, whose files hold the masters already"
         elif self.config.compute_dtype == "cbfloat16":
             limit = "with cbfloat16, whose grid is applied on the way to the device"
         if limit is not None:
@@ -586,19 +584,30 @@ class StreamingEngine:
                          for p in params)  # fmt: skip
             groups.append((indices, nbytes, max(2 + (i in recompute) for i in indices)))
         chosen = frozenset(device_tier(groups, budget, len(plan.units)))
-        moved = {id(p): p for i in sorted(chosen) for p in unit_params[i]}
+        moved = [
+            p for p in {id(p): p for i in chosen for p in unit_params[i]}.values() if not p.is_meta
+        ]  # fmt: skip  (shapes only: validate_only, compile_only)
+        tier, old_state = self.store.tier, []
+
+        def to_device(t: torch.Tensor) -> torch.Tensor:
+            # Out of a disk store's files or RAM tier into ordinary memory of the device.
+            held = tier.holds(t)
+            return t.to(self.device, copy=held) if held or t.device != self.device else t
+
         with torch.no_grad():
-            for p in moved.values():
-                if p.is_meta:
-                    continue  # shapes only (validate_only, compile_only): nothing to move
-                p.data = p.data.to(self.device)
+            olds = [p.data for p in moved]
+            for p in moved:
+                p.data = to_device(p.data)
                 if p.grad is not None:
-                    p.grad = p.grad.to(self.device)
+                    p.grad = to_device(p.grad)
                 for optimizer in self._optimizers:
                     state = optimizer.state.get(p, {})
                     for key, value in state.items():
-                        if isinstance(value, torch.Tensor) and value.device != self.device:
-                            state[key] = value.to(self.device)
+                        if isinstance(value, torch.Tensor):
+                            old_state.append(value)
+                            state[key] = to_device(value)
+        tier.forget(moved, olds)  # a disk store gives their files and RAM back
+        tier.drop([t for t in old_state if tier.holds(t)], "state")
         return chosen
 
     def describe_tiers(self) -> str:

@@ -113,6 +113,9 @@ class RamTier:
     def forget(self, params: Iterable[torch.Tensor], old_data: Iterable[torch.Tensor]) -> None:
         pass  # the dropped tensors' memory goes back when they die
 
+    def drop(self, tensors: Iterable[torch.Tensor], kind: str) -> None:
+        pass  # likewise
+
     def placement(self) -> Placement:
         return Placement(0)
 

@@ -311,9 +311,13 @@ def predict(master_bytes: Sequence[int], capacity: int, states_per_master: int =
 # before the second step's forward with the state as the first step left it,
 # and the streamer is built again without those units. On the CPU it is nothing.
 #
+# Over a disk store, whose files or RAM tier hold the whole state from the
+# engine's construction, the units leave it: their files are given back
+# (``DiskStore.forget``, ``drop``) and the store's placement counts the rest.
+#
 # Limits, each said by a warning that leaves every unit streamed: data parallel
-# (SwarmX reduces host gradients), a disk store (its files hold the masters
-# already), cbfloat16 (its grid is applied on the way to the device).
+# (SwarmX reduces host gradients), cbfloat16 (its grid is applied on the way to
+# the device).
 
 
 def device_tier(

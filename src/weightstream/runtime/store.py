@@ -434,11 +434,19 @@ class DiskStore:
         if self.places is not None:
             gone = {self._key.get(id(p)) for p in params}
             self.places.keep_only({k for k in self._key.values() if k not in gone})
+        grads = []
         for p in params:
             self._taken.discard(id(p))
-            self._grads.pop(id(p), None)
+            grads.append(self._grads.pop(id(p), None))
+        self.drop(old_data, "master")
+        self.drop([g for g in grads if g is not None], "grad")
+
+    def drop(self, tensors: Iterable[torch.Tensor], kind: str) -> None:
+        """Stop keeping ``tensors`` (``kind`` of the training state, moved elsewhere): a
+        file is given back to the disk as soon as nothing else holds it, and the
+        placement stops counting them."""
         with self._lock:
-            for t in old_data:
+            for t in tensors:
                 if t.numel():
                     ptr = t.untyped_storage().data_ptr()
                     in_file = self._maps.pop(ptr, None) is not None
@@ -449,7 +457,7 @@ class DiskStore:
                         file.close()
                     in_ram = self._ram.pop(ptr, None) is not None
                     if (in_file or in_ram) and self.places is not None:
-                        self.places.give_back("master", t.numel() * t.element_size(), in_ram)
+                        self.places.give_back(kind, t.numel() * t.element_size(), in_ram)
 
     def take_grad(self, p: torch.Tensor) -> None:
         """``p``'s gradient was accumulated: keep it in the store (Note [disk tier]; the
@@ -496,10 +504,11 @@ class DiskStore:
             w.wait()
 
     def adopt_optimizer_state(self, optimizer, params: Iterable[torch.Tensor]) -> None:
-        """Move the state tensors of ``params`` that are not in the store yet into it."""
+        """Move the state tensors of ``params`` that are not in the store yet into it (not
+        those of a master the store no longer keeps: another rank's, or the device tier's)."""
         for p in params:
             state = optimizer.state.get(p)
-            if not state:
+            if not state or id(p) not in self._taken:
                 continue
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and not self.holds(value):
