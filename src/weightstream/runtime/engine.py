@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 import weakref
 
@@ -28,6 +29,8 @@ from weightstream.runtime.store import DiskStore
 from weightstream.runtime.streamer import Streamer
 from weightstream.runtime.trace import trace_forward
 from weightstream.runtime.updater import UnitUpdater
+
+log = logging.getLogger("weightstream")
 
 
 def check_budget(plan: Plan, config: StreamingConfig, device: torch.device) -> None:
@@ -556,6 +559,7 @@ class StreamingEngine:
         self.resident = self._place_device_tier(room) if room > 0 else frozenset()
         if self.resident:
             self._install_streamer()
+        log.info("Device tier placed after the first step: %s", self.describe_tiers())
 
     def _place_device_tier(self, budget: int | None) -> frozenset[int]:
         """Choose the units of the device tier within ``budget`` bytes and move their
@@ -641,8 +645,14 @@ class StreamingEngine:
             return ", ".join(f"{k} {format_bytes(n)}" for k, n in where.items() if n) or "nothing"
 
         streamed = len(self.plan.units) - len(self.resident)
+        auto = (
+            " ('auto': placed before the second step)"
+            if self._auto_tier_due
+            or (self.config.device_tier_budget == "auto" and not self._auto_tier_placed)
+            else ""
+        )
         return (
-            f"device tier: {len(self.resident)} of {len(self.plan.units)} units on "
+            f"device tier{auto}: {len(self.resident)} of {len(self.plan.units)} units on "
             f"{self.device} ({parts(device)}); host: {streamed} units ({parts(host)}); a step "
             f"moves {format_bytes(link)} over the link and {format_bytes(update)} through host "
             "memory in the update"
