@@ -62,14 +62,20 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def _reference(make, cfg, steps: int, make_opt=None):
-    """(host model, losses): eager PyTorch, the model resident on the device and the
-    optimizer on the host model's fp32 weights (the module docstring)."""
+def _reference(make, cfg, steps: int, make_opt=None, on_device: frozenset[str] = frozenset()):
+    """(model, losses): eager PyTorch, the model resident on the device and the optimizer
+    on fp32 host copies of its weights (the module docstring); the parameters named in
+    ``on_device`` updated on the device by an optimizer of their own instead (a device
+    tier's: Note [device tier] in runtime/placement.py)."""
     torch.manual_seed(0)
     host = make(cfg)
     resident = copy.deepcopy(host).to(DEVICE)
-    pairs = list(zip(host.parameters(), resident.parameters()))  # a tied weight once
-    opt = (make_opt or _adamw)(host.parameters())
+    named = dict(resident.named_parameters())  # a tied weight once
+    pairs = [(h, named[n]) for n, h in host.named_parameters() if n not in on_device]
+    make_opt = make_opt or _adamw
+    opts = [make_opt([h for h, _ in pairs])]
+    if on_device:
+        opts.append(make_opt([p for n, p in named.items() if n in on_device]))
     losses = []
     for step in range(steps):
         with torch.no_grad():
@@ -80,10 +86,14 @@ def _reference(make, cfg, steps: int, make_opt=None):
         loss.backward()
         for h, d in pairs:
             h.grad, d.grad = (None if d.grad is None else d.grad.cpu()), None
-        opt.step()
-        opt.zero_grad()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
         losses.append(loss.detach().cpu())
-    return host, torch.stack(losses)
+    with torch.no_grad():
+        for h, d in pairs:
+            d.copy_(h)
+    return resident, torch.stack(losses)
 
 
 def _adamw(params):
@@ -380,38 +390,6 @@ def test_activation_offload_is_exact_and_frees_device_memory(checkpointing, monk
     assert records > 0 and held_off < held_plain
 
 
-def _tier_reference(make, cfg, steps: int, on_device: set[str]):
-    """Eager PyTorch as a device tier runs it (Note [device tier] in runtime/placement.py):
-    the model resident on the device, the parameters named in ``on_device`` updated
-    there by an AdamW of their own, the others by an AdamW on fp32 host copies."""
-    torch.manual_seed(0)
-    host = make(cfg)
-    resident = copy.deepcopy(host).to(DEVICE)
-    named = dict(resident.named_parameters())  # a tied weight once
-    pairs = [(h, named[n]) for n, h in host.named_parameters() if n not in on_device]
-    opts = [_adamw([h for h, _ in pairs])]
-    if on_device:
-        opts.append(_adamw([p for n, p in named.items() if n in on_device]))
-    losses = []
-    for step in range(steps):
-        with torch.no_grad():
-            for h, d in pairs:
-                d.copy_(h)
-        x, y = _batch(step, cfg.vocab_size)
-        loss = _loss(resident(x), y)
-        loss.backward()
-        for h, d in pairs:
-            h.grad, d.grad = (None if d.grad is None else d.grad.cpu()), None
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        losses.append(loss.detach().cpu())
-    with torch.no_grad():
-        for h, d in pairs:
-            d.copy_(h)
-    return resident, torch.stack(losses)
-
-
 @pytest.mark.parametrize("part", ["some", "all"])
 def test_the_device_tier_equals_eager_with_its_updates_on_the_device(part):
     """Units of the device tier keep masters, gradients and AdamW state on the GPU and
@@ -426,6 +404,6 @@ def test_the_device_tier_equals_eager_with_its_updates_on_the_device(part):
     on_device = {n for n, p in model.named_parameters() if id(p) in tier}
     assert all(p.device.type == "cuda" for p in model.parameters() if id(p) in tier)
     assert all(p.device.type == "cpu" for p in model.parameters() if id(p) not in tier)
-    ref, ref_losses = _tier_reference(make, cfg, 4, on_device)
+    ref, ref_losses = _reference(make, cfg, 4, on_device=frozenset(on_device))
     _same_losses(losses, ref_losses)
     _same_weights(model, ref)

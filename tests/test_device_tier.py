@@ -70,6 +70,18 @@ def _streamed(budget, steps=STEPS, fetched=None, forward_hook=None, **config):
     return model, runner, opt
 
 
+def _same_as_eager(model, eager, opt=None, eager_opt=None) -> None:
+    """The weights (and, given the optimizers, AdamW's moments) bit for bit."""
+    state = model.state_dict()
+    for k, v in eager.state_dict().items():
+        assert torch.equal(state[k], v), k
+    if opt is not None:
+        ref, got = eager_opt.state_dict()["state"], opt.state_dict()["state"]
+        for i in ref:
+            for name in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(ref[i][name], got[i][name]), (i, name)
+
+
 def _unit_bytes(runner, opt, indices) -> int:
     """Masters, gradients and optimizer state (AdamW's moments and step) of the units
     ``indices``, each parameter once."""
@@ -137,13 +149,7 @@ def test_the_device_tier_trains_like_eager_pytorch(config, part):
     on_device = {id(p) for i in resident for p in runner.plan.units[i].params}
     assert not fetched & on_device  # the tier's masters were never streamed
     assert fetched or part == "all"
-    state = model.state_dict()
-    for k, v in eager.state_dict().items():
-        assert torch.equal(state[k], v), k
-    ref, got = eager_opt.state_dict()["state"], opt.state_dict()["state"]
-    for i in ref:
-        for name in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(ref[i][name], got[i][name]), (i, name)
+    _same_as_eager(model, eager, opt, eager_opt)
 
 
 def test_compact_state_on_the_device_tier_equals_it_streamed():
@@ -185,9 +191,7 @@ def test_a_checkpoint_of_the_device_tier_resumes_exactly(tmp_path):
         opt.step()
         opt.zero_grad()
     assert runner.engine.resident
-    got = resumed.state_dict()
-    for k, v in eager.state_dict().items():
-        assert torch.equal(got[k], v), k
+    _same_as_eager(resumed, eager)
 
 
 def test_recomputed_units_come_first_and_train_exactly():
@@ -195,9 +199,7 @@ def test_recomputed_units_come_first_and_train_exactly():
     model, runner, _ = _streamed(30_000, activation_checkpointing=True)
     resident = runner.engine.resident
     assert resident and not resident & runner.engine.streamer.recompute
-    state = model.state_dict()
-    for k, v in eager.state_dict().items():
-        assert torch.equal(state[k], v), k
+    _same_as_eager(model, eager)
 
 
 def test_where_the_tier_cannot_be_it_says_so_and_streams():
@@ -234,9 +236,7 @@ def test_the_tier_over_a_disk_store_takes_its_units_out_of_the_files(tmp_path, b
     assert all(engine.store.holds(t) == (pid not in tier) for pid, t in tensors)
     # the files of the tier's masters and state are given back
     assert 0 < engine.store.bytes_mapped < mapped_without
-    state = model.state_dict()
-    for k, v in eager.state_dict().items():
-        assert torch.equal(state[k], v), k
+    _same_as_eager(model, eager)
 
 
 @pytest.mark.parametrize("part", ["some", "all"])
@@ -276,10 +276,4 @@ def test_auto_places_the_tier_after_the_first_step_and_trains_like_eager(config,
     resident = runner.engine.resident
     # placed before the second step's forward
     assert resident and placed_at == [frozenset()] + [resident] * (STEPS - 1)
-    state = model.state_dict()
-    for k, v in eager.state_dict().items():
-        assert torch.equal(state[k], v), k
-    ref, got = eager_opt.state_dict()["state"], opt.state_dict()["state"]
-    for i in ref:
-        for name in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(ref[i][name], got[i][name]), (i, name)
+    _same_as_eager(model, eager, opt, eager_opt)
