@@ -130,3 +130,65 @@ def test_a_sharded_store_gives_the_places_of_other_ranks_masters_to_its_own():
     assert not plan.in_ram("a", "grad", 100) and plan.in_ram("c", "grad", 10)
     assert not plan.in_ram("a", "master", 100)  # made once; a second one goes to a file
     assert plan.actual.ram == {"master": 110, "state": 200, "grad": 10}
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
+def test_compact_state_is_placed_by_its_own_size(tmp_path, state_dtype):
+    """The optimizer counts its state on the meta device before making it, and the store
+    plans the RAM tier by those sizes: compact state (half or a quarter of AdamW's fp32
+    moments, with int8's block scales) is placed as the store predicted, and more of it
+    fits in RAM than AdamW's fp32 moments would."""
+    import torch
+
+    import weightstream as cstorch
+    from weightstream.models import GPT
+
+    def build(directory, **optimizer):
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        streaming = {"store": "disk", "store_dir": str(tmp_path / directory)}
+        runner = cstorch.compile(model, backend="ws", **streaming, host_memory_budget=budget)
+        opt = cstorch.optim.AdamW(model.parameters(), lr=3e-3, **optimizer)
+        return model, runner, opt
+
+    probe = _train("ws", steps=1, store="disk", store_dir=str(tmp_path / "probe"))
+    masters = sum(p.numel() * 4 for p in probe[0].parameters())
+    budget = _working_set(probe[1]) + masters + masters  # masters, then room for a moment
+    _, fp32, _ = build("fp32")
+    model, runner, opt = build("compact", state_dtype=getattr(torch, state_dtype))
+    places = runner.engine.store.tier.places
+    sizes = {
+        name: [t.nbytes for t in opt.state[p].values() if t.dim() > 0]
+        for name, p in model.named_parameters()
+    }
+    for kind in ("master", "state"):  # made before any step, where predicted
+        assert places.actual.ram.get(kind, 0) == places.predicted.ram.get(kind, 0), kind
+        assert places.actual.disk.get(kind, 0) == places.predicted.disk.get(kind, 0), kind
+    expected = placement.PlacementPlan(
+        {n: p.nbytes for n, p in model.named_parameters()}, places.capacity, state_bytes=sizes
+    ).predicted
+    assert places.predicted == expected
+    # The room holds one of AdamW's fp32 moments a master, which is all of the compact
+    # state; planned as two fp32 moments, half of it would have gone to the files.
+    assert fp32.engine.store.tier.places.actual.disk.get("state", 0) > 0
+    assert places.actual.disk.get("state", 0) == 0 < places.actual.ram["state"]
+    # and training on it is the training of the same optimizer in a RAM store
+    for step in range(2):
+        x, y = _batch(step)
+        F.cross_entropy(runner(x).flatten(0, 1), y.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.manual_seed(0)
+    ram_model = GPT(CFG)
+    ram = cstorch.compile(ram_model, backend="ws")
+    ram_opt = cstorch.optim.AdamW(
+        ram_model.parameters(), lr=3e-3, state_dtype=getattr(torch, state_dtype)
+    )
+    for step in range(2):
+        x, y = _batch(step)
+        F.cross_entropy(ram(x).flatten(0, 1), y.flatten()).backward()
+        ram_opt.step()
+        ram_opt.zero_grad()
+    got = model.state_dict()
+    for k, v in ram_model.state_dict().items():
+        assert torch.equal(got[k], v), k

@@ -57,6 +57,11 @@ class ParameterHost(Protocol):
         """Take ``optimizer``'s state into the engine's placement (idempotent)."""
         ...
 
+    def plan_state(self, state_bytes: dict[torch.Tensor, list[int]]) -> None:
+        """The bytes of each parameter's state tensors, as the optimizer about to create
+        them will: the engine places them by these sizes (Note [engine binding])."""
+        ...
+
     def apply_step(self, optimizer) -> None:
         """Apply ``optimizer``'s update to the masters, now or unit by unit."""
         ...
@@ -142,6 +147,19 @@ def placing_state(host: ParameterHost | None) -> Iterator[None]:
         yield
     finally:
         _placing.reset(token)
+
+
+class StateSizes:
+    """Stands in for an engine while an optimizer's state is made on the meta device:
+    places nothing, counts each state tensor's bytes by parameter."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[int, list[int]] = {}  # id(parameter) -> bytes of each tensor
+
+    def state_zeros_like(self, p, dtype=None, shape=None) -> torch.Tensor:
+        t = torch.empty(p.shape if shape is None else shape, dtype=dtype or p.dtype, device="meta")
+        self.sizes.setdefault(id(p), []).append(t.nbytes)
+        return t
 
 
 def zeros_like(

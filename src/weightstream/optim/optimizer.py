@@ -36,6 +36,7 @@ bitwise (design invariant 1, pinned by tests/test_optim.py). Concretely:
 from __future__ import annotations
 
 import abc
+import collections
 from collections.abc import Callable, Iterable
 from typing import Any, TypeAlias
 
@@ -43,7 +44,7 @@ import torch
 from torch import Tensor
 
 from weightstream.common.pages import release_pages
-from weightstream.optim.binding import ParameterHost, hosts, placing_state
+from weightstream.optim.binding import ParameterHost, StateSizes, hosts, placing_state
 
 __all__ = ["Optimizer", "ParamsT"]
 
@@ -180,6 +181,10 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
                     f"a parameter of dtype {p.dtype} and shape {tuple(p.shape)}. "
                     "Fix: leave integer/complex tensors out of the optimizer's params."
                 )
+        if self._engine is not None and not self._preinitialized:
+            sizes = self._state_sizes()
+            if sizes is not None:
+                self._engine.plan_state(sizes)
         with torch.no_grad(), placing_state(self._engine):
             self.preinitialize()
             if self.enable_global_step:
@@ -187,6 +192,22 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
                     state = self.state[p]
                     if "step" not in state:
                         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+
+    def _state_sizes(self) -> dict[Tensor, list[int]] | None:
+        """The bytes of every parameter's state tensors as ``preinitialize`` makes them,
+        counted on the meta device (nothing allocated), for the engine to place them by
+        (a disk store's RAM tier: Note [hybrid placement]). None where the state is not
+        made of zeros alone (an initial value computed from the parameter)."""
+        saved, counter = self.state, StateSizes()
+        self.state = collections.defaultdict(dict)
+        try:
+            with torch.no_grad(), placing_state(counter):
+                self.preinitialize()
+        except (RuntimeError, NotImplementedError, TypeError, ValueError):
+            return None
+        finally:
+            self.state = saved
+        return {p: counter.sizes.get(id(p), []) for p in self._all_params()}
 
     # --------------------------------------------------------------- global step
 

@@ -339,6 +339,9 @@ class StreamingEngine:
     ) -> torch.Tensor | None:
         return self.store.state_zeros_like(p, dtype, shape)
 
+    def plan_state(self, state_bytes: dict[torch.Tensor, list[int]]) -> None:
+        self.store.plan_state(state_bytes)
+
     def bind_optimizer(self, optimizer) -> None:
         self.store.bind_optimizer(optimizer)
         self._optimizers.add(optimizer)

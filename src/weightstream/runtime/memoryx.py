@@ -116,6 +116,9 @@ class RamTier:
     def drop(self, tensors: Iterable[torch.Tensor], kind: str) -> None:
         pass  # likewise
 
+    def plan_state(self, state_bytes: dict[torch.Tensor, list[int]]) -> None:
+        pass  # ordinary tensors, where they are made
+
     def placement(self) -> Placement:
         return Placement(0)
 
@@ -159,8 +162,8 @@ class MemoryX:
         return self.tier.placement()
 
     def predicted_placement(self) -> Placement | None:
-        """A disk tier's placement as predicted for AdamW's two moments (Note [hybrid
-        placement]); None in host memory."""
+        """A disk tier's placement as predicted (for the state its optimizer planned, or
+        AdamW's two moments before one did: Note [hybrid placement]); None in host memory."""
         places = self.tier.places
         return None if places is None else places.predicted
 
@@ -193,6 +196,11 @@ class MemoryX:
         if held_elsewhere is not None:
             return held_elsewhere
         return self.tier.zeros_like(p, "state", dtype, shape)
+
+    def plan_state(self, state_bytes: dict[torch.Tensor, list[int]]) -> None:
+        """The sizes of the state an optimizer is about to create: a disk tier places it
+        by them (its RAM tier, Note [hybrid placement])."""
+        self.tier.plan_state(state_bytes)
 
     def bind_optimizer(self, optimizer) -> None:
         self.replicas.shard_optimizer_state(optimizer)

@@ -20,9 +20,12 @@ step, and the rest in its files:
 memory and get no place at all: Note [updates in backward].)
 
 Masters come first, then optimizer state and gradients. Every place is decided
-when the store takes the model (:class:`PlacementPlan`), so the placement is a
-pure function of the model, the optimizer and the budget: :func:`predict`
-computes it before any step for the compile report.
+when the store takes the model (:class:`PlacementPlan`), the state's again by
+its real sizes when the optimizer, before making its state, counts it on the
+meta device (``Optimizer._state_sizes``: compact state, a Kahan buffer; AdamW's
+two moments until then), so the placement is a pure function of the model, the
+optimizer and the budget: :func:`predict` computes it before any step for the
+compile report.
 
 Within a kind, which tensors stay in RAM does not change the traffic, but it
 changes when the disk works. A kind that only partly fits is spread evenly
@@ -224,6 +227,15 @@ class PlacementPlan:
         grads = list(self._sizes.items()) if self._grads_placed else []
         self._grad = dict.fromkeys(self._sizes, False)
         self._grad.update(zip((k for k, _ in grads), place("grad", grads)))
+
+    def plan_state(self, state_bytes: dict[Hashable, Sequence[int]]) -> None:
+        """Plan the state by the tensors each master's optimizer will create (``state_bytes``
+        by key), before it creates any; a second optimizer's state is placed as it comes."""
+        with self._lock:
+            if self.actual.ram.get("state") or self.actual.disk.get("state"):
+                return
+            self._state_bytes = {**(self._state_bytes or {}), **dict(state_bytes)}
+            self._plan()
 
     def keep_only(self, keys: set) -> None:
         """Only the masters ``keys`` stay (a sharded store: other ranks own the rest).

@@ -426,6 +426,13 @@ class DiskStore:
                 self._taken.add(id(p))
         return left
 
+    def plan_state(self, state_bytes: dict[torch.Tensor, list[int]]) -> None:
+        """Place the optimizer state by the sizes its optimizer is about to create (compact
+        state, a Kahan buffer), not AdamW's two moments: Note [hybrid placement]."""
+        if self.places is not None:
+            named = {self._key[id(p)]: n for p, n in state_bytes.items() if id(p) in self._key}
+            self.places.plan_state(named)
+
     def forget(self, params: Iterable[torch.Tensor], old_data: Iterable[torch.Tensor]) -> None:
         """Stop keeping ``params`` (masters another rank owns, Note [sharded store]):
         no gradient of theirs comes into the store, and the files under their old
