@@ -277,3 +277,30 @@ def test_auto_places_the_tier_after_the_first_step_and_trains_like_eager(config,
     # placed before the second step's forward
     assert resident and placed_at == [frozenset()] + [resident] * (STEPS - 1)
     _same_as_eager(model, eager, opt, eager_opt)
+
+
+def test_two_ranks_with_a_replicated_store_and_the_tier_equal_one_rank(tmp_path, monkeypatch):
+    """Data parallel: every rank places the same units, and SwarmX reduces their
+    gradients where they are; the run command's two ranks train as its one rank."""
+    import yaml
+    from test_distributed import WEIGHT_ATOL, _params
+
+    from weightstream.checkpoint import load
+    from weightstream.cli.main import main
+
+    monkeypatch.setenv("WEIGHTSTREAM_QUICK_MACHINE_PROFILE", "1")
+    monkeypatch.setenv("WEIGHTSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    runs = {}
+    for name, ranks, budget in (("one", [], None), ("two", ["--num_csx", "2"], 60_000)):
+        (tmp_path / name).mkdir()
+        params = _params(tmp_path / name, "gpt2")
+        values = yaml.safe_load(params.read_text())
+        values["runconfig"].update(store_sharding="replicated", device_tier_budget=budget)
+        params.write_text(yaml.safe_dump(values))
+        out = tmp_path / name / "out"
+        assert main(["run", "CPU", "-p", str(params), "-o", str(out), *ranks]) == 0, name
+        runs[name] = load(sorted(out.glob("checkpoint_*.mdl"))[-1], map_location="cpu")
+    one, two = runs["one"]["model"], runs["two"]["model"]
+    for k, v in one.items():
+        # two ranks sum the halves' mean gradients in another order than one rank
+        assert torch.allclose(two[k], v, rtol=0, atol=WEIGHT_ATOL), k

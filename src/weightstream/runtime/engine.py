@@ -572,8 +572,8 @@ class StreamingEngine:
             return frozenset()
         plan, recompute = self.plan, self._recompute
         limit = None
-        if self.reducer is not None or (self.config.data_parallel and swarm.world_size() > 1):
-            limit = "under data parallel, where SwarmX reduces host gradients"
+        if self.store.sharded:
+            limit = "with a sharded store, where each rank holds only its own units' masters"
         elif self.config.compute_dtype == "cbfloat16":
             limit = "with cbfloat16, whose grid is applied on the way to the device"
         if limit is not None:
