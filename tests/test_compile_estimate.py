@@ -631,3 +631,17 @@ def test_update_bytes_follow_the_training_state(optimizer, master_dtype, expecte
     raw["optimizer"].update(optimizer)
     raw["runconfig"]["master_dtype"] = master_dtype
     assert update_bytes(parse_params(raw, "train")) == expected
+
+
+def test_the_device_tiers_units_cost_no_link_and_update_on_the_device():
+    units = [_unit(0, fwd_kernels=[("k0", 10**6, 0)], fwd_flops=10**6),
+             _unit(1, fwd_kernels=[("k0", 10**6, 0)], fwd_flops=10**6)]  # fmt: skip
+    costs = StepCosts(units, UnitCost(-1, OUTSIDE_NAME))
+    streamed = estimate(costs, _probe(), EstimateSettings(1, update_bytes=80))
+    tier = estimate(costs, _probe(), EstimateSettings(1, update_bytes=80, resident=(1,)))
+    assert streamed.units[1].link_s > 0 and tier.units[1].link_s == 0
+    assert tier.units[0].link_s == streamed.units[0].link_s  # the streamed one unchanged
+    assert tier.link_bytes == streamed.link_bytes // 2
+    # the update reads and writes device memory (1 GB/s here), not the host's (0.4 GB/s)
+    assert tier.units[1].update_s == pytest.approx(1000 * 80 / 1e9)
+    assert tier.host_bytes == streamed.host_bytes // 2

@@ -83,6 +83,7 @@ def settings_of(run) -> dict:
         "num_csx": rc.num_csx,
         "update_bytes": update_bytes(run.params),
         "store": s.store,
+        "device_tier_budget": s.device_tier_budget,
         "input_num_workers": run.params.train_input.num_workers,
     }
 
@@ -141,6 +142,7 @@ def _estimate(run, compiled, plan: Plan, args: tuple, kwargs: dict, batch_size: 
         update_bytes=update_bytes(run.params),
         input_s=input_seconds_per_batch(run.params.train_input.to_dict(), quick),
         recompute=recomputed(compiled, plan),
+        resident=tuple(compiled.engine.resident) if compiled.engine is not None else (),
         disk_read_bytes=reads,
         disk_write_bytes=writes,
         disk_dir=disk_dir,

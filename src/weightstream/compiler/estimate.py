@@ -13,9 +13,10 @@ Per streaming unit:
 * overhead: operators x ``op_s`` + trainable tensors x ``tensor_s`` (Note [fixed
   costs] in probe.py);
 * update: ``update_bytes`` per trainable parameter at the masters' memory
-  bandwidth (the host's when streaming);
+  bandwidth (the host's when streaming, the device's for the device tier);
 * link: 2 fetches of the weights and the gradients back over the host -> device
-  link (on the CPU a host copy: each byte read and written);
+  link (on the CPU a host copy: each byte read and written); none for the
+  device tier's units (Note [device tier] in runtime/placement.py);
 * disk: the disk store's file traffic a step, shared by trainable parameters.
 
 On a CPU compute, memory, overhead and update add up; on an accelerator the
@@ -57,12 +58,14 @@ class EstimateSettings:
     update_bytes: int = DEFAULT_UPDATE_BYTES
     input_s: float = 0.0  # what the input pipeline costs the training process a batch
     recompute: tuple[int, ...] = ()  # units whose forward runs again in their backward
+    resident: tuple[int, ...] = ()  # the device tier's units: no link, updated on the device
     disk_read_bytes: int = 0  # the disk store's file traffic a step
     disk_write_bytes: int = 0
     disk_dir: str | None = None  # its directory: the probe's key
 
     def __post_init__(self) -> None:
         self.recompute = tuple(sorted(self.recompute))
+        self.resident = tuple(sorted(self.resident))
         for name in ("compute_dtype", "transfer_dtype"):
             value = getattr(self, name)
             value = value if value is None else str(value).removeprefix("torch.")
@@ -176,9 +179,13 @@ def estimate(costs: StepCosts, probe: Probe, settings: EstimateSettings) -> Esti
     for u in costs.units:
         e = _work(u, probe, peak, u.index in settings.recompute)
         e.overhead_s += u.trainable_tensors * probe.tensor_s
-        host_bytes += u.trainable_numel * settings.update_bytes
-        e.update_s = u.trainable_numel * settings.update_bytes / host_bw
-        if ws:
+        update = u.trainable_numel * settings.update_bytes
+        if u.index in settings.resident:  # Note [device tier] in runtime/placement.py
+            e.update_s = update / probe.memory_bandwidth
+        else:
+            host_bytes += update
+            e.update_s = update / host_bw
+        if ws and u.index not in settings.resident:
             nbytes = _link_bytes(u, settings.transfer_dtype)
             link_bytes += nbytes
             e.link_s = (
