@@ -172,23 +172,21 @@ def test_compact_state_is_placed_by_its_own_size(tmp_path, state_dtype):
     # state; planned as two fp32 moments, half of it would have gone to the files.
     assert fp32.engine.store.tier.places.actual.disk.get("state", 0) > 0
     assert places.actual.disk.get("state", 0) == 0 < places.actual.ram["state"]
+
     # and training on it is the training of the same optimizer in a RAM store
-    for step in range(2):
-        x, y = _batch(step)
-        F.cross_entropy(runner(x).flatten(0, 1), y.flatten()).backward()
-        opt.step()
-        opt.zero_grad()
+    def two_steps(runner, opt):
+        for step in range(2):
+            x, y = _batch(step)
+            F.cross_entropy(runner(x).flatten(0, 1), y.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+
+    two_steps(runner, opt)
     torch.manual_seed(0)
     ram_model = GPT(CFG)
+    compact = {"state_dtype": getattr(torch, state_dtype)}
     ram = cstorch.compile(ram_model, backend="ws")
-    ram_opt = cstorch.optim.AdamW(
-        ram_model.parameters(), lr=3e-3, state_dtype=getattr(torch, state_dtype)
-    )
-    for step in range(2):
-        x, y = _batch(step)
-        F.cross_entropy(ram(x).flatten(0, 1), y.flatten()).backward()
-        ram_opt.step()
-        ram_opt.zero_grad()
+    two_steps(ram, cstorch.optim.AdamW(ram_model.parameters(), lr=3e-3, **compact))
     got = model.state_dict()
     for k, v in ram_model.state_dict().items():
         assert torch.equal(got[k], v), k
