@@ -461,7 +461,7 @@ def _transfer_bytes(runner) -> tuple[int, int, int]:
     return fetch, grads, engine.plan.weight_bound(engine.config.prefetch_depth)
 
 
-def run_ws(cfg, x, y, device, dtype, args, device_tier: int | None = None) -> dict:
+def run_ws(cfg, x, y, device, dtype, args, device_tier: int | str | None = None) -> dict:
     model = build(cfg)
     runner = backend.compile(
         model,
@@ -778,7 +778,7 @@ def run_size(name: str, size: Size, device, dtype, peak: float, limits: dict, ar
         "ws_vs_fsdp2": _ratio(fig["tokens_per_s"], peer["fsdp2_cpu_offload"].get("tokens_per_s")),
         "ws_vs_eager": _ratio(med, peer["eager"].get("step_s", {}).get("median")),
     }
-    if args.device_tier > 0:
+    if args.device_tier == "auto" or args.device_tier > 0:
         result["device_tier"] = run_tier(cfg, x, y, device, dtype, args, fig, tokens, params, peak)
     report_size(result)
     return result
@@ -787,7 +787,7 @@ def run_size(name: str, size: Size, device, dtype, peak: float, limits: dict, ar
 def run_tier(cfg, x, y, device, dtype, args, streamed: dict, tokens, params, peak) -> dict:
     """WS again with ``--device-tier`` GiB for its device tier (Note [device tier] in
     runtime/placement.py), against the WS run above without it."""
-    budget = int(args.device_tier * GiB)
+    budget = "auto" if args.device_tier == "auto" else int(args.device_tier * GiB)
     try:
         ws = run_ws(cfg, x, y, device, dtype, args, device_tier=budget)
     except Exception as exc:
@@ -800,7 +800,7 @@ def run_tier(cfg, x, y, device, dtype, args, streamed: dict, tokens, params, pea
         return {"error": error}
     fig = ws["timing"].figures(tokens, params, peak)
     print(
-        f"  WS + device tier of {args.device_tier:g} GiB: {ws['tiers']}; "
+        f"  WS + device tier of {args.device_tier} (GiB): {ws['tiers']}; "
         f"{fig['tokens_per_s']:.0f} tokens/s, {fig['pct_peak']:.1f}% of peak, "
         f"{fig['tokens_per_s'] / streamed['tokens_per_s']:.3f}x WS without it"
     )
@@ -921,10 +921,11 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument(
         "--device-tier",
-        type=float,
+        type=lambda v: v if v == "auto" else float(v),
         default=0.0,
-        help="GiB of device memory for WS's device tier: WS runs again with it, and its "
-        "tokens/s over WS's without it is printed (default 0: not run)",
+        help="GiB of device memory for WS's device tier, or 'auto' (what the device has "
+        "left after the first step): WS runs again with it, and its tokens/s over WS's "
+        "without it is printed (default 0: not run)",
     )
     ap.add_argument(
         "--profile", action="store_true", help="WS: one more step under torch.profiler, printed"

@@ -654,11 +654,17 @@ class StreamingEngine:
             or (self.config.device_tier_budget == "auto" and not self._auto_tier_placed)
             else ""
         )
+        placed = self.store.predicted_placement()  # a disk store's (Note [hybrid placement])
+        disk = (
+            ""
+            if placed is None
+            else f", {format_bytes(placed.disk_bytes_per_step)} to and from disk"
+        )
         return (
             f"device tier{auto}: {len(self.resident)} of {len(self.plan.units)} units on "
             f"{self.device} ({parts(device)}); host: {streamed} units ({parts(host)}); a step "
             f"moves {format_bytes(link)} over the link and {format_bytes(update)} through host "
-            "memory in the update"
+            f"memory in the update{disk}"
         )
 
     def _state_bytes(self, p: torch.Tensor) -> int:
