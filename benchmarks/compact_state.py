@@ -17,7 +17,7 @@ at rest (after the update and ``zero_grad()``, which frees the gradients as the
 run command's trainer does).
 
     .venv/bin/python benchmarks/compact_state.py [--steps 2000] [--d-model 512]
-        [--layers 8] [--seq-len 256] [--batch 8]
+        [--layers 8] [--seq-len 256] [--batch 8] [--seed 0]
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def train(name: str, cfg: GPTConfig, args, train_set, eval_set) -> dict:
     gc.collect()
     trim_heap()
     rss0 = current_rss_bytes()
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     model = GPT(cfg).to(master_dtype)
     params = sum(p.numel() for p in model.parameters())
     runner = cstorch.compile(model, backend="wse_ws", device="cpu")
@@ -81,7 +81,8 @@ def train(name: str, cfg: GPTConfig, args, train_set, eval_set) -> dict:
     )
     losses, held, in_step = [], None, None
     start = time.perf_counter()
-    for step, (x, y) in enumerate(_batches(train_set, args.batch, args.steps, seed=1)):
+    batches = _batches(train_set, args.batch, args.steps, seed=1 + args.seed)
+    for step, (x, y) in enumerate(batches):
         loss = _loss(runner, x, y)
         loss.backward()
         measure = step + 1 == min(RSS_STEPS, args.steps)
@@ -122,6 +123,9 @@ def train(name: str, cfg: GPTConfig, args, train_set, eval_set) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument(
+        "--seed", type=int, default=0, help="initial weights and training batches (eval: fixed)"
+    )
     ap.add_argument("--d-model", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--heads", type=int, default=8)
@@ -162,7 +166,7 @@ def main() -> None:
             f"({r['in_step_bytes_per_param'] / ref['in_step_bytes_per_param']:.2f}x)   "
             f"{r['seconds']:.0f} s"
         )
-    print_result("compact_state", steps=args.steps, variants=results)
+    print_result("compact_state", steps=args.steps, seed=args.seed, variants=results)
 
 
 if __name__ == "__main__":
