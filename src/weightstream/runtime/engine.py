@@ -587,13 +587,13 @@ class StreamingEngine:
         groups = []
         for indices in unit_groups(unit_params):
             params = {id(p): p for i in indices for p in unit_params[i]}.values()
-            nbytes = sum(p.nbytes + (p.nbytes + self._state_bytes(p)) * p.requires_grad
-                         for p in params)  # fmt: skip
+            nbytes = sum(p.nbytes for p in params)  # masters, then gradients and state
+            nbytes += sum(p.nbytes + self._state_bytes(p) for p in params if p.requires_grad)
             groups.append((indices, nbytes, max(2 + (i in recompute) for i in indices)))
         chosen = frozenset(device_tier(groups, budget, len(plan.units)))
-        moved = [
-            p for p in {id(p): p for i in chosen for p in unit_params[i]}.values() if not p.is_meta
-        ]  # fmt: skip  (shapes only: validate_only, compile_only)
+        # Meta parameters (shapes only: validate_only, compile_only) have nothing to move.
+        unique = {id(p): p for i in chosen for p in unit_params[i]}.values()
+        moved = [p for p in unique if not p.is_meta]
         tier, old_state = self.store.tier, []
 
         def to_device(t: torch.Tensor) -> torch.Tensor:
