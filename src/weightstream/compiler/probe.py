@@ -196,7 +196,10 @@ def _fixed_costs(device: torch.device, sizes: _Sizes) -> dict[str, float]:
 
     x = torch.randn(4, 16, device=device)
     eager = nn.Sequential(*[_TinyBlock() for _ in range(8)]).to(device)
-    ops = lambda model: unit_costs(model, Plan([], traced=True), (x,)).ops  # noqa: E731
+
+    def ops(model: nn.Module) -> int:
+        return unit_costs(model, Plan([], traced=True), (x,)).ops
+
     op_s = _seconds(lambda: eager(x).sum().backward(), sizes.run_s) / ops(eager)
 
     def step_seconds(blocks: int) -> tuple[float, int]:

@@ -273,7 +273,9 @@ class StreamingEngine:
         self.resident: frozenset[int] = frozenset()
         self._optimizers: weakref.WeakSet = weakref.WeakSet()
         self._recompute: set[int] = set()
-        self._auto_tier_due = self._auto_tier_placed = False  # "auto": before the 2nd forward
+        # "auto": "waiting" for the first step, "due" after it (placed before the next
+        # forward), then None.
+        self._auto_tier = "waiting" if config.device_tier_budget == "auto" else None
         hosts.add(self)
 
     def _tier(self, module: nn.Module):
@@ -352,8 +354,8 @@ class StreamingEngine:
         if self.store.sharded:
             self._check_gradients_unchanged()
         self.updater.defer(optimizer)
-        if self.config.device_tier_budget == "auto" and not self._auto_tier_placed:
-            self._auto_tier_placed = self._auto_tier_due = True
+        if self._auto_tier == "waiting":
+            self._auto_tier = "due"
 
     @contextlib.contextmanager
     def update_in_backward(self, optimizer):
@@ -556,7 +558,7 @@ class StreamingEngine:
     def _place_auto_tier(self) -> None:
         """``device_tier_budget="auto"``: what the device has left after the first step's
         peak holds the device tier from the second step on (Note [device tier])."""
-        self._auto_tier_due = False
+        self._auto_tier = None
         self.updater.synchronize()  # the first step fully applied: its state moves as it is
         room = self.ops.tier_room()
         self.resident = self._place_device_tier(room) if room > 0 else frozenset()
@@ -648,12 +650,7 @@ class StreamingEngine:
             return ", ".join(f"{k} {format_bytes(n)}" for k, n in where.items() if n) or "nothing"
 
         streamed = len(self.plan.units) - len(self.resident)
-        auto = (
-            " ('auto': placed before the second step)"
-            if self._auto_tier_due
-            or (self.config.device_tier_budget == "auto" and not self._auto_tier_placed)
-            else ""
-        )
+        auto = " ('auto': placed before the second step)" if self._auto_tier else ""
         placed = self.store.predicted_placement()  # a disk store's (Note [hybrid placement])
         disk = (
             ""
@@ -764,7 +761,7 @@ class StreamingEngine:
         args, kwargs = self._to_device(args, kwargs)
         if self.streamer is None:
             self._compile(args, kwargs)
-        if self._auto_tier_due:
+        if self._auto_tier == "due":
             self._place_auto_tier()
         streamer = self.streamer
         streamer.begin_forward()
