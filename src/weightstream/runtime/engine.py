@@ -564,7 +564,14 @@ class StreamingEngine:
         self.resident = self._place_device_tier(room) if room > 0 else frozenset()
         if self.resident:
             self._install_streamer()
-        log.info("Device tier placed after the first step: %s", self.describe_tiers())
+            log.info("Device tier placed after the first step: %s", self.describe_tiers())
+        else:
+            log.info(
+                "Device tier 'auto': nothing placed after the first step (%s of room on %s); "
+                "every unit streams",
+                format_bytes(room),
+                self.device,
+            )
 
     def _place_device_tier(self, budget: int | None) -> frozenset[int]:
         """Choose the units of the device tier within ``budget`` bytes and move their
