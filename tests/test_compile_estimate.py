@@ -224,6 +224,19 @@ def test_costing_touches_no_real_data_and_no_rng():
         assert torch.equal(v, before[k]) and v.device.type == "cpu"
 
 
+def test_the_users_hooks_do_not_run_in_the_dry_runs():
+    model, calls = Chain(DIMS, act=True), []
+    for m in model.modules():
+        m.register_forward_pre_hook(lambda *a: calls.append("pre"))
+        m.register_forward_hook(lambda *a, **k: calls.append("post"), with_kwargs=True)
+        m.register_forward_hook(lambda *a: calls.append("always"), always_call=True)
+    x = torch.randn(B, DIMS[0])
+    unit_costs(model, _plan(model, x), (x,), {})  # the trace, then the count
+    assert calls == []
+    model(x)  # the hooks are still the model's own
+    assert len(calls) == 3 * len(list(model.modules()))
+
+
 # ---- activation bytes ------------------------------------------------------------------
 
 

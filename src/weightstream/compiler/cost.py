@@ -1,16 +1,13 @@
 """What one training step costs per streaming unit, counted without computing.
 
-The model is shadowed by the trace's copy (``trace.shadow_copy``: FakeTensors
-over meta storages that claim the run's device, so that its own kernels are
-chosen, CPU flash attention rather than the math decomposition, and autocast
-applies), and the shadow runs one forward and one backward of a scalar loss on
-fake inputs of the batch's shape, under the RNG fork. ``_Counter`` (a
-TorchDispatchMode) sees every aten operator: it counts it, its FLOPs
-(``FlopCounterMode``'s formulas: matmul-like operators and attention), the bytes
-it moves (Note [operator bytes]), the kernels for the probe to time (Note [timed
-kernels]) and the new outputs in fresh pages (Note [fresh pages]). A
-saved-tensors hook counts what autograd keeps (activations, not weights or
-buffers, each storage once); module hooks open and close the units' windows.
+The model's shadow (``trace.shadow_copy``: FakeTensors over meta storages that
+claim the run's device, so that its own kernels are chosen and autocast applies)
+runs one forward and one backward of a scalar loss on fake inputs of the batch's
+shape, under the RNG fork. ``_Counter`` (a TorchDispatchMode) sees every aten
+operator and credits its FLOPs (``FlopCounterMode``'s formulas), its bytes (Note
+[operator bytes]), its kernel (Note [timed kernels]) and its fresh pages (Note
+[fresh pages]) to a unit. A saved-tensors hook counts what autograd keeps
+(activations, not weights or buffers, each storage once).
 
 Note [attributing FLOPs]
 ------------------------
@@ -21,35 +18,33 @@ window switch says which unit made a node, and the node running an operator
 (``torch._C._current_autograd_node``) whose backward it is; accumulation into
 the leaves goes outside. (``FlopCounterMode``'s own module tracking misplaces
 backward FLOPs around identity modules such as ``Dropout(0.0)``.) A backward
-that cannot run on fakes counts as twice the forward per entry (exact for
-products whose inputs all need gradients), and ``backward_measured`` is False.
+that cannot run on fakes counts as twice the forward (exact for products whose
+inputs all need gradients), and ``backward_measured`` is False.
 
 Note [operator bytes]
 ---------------------
 An operator moves ``inputs + outputs`` bytes (an expanded input counts its
-storage, an in-place result counts as written). Views and allocations move
-nothing but still count as operators (each costs its dispatch). ``embedding``
-reads the gathered rows, not the whole table: indices + 2 x output.
+storage, an in-place result counts as written); ``embedding`` reads the gathered
+rows, not the whole table. Views and allocations move nothing but still count as
+operators: each costs its dispatch.
 
 Note [timed kernels]
 --------------------
-A roofline prices a kernel at max(FLOPs / peak, bytes / bandwidth), and the
-large kernels of a step are far from either: on a 2-core EPYC, bf16 attention
-runs at 35 to 300 GFLOP/s by shape against a 930 GFLOP/s matmul peak, a bf16
-GELU at a sixth of the memory bandwidth. So every operator with FLOPs, and every
-other one moving at least ``KERNEL_BYTES``, is a *kernel*, keyed by the operator
-and its arguments (shapes, strides, dtypes, scalars); the probe runs it once per
-machine on tensors of that specification, cycling through copies of its
-arguments larger than the caches (in a step its operands were written long
-before), and caches its seconds (``probe.time_kernels``). The many small
-operators left are priced by their bytes and their count.
+The large kernels of a step are far from the roofline's max(FLOPs / peak, bytes
+/ bandwidth): on a 2-core EPYC bf16 attention runs at 35 to 300 GFLOP/s by shape
+against a 930 GFLOP/s matmul peak, a bf16 GELU at a sixth of the memory
+bandwidth. So every operator with FLOPs, and every other one moving at least
+``KERNEL_BYTES``, is a *kernel*, keyed by the operator and its arguments'
+shapes, strides, dtypes and scalars. The probe runs it once per machine on
+tensors of that specification, cycling through argument copies larger than the
+caches (in a step its operands were written long before), and caches its
+seconds (``probe.time_kernels``). The small operators are priced by bytes and count.
 
 Note [fresh pages]
 ------------------
 On the CPU glibc maps every allocation over its mmap threshold (32 MiB at most)
 afresh, and the kernel faults its pages in and zeroes them, in the step, on the
-threads that compute. In a GPT-2 small step (batch 8 x 1024) that was 9 s of
-17 s (73,000 faults with huge pages; 14 s and 2.6 million faults without), and
+threads that compute: in a GPT-2 small step (batch 8 x 1024) 9 s of 17 s, while
 a kernel timed in a small process sees little of it (a vocabulary-wide
 log-softmax: 0.13 s timed, 1.8 s in the step). So each new output of at least
 ``FRESH_BYTES`` counts as fresh bytes, priced at the probe's first-touch rate of
@@ -74,7 +69,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from weightstream.runtime.partition import Plan
-from weightstream.runtime.trace import clear_hooks, fake_like, shadow_copy
+from weightstream.runtime.trace import fake_like, shadow_copy
 
 OUTSIDE_NAME = "<outside units>"
 KERNEL_BYTES = 1 << 20  # Note [timed kernels]
@@ -91,16 +86,15 @@ EXTRA_FLOP_FORMULAS: dict = {
         lambda g, q, k, v, *a, out_shape=None, **kw: sdpa_backward_flop_count(g, q, k, v)
     ),
 }
-_QUERY_NAMES = "sym_size sym_stride sym_numel sym_storage_offset size stride numel dim "
-_QUERY_NAMES += "is_contiguous storage_offset"
-_ALLOCATION_NAMES = "empty_like empty_strided new_empty new_empty_strided _unsafe_view lift_fresh"
+_QUERIES = "sym_size sym_stride sym_numel sym_storage_offset size stride numel dim is_contiguous"
 # Queries of tensor metadata: not operators a real run dispatches as kernels.
-QUERIES = {getattr(_aten, n).default for n in _QUERY_NAMES.split()}
+QUERIES = {getattr(_aten, n).default for n in f"{_QUERIES} storage_offset".split()}
 QUERIES |= {_aten.is_contiguous.memory_format, torch.ops.prim.device.default}
 QUERIES.add(torch.ops.prim.layout.default)
 # Operators that allocate or alias without touching data.
-NO_TRAFFIC = {getattr(_aten, n).default for n in _ALLOCATION_NAMES.split()}
-NO_TRAFFIC.add(_aten.empty.memory_format)
+NO_TRAFFIC = {_aten.empty.memory_format, _aten._unsafe_view.default, _aten.lift_fresh.default}
+NO_TRAFFIC |= {getattr(_aten, n).default for n in "empty_like empty_strided new_empty".split()}
+NO_TRAFFIC.add(_aten.new_empty_strided.default)
 
 
 def tensor_bytes(tree) -> int:
@@ -324,8 +318,6 @@ def unit_costs(
     shadow = shadow_copy(model, fake, device)
     resident = {t.untyped_storage()._cdata for t in (*shadow.parameters(), *shadow.buffers())}
     shadow_of = {id(r): s for r, s in zip(model.modules(), shadow.modules())}
-    for m in shadow.modules():
-        clear_hooks(m)  # the user's hooks (and a streamer's) must not run in a dry run
     c = _Counter(n)
     activation = [0] * (n + 1)
     saved: dict[int, torch.Tensor] = {}  # keeps the storages alive: ids stay unique

@@ -1,29 +1,24 @@
 """The probe: this machine's rates, the denominators of the roofline (``estimate.py``).
 
-Measured once per machine and torch version, each figure the median of
-``torch.utils.benchmark``'s ``blocked_autorange``, and cached as JSON under
-``$WEIGHTSTREAM_CACHE_DIR`` (default ``~/.cache/weightstream``) in a file named
-by a hash of the device, its name, the torch version and the thread count. A
-compile adds the seconds of the kernels it meets (``time_kernels``, Note [timed
-kernels] in cost.py) and a disk store the bandwidths of its directory.
-Nothing is measured again when the library changes and nothing watches other
-processes: a probe measured on a busy machine stays until its file is deleted.
+Each figure is the median of ``torch.utils.benchmark``'s ``blocked_autorange``,
+measured once per machine, torch version and thread count and cached as JSON
+under ``$WEIGHTSTREAM_CACHE_DIR`` (default ``~/.cache/weightstream``). A compile
+adds the seconds of the kernels it meets (Note [timed kernels] in cost.py) and a
+disk store the bandwidths of its directory. Nothing is measured again when the
+library changes and nothing watches other processes: a probe measured on a busy
+machine stays until its file is deleted.
 
 Note [fixed costs]
 ------------------
 A small model's step is mostly overhead: each aten operator costs microseconds
-of Python, dispatch and autograd bookkeeping whatever its size, each streamed
-parameter tensor costs hooks, views and a gradient routed back, and each step
-its loss read back and its update's Python. The probe measures three constants
-on tiny workloads whose data work is nil:
-
-* ``op_s``: a forward + backward of a chain of tiny blocks (LayerNorm, Linear,
-  GELU, Linear, residual; 4 x 16 activations) over the operators
-  ``cost.unit_costs`` counts on it;
-* ``tensor_s`` and ``step_s``: a tiny streamed training step (AdamW, loss read
-  back) of the chain with 8 blocks and with 2, less their operators at ``op_s``:
-  the difference per parameter tensor is ``tensor_s``, what is left of the
-  2-block step ``step_s``.
+of dispatch and autograd bookkeeping whatever its size, each streamed parameter
+tensor its hooks, views and gradient routed back, and each step its loss read
+back and its update's Python. Three constants, measured on a chain of tiny
+blocks (LayerNorm, Linear, GELU, Linear, residual; 4 x 16 activations):
+``op_s``, an eager forward + backward over the operators ``cost.unit_costs``
+counts on it; ``tensor_s`` and ``step_s``, a streamed AdamW step of 8 blocks
+and of 2, less their operators at ``op_s``: the difference per parameter tensor
+and what is left of the 2-block step.
 """
 
 from __future__ import annotations
@@ -46,6 +41,7 @@ from torch import nn
 from torch.utils.benchmark import Timer
 
 from weightstream.common.files import write_text_atomic
+from weightstream.runtime.placement import available_memory
 
 log = logging.getLogger("weightstream")
 
@@ -89,9 +85,6 @@ class Probe:
                 f"{', '.join(sorted(self.matmul_flops))}); use one of those compute dtypes."
             )
         return self.matmul_flops[name]
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
@@ -230,30 +223,25 @@ def _fixed_costs(device: torch.device, sizes: _Sizes) -> dict[str, float]:
 
 
 def _disk_bandwidths(directory: Path, nbytes: int) -> dict[str, float]:
-    """Write (with fsync) and read (page cache dropped where the OS allows) of one file."""
-    directory.mkdir(parents=True, exist_ok=True)
-    chunk_len = min(nbytes, 8 * 2**20)
-    # Random bytes: a compressing file system must not make the write look fast.
-    chunk = torch.randint(0, 256, (chunk_len,), dtype=torch.uint8).numpy().tobytes()
+    """Write (with fsync) and read (page cache dropped where the OS allows) of one file of
+    random bytes: a compressing file system must not make the write look fast."""
+    chunk = os.urandom(min(nbytes, 8 << 20))
     fd, name = tempfile.mkstemp(prefix=".weightstream-diskprobe-", dir=directory)
     try:
         t0 = time.perf_counter()
-        for start in range(0, nbytes, chunk_len):
-            os.write(fd, chunk[: min(nbytes - start, chunk_len)])
+        for start in range(0, nbytes, len(chunk)):
+            os.write(fd, chunk[: nbytes - start])
         os.fsync(fd)
         write = nbytes / (time.perf_counter() - t0)
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        buf = bytearray(chunk_len)
-        with open(name, "rb", buffering=0) as f:
-            t0 = time.perf_counter()
-            while f.readinto(buf):
-                pass
-            read = nbytes / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for start in range(0, nbytes, len(chunk)):
+            os.pread(fd, len(chunk), start)
+        return {"read": nbytes / (time.perf_counter() - t0), "write": write}
     finally:
         os.close(fd)
         os.unlink(name)
-    return {"read": read, "write": write}
 
 
 def _rng(device: torch.device):
@@ -272,23 +260,13 @@ def measure(device: torch.device | str = "cpu", quick: bool = False) -> Probe:
         flops, rates = _matmul_flops(device, sizes), _bandwidths(device, sizes)
     with _rng(device):
         fixed = _fixed_costs(device, sizes)
-    return Probe(
-        device=str(device),
-        device_name=device_name(device),
-        torch_version=torch.__version__,
-        num_threads=torch.get_num_threads(),
-        matmul_flops=flops,
-        quick=quick,
-        measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        **rates,
-        **fixed,
-    )
+    ident = (str(device), device_name(device), torch.__version__, torch.get_num_threads())
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    return Probe(*ident, flops, **rates, **fixed, quick=quick, measured_at=stamp)
 
 
 def _free_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory() or 0
 
 
 def time_kernels(probe: Probe, kernels: dict, path: str | Path | None = None) -> None:
@@ -320,7 +298,7 @@ def time_kernels(probe: Probe, kernels: dict, path: str | Path | None = None) ->
 
 
 def _save(probe: Probe, path: Path) -> None:
-    write_text_atomic(Path(path), json.dumps(probe.to_dict(), indent=2, sort_keys=True))
+    write_text_atomic(Path(path), json.dumps(dataclasses.asdict(probe), indent=2, sort_keys=True))
 
 
 def load_or_measure(

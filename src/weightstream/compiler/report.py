@@ -11,7 +11,6 @@ last: a readable, complete ``plan.json`` means a complete directory.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import hashlib
 import json
 from pathlib import Path
@@ -43,14 +42,9 @@ def _plain(x):
         return str(x)
     if isinstance(x, type):
         return f"{x.__module__}.{x.__qualname__}"
-    if isinstance(x, enum.Enum):
-        return x.value
-    if dataclasses.is_dataclass(x):
-        fields = {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
-        return {"__class__": _plain(type(x)), **fields}
     raise TypeError(
         f"cannot include a {type(x).__name__} in the compile checksum; pass tensors, "
-        "(shape, dtype) pairs, dtypes, classes, dataclasses or plain JSON values."
+        "(shape, dtype) pairs, dtypes, classes or plain JSON values."
     )
 
 
@@ -152,7 +146,7 @@ def _plan_dict(checksum, plan: Plan, costs: StepCosts, est: Estimate, probe: Pro
             "notes": est.notes,
         },
         "est_samples_per_sec": est.est_samples_per_sec,
-        "machine": {k: v for k, v in probe.to_dict().items() if k != "kernel_s"},
+        "machine": {k: v for k, v in dataclasses.asdict(probe).items() if k != "kernel_s"},
     }
 
 

@@ -118,10 +118,7 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict) -> Trace:
     def post(mod, _args, _out):
         stack.pop()
 
-    for m in shadow.modules():
-        # The user's own hooks do not run in the dry run: they may have side
-        # effects (logging, counters) that a step the user did not take must not cause.
-        clear_hooks(m)
+    for m in shadow.modules():  # the shadow has none of the user's hooks (shadow_copy)
         handles.append(m.register_forward_pre_hook(pre))
         handles.append(m.register_forward_hook(post, always_call=True))
     meta_args, meta_kwargs = pytree.tree_map(_to_meta, (args, kwargs))
@@ -137,14 +134,3 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict) -> Trace:
         for h in handles:
             h.remove()
     return trace
-
-
-def clear_hooks(m: torch.nn.Module) -> None:
-    """Remove ``m``'s forward and backward hooks (a dry run's shadow copy only)."""
-    m._forward_pre_hooks.clear()
-    m._forward_hooks.clear()
-    m._forward_hooks_always_called.clear()
-    m._forward_hooks_with_kwargs.clear()
-    m._forward_pre_hooks_with_kwargs.clear()
-    m._backward_hooks.clear()
-    m._backward_pre_hooks.clear()
