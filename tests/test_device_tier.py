@@ -279,9 +279,15 @@ def test_auto_places_the_tier_after_the_first_step_and_trains_like_eager(config,
     _same_as_eager(model, eager, opt, eager_opt)
 
 
-def test_two_ranks_with_a_replicated_store_and_the_tier_equal_one_rank(tmp_path, monkeypatch):
-    """Data parallel: every rank places the same units, and SwarmX reduces their
-    gradients where they are; the run command's two ranks train as its one rank."""
+@pytest.mark.parametrize("sharding", ["replicated", "sharded", "sharded_disk"])
+def test_two_ranks_with_the_tier_equal_one_rank(tmp_path, monkeypatch, sharding):
+    """Data parallel: every rank places the same units. With a replicated store SwarmX
+    reduces their gradients where they are; with a sharded one every rank holds the
+    tier's units whole (their masters and state broadcast from their owners) and
+    all-reduces their gradients, while the rest stays sharded. Clipping at a norm far
+    below the gradients' (every step clips) counts each gradient once. The run
+    command's two ranks train as its one rank, and the checkpoint gathers both kinds,
+    from RAM or from a disk store's files (given back as the tier takes its units)."""
     import yaml
     from test_distributed import WEIGHT_ATOL, _params
 
@@ -295,12 +301,26 @@ def test_two_ranks_with_a_replicated_store_and_the_tier_equal_one_rank(tmp_path,
         (tmp_path / name).mkdir()
         params = _params(tmp_path / name, "gpt2")
         values = yaml.safe_load(params.read_text())
-        values["runconfig"].update(store_sharding="replicated", device_tier_budget=budget)
+        values["runconfig"].update(
+            store_sharding=sharding.removesuffix("_disk"), device_tier_budget=budget
+        )
+        if sharding.endswith("_disk"):  # part in RAM, part in files
+            values["runconfig"].update(store="disk", host_memory_budget=300_000)
+        values["optimizer"]["max_gradient_norm"] = 0.05
         params.write_text(yaml.safe_dump(values))
         out = tmp_path / name / "out"
         assert main(["run", "CPU", "-p", str(params), "-o", str(out), *ranks]) == 0, name
         runs[name] = load(sorted(out.glob("checkpoint_*.mdl"))[-1], map_location="cpu")
-    one, two = runs["one"]["model"], runs["two"]["model"]
-    for k, v in one.items():
+    one, two = runs["one"], runs["two"]
+    assert one["model"].keys() == two["model"].keys()
+    for k, v in one["model"].items():
         # two ranks sum the halves' mean gradients in another order than one rank
-        assert torch.allclose(two[k], v, rtol=0, atol=WEIGHT_ATOL), k
+        assert torch.allclose(two["model"][k], v, rtol=0, atol=WEIGHT_ATOL), k
+    # The moments carry the same reduction-order differences, relative to their size
+    # (a placeholder gathered instead of the owner's value would be 0 or garbage).
+    moments = one["optimizer"]["state"]
+    assert moments.keys() == two["optimizer"]["state"].keys()
+    for i, entry in moments.items():
+        for key, v in entry.items():
+            got = two["optimizer"]["state"][i][key]
+            assert got.shape == v.shape and torch.allclose(got, v, rtol=1e-4, atol=1e-9), (i, key)

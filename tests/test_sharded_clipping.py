@@ -33,15 +33,26 @@ WEIGHT_ATOL = 2e-6
 STEPS, BATCH, WIDTH = 3, 8, 16
 MAX_NORM = 0.05  # far below the gradients' norm: every step clips
 
-# name -> (store_sharding, clipping)
+# A unit (Linear(16, 16)) holds 272 parameters: masters, gradients and AdamW's two
+# moments 4 x 1,088 bytes, its 2 step scalars 8: 4,360 bytes. The device tier then
+# takes 2 of the 4 units, every rank holding them whole (Note [sharded store]).
+TIER_BUDGET = 2 * 4_360
+PARAMS = 8  # each counted once in the error, a device tier's too
+
+# name -> (store_sharding, clipping, device_tier_budget)
 CASES = {
-    "sharded-torch": ("sharded", "torch"),
-    "sharded-compiled": ("sharded", "compiled"),
-    "sharded-compiled-inf": ("sharded", "compiled-inf"),
-    "sharded-compiled-value": ("sharded", "compiled-value"),
-    "replicated-torch": ("replicated", "torch"),
+    "sharded-torch": ("sharded", "torch", None),
+    "sharded-compiled": ("sharded", "compiled", None),
+    "sharded-compiled-inf": ("sharded", "compiled-inf", None),
+    "sharded-compiled-value": ("sharded", "compiled-value", None),
+    "replicated-torch": ("replicated", "torch", None),
     # torch.optim's own step() does not come through the engine: not checked, warned.
-    "sharded-torch-optim": ("sharded", "torch"),
+    "sharded-torch-optim": ("sharded", "torch", None),
+    # Half the units on every rank's device tier, the other half sharded: each
+    # gradient counted once in the norm, the tier's changed by torch's clip caught too.
+    "sharded-tier-torch": ("sharded", "torch", TIER_BUDGET),
+    "sharded-tier-compiled": ("sharded", "compiled", TIER_BUDGET),
+    "sharded-tier-compiled-inf": ("sharded", "compiled-inf", TIER_BUDGET),
 }
 
 
@@ -117,7 +128,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     share = BATCH // world
     record = {}
     try:
-        for name, (sharding, clipping) in CASES.items():
+        for name, (sharding, clipping, budget) in CASES.items():
             model = _model()
             before = {k: v.detach().clone() for k, v in model.state_dict().items()}
             if name.endswith("torch-optim"):
@@ -134,6 +145,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
                 device="cpu",
                 granularity="module",
                 store_sharding=sharding,
+                device_tier_budget=budget,
             )
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -145,6 +157,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
                 torch.save(state, Path(out, f"{name}.pt"))
             record[name] = {
                 "error": error,
+                "tier": sorted(compiled.engine.resident),
                 "unchanged": unchanged,
                 "unchecked_warnings": unchecked,
                 # The optimizer state's values (AdamW's step counts and moments): all
@@ -174,14 +187,15 @@ def two_ranks(tmp_path_factory):
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.parametrize("name", ["sharded-torch", "sharded-tier-torch"])
 def test_torch_clip_on_a_sharded_store_stops_the_step_with_the_fix_and_changes_nothing(
-    two_ranks,
+    two_ranks, name
 ):
     _, records = two_ranks
     for record in records:  # both ranks stop, the one owning fewer changed gradients too
-        got = record["sharded-torch"]
+        got = record[name]
         assert got["error"] is not None
-        assert "changed after SwarmX reduced them" in got["error"]
+        assert f"{PARAMS} gradient(s) were changed after SwarmX reduced them" in got["error"]
         assert "compiled.clip_grad_norm_" in got["error"]
         assert "store_sharding='replicated'" in got["error"]
         # The first step stopped before any update: masters as built, state untouched.
@@ -190,11 +204,21 @@ def test_torch_clip_on_a_sharded_store_stops_the_step_with_the_fix_and_changes_n
 
 @pytest.mark.parametrize(
     "name",
-    ["sharded-compiled", "sharded-compiled-inf", "sharded-compiled-value", "replicated-torch"],
+    [
+        "sharded-compiled",
+        "sharded-compiled-inf",
+        "sharded-compiled-value",
+        "replicated-torch",
+        "sharded-tier-compiled",
+        "sharded-tier-compiled-inf",
+    ],
 )
 def test_clipping_by_the_whole_model_on_two_ranks_equals_eager_pytorch(two_ranks, name):
     out, records = two_ranks
     assert all(r[name]["error"] is None and not r[name]["unchanged"] for r in records)
+    tiers = [r[name]["tier"] for r in records]
+    # the ends of the order (Note [device tier]): the first unit is rank 0's, the last rank 1's
+    assert tiers == ([[0, 3], [0, 3]] if "tier" in name else [[], []])
     got = torch.load(out / f"{name}.pt")
     want = _eager(CASES[name][1])
     assert set(got) == set(want)

@@ -46,6 +46,9 @@ WEIGHT_ATOL = 2e-6
 LOSS_RTOL = 1e-5
 STEPS, BATCH, WIDTH = 3, 8, 16
 WORLD = 2
+# A unit (Linear(16, 16)): masters, gradients and AdamW's two moments 4 x 1,088 bytes,
+# its 2 step scalars 8 bytes: 4,360 bytes. This budget holds 2 of the 4 units.
+TIER_BUDGET = 2 * 4_360
 
 DEVICES = [
     "cpu",
@@ -114,7 +117,7 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
-def _rank(rank: int, port: int, out: str, device: str) -> None:
+def _rank(rank: int, port: int, out: str, device: str, budget: int | None) -> None:
     """One rank of two, joined by the engine from the torchrun environment."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -134,7 +137,12 @@ def _rank(rank: int, port: int, out: str, device: str) -> None:
     model = _model(seed=rank)  # rank 1 starts elsewhere: the build broadcasts rank 0's
     optimizer = _adamw(model.parameters(), cstorch)
     compiled = cstorch.compile(
-        model, backend="wse_ws", device=device, granularity="module", store_sharding="sharded"
+        model,
+        backend="wse_ws",
+        device=device,
+        granularity="module",
+        store_sharding="sharded",
+        device_tier_budget=budget,
     )
     try:
         shards = compiled.engine.store.replicas
@@ -156,6 +164,14 @@ def _rank(rank: int, port: int, out: str, device: str) -> None:
             "device": str(compiled.engine.device),
             "sharded": shards.sharded,
             "owned": [n for n, p in model.named_parameters() if shards.owns(p)],
+            "tier": sorted(compiled.engine.resident),
+            "tier_devices": sorted(
+                {
+                    str(p.device)
+                    for i in compiled.engine.resident
+                    for p in compiled.plan.units[i].params
+                }
+            ),
             "losses": losses,
         }
         compiled.close()
@@ -164,7 +180,7 @@ def _rank(rank: int, port: int, out: str, device: str) -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps(record))
 
 
-def _two_ranks(out: Path, device: str) -> list[dict]:
+def _two_ranks(out: Path, device: str, budget: int | None) -> list[dict]:
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -177,7 +193,8 @@ def _two_ranks(out: Path, device: str) -> list[dict]:
             # import in each rank asks torch.cuda.is_available()).
             visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
             env.setenv("CUDA_VISIBLE_DEVICES", visible)
-        mp.start_processes(_rank, args=(port, str(out), device), nprocs=WORLD, start_method="spawn")
+        args = (port, str(out), device, budget)
+        mp.start_processes(_rank, args=args, nprocs=WORLD, start_method="spawn")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
@@ -221,11 +238,14 @@ def _eager(device: str) -> tuple[dict[str, torch.Tensor], list[float]]:
     return _state(host), losses
 
 
+@pytest.mark.parametrize("tier", [False, True], ids=["streamed", "device-tier"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_two_ranks_on_one_device_with_a_sharded_store_equal_one_rank_and_eager(
-    tmp_path, device, full_fp32_products
+    tmp_path, device, tier, full_fp32_products
 ):
-    records = _two_ranks(tmp_path, device)
+    """With ``tier``, a device tier of 2 of the 4 units (TIER_BUDGET) that both ranks hold
+    whole, on the device, while the other 2 stay sharded on the host."""
+    records = _two_ranks(tmp_path, device, TIER_BUDGET if tier else None)
     # Joined with gloo alone (on CUDA: two ranks, one GPU), both on the one device.
     assert [r["backend"] for r in records] == ["gloo"] * WORLD
     want_device = "cpu" if device == "cpu" else "cuda:0"
@@ -234,7 +254,11 @@ def test_two_ranks_on_one_device_with_a_sharded_store_equal_one_rank_and_eager(
     owned = [set(r["owned"]) for r in records]
     names = {n for n, _ in _model(seed=0).named_parameters()}
     assert all(r["sharded"] for r in records)
-    assert all(owned) and not owned[0] & owned[1] and owned[0] | owned[1] == names
+    # The tier's units (the ends of the order: Note [device tier]) are every rank's.
+    tier = {f"{i}.{k}" for i in (0, 6) for k in ("weight", "bias")} if tier else set()
+    assert [r["tier"] for r in records] == [[0, 3] if tier else []] * WORLD
+    assert [r["tier_devices"] for r in records] == [[want_device] if tier else []] * WORLD
+    assert all(owned) and owned[0] & owned[1] == tier and owned[0] | owned[1] == names
     # Both ranks log the same mean loss of the global batch.
     assert records[0]["losses"] == records[1]["losses"]
     got = torch.load(tmp_path / "sharded.pt")

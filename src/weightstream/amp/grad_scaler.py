@@ -295,6 +295,9 @@ class GradScaler:
         if self._dynamic:
             # Squared norms in float32 even for half gradients, where g*g
             # would overflow long before the gradient itself does.
+            if self._sharded_engine is not None:  # each gradient counted on one rank
+                grads = [p.grad for p in params_of(optimizer) if p.grad is not None
+                         and self._sharded_engine.counts_in_norm(p)]  # fmt: skip
             self._squared_norms.extend(torch.sum(torch.square(g.float())) for g in grads)
         self._stages[optimizer] = OptState.UNSCALED
 

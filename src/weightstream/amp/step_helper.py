@@ -186,19 +186,25 @@ def clip_grad_norm_(
         )
     norm_type = float(norm_type)
     grads = [p.grad.detach() for p in params if p.grad is not None]
-    local = torch.zeros((), dtype=torch.float32)
+    # Each gradient counted on one rank (a device tier's are on every rank), summed on
+    # its own device first.
+    parts: dict[torch.device, torch.Tensor] = {}
+    for p in params:
+        if p.grad is None or not engine.counts_in_norm(p):
+            continue
+        g = p.grad.detach().float()
+        if norm_type == math.inf:
+            part, add = g.abs().max(), torch.maximum
+        else:
+            part = torch.sum(torch.square(g) if norm_type == 2.0 else g.abs().pow(norm_type))
+            add = torch.add
+        before = parts.get(g.device)
+        parts[g.device] = part if before is None else add(before, part)
+    local = torch.stack([x.cpu() for x in parts.values()] or [torch.zeros(())])  # host sync
     if norm_type == math.inf:
-        for g in grads:
-            local = torch.maximum(local, g.abs().max().float())
-        norm = engine.max_over_ranks(local)
-    elif norm_type == 2.0:
-        for g in grads:
-            local = local + torch.sum(torch.square(g.float()))
-        norm = torch.sqrt(engine.sum_over_ranks(local))
+        norm = engine.max_over_ranks(local.max())
     else:
-        for g in grads:
-            local = local + torch.sum(g.float().abs().pow(norm_type))
-        norm = engine.sum_over_ranks(local).pow(1.0 / norm_type)
+        norm = engine.sum_over_ranks(local.sum()).pow(1.0 / norm_type)
     if error_if_nonfinite and not bool(torch.isfinite(norm)):  # host sync point
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is non-finite, so it "

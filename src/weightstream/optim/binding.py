@@ -42,6 +42,11 @@ class ParameterHost(Protocol):
         """Whether ``p`` is one of this engine's parameters."""
         ...
 
+    def counts_in_norm(self, p: torch.Tensor) -> bool:
+        """Whether this rank adds ``p``'s gradient to a whole-model norm summed over the
+        ranks (with ``grads_sharded``: each gradient on one rank)."""
+        ...
+
     def state_zeros_like(
         self,
         p: torch.Tensor,

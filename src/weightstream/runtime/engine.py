@@ -271,7 +271,8 @@ class StreamingEngine:
         # runtime/placement.py), placed at the first call; the optimizers bound so far,
         # whose state moves with them.
         self.resident: frozenset[int] = frozenset()
-        self._optimizers: weakref.WeakSet = weakref.WeakSet()
+        # In binding order, the same on every rank (a sharded store's broadcasts follow it).
+        self._optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._recompute: set[int] = set()
         # "auto": "waiting" for the first step, "due" after it (placed before the next
         # forward), then None.
@@ -330,6 +331,9 @@ class StreamingEngine:
     def grads_sharded(self) -> bool:
         return self.store.sharded
 
+    def counts_in_norm(self, p: torch.Tensor) -> bool:
+        return self.store.counts_in_norm(p)
+
     def holds(self, p: torch.Tensor) -> bool:
         return self._params.get(id(p)) is p
 
@@ -346,7 +350,7 @@ class StreamingEngine:
 
     def bind_optimizer(self, optimizer) -> None:
         self.store.bind_optimizer(optimizer)
-        self._optimizers.add(optimizer)
+        self._optimizers[optimizer] = None
 
     def apply_step(self, optimizer) -> None:
         """The optimizer's update of the masters, through the updater (Note [overlapped
@@ -402,7 +406,8 @@ class StreamingEngine:
         in runtime/swarm.py). Collective: a host sync point."""
         self.finish_gradients()
         changed = self.reducer.changed_after_reduce()
-        count = self.sum_over_ranks(torch.tensor(float(len(changed))))
+        once = sum(map(self.counts_in_norm, changed))  # a device tier's: on every rank
+        count = self.sum_over_ranks(torch.tensor(float(once)))
         if int(count) == 0:
             return
         names = {id(p): n for n, p in self.module.named_parameters(remove_duplicate=False)}
@@ -561,6 +566,8 @@ class StreamingEngine:
         self._auto_tier = None
         self.updater.synchronize()  # the first step fully applied: its state moves as it is
         room = self.ops.tier_room()
+        if self.reducer is not None:  # every rank places the same units: the least room
+            room = -int(swarm.max_over_ranks(torch.tensor(-room, dtype=torch.int64)))
         self.resident = self._place_device_tier(room) if room > 0 else frozenset()
         if self.resident:
             self._install_streamer()
@@ -580,15 +587,11 @@ class StreamingEngine:
         if not budget:
             return frozenset()
         plan, recompute = self.plan, self._recompute
-        limit = None
-        if self.store.sharded:
-            limit = "with a sharded store, where each rank holds only its own units' masters"
-        elif self.config.compute_dtype == "cbfloat16":
-            limit = "with cbfloat16, whose grid is applied on the way to the device"
-        if limit is not None:
+        if self.config.compute_dtype == "cbfloat16":
             warnings.warn(
-                f"weightstream: device_tier_budget is ignored {limit}; every unit streams "
-                "(Note [device tier] in runtime/placement.py). Fix: drop device_tier_budget.",
+                "weightstream: device_tier_budget is ignored with cbfloat16, whose grid is "
+                "applied on the way to the device; every unit streams (Note [device tier] in "
+                "runtime/placement.py). Fix: drop device_tier_budget.",
                 stacklevel=4,
             )
             return frozenset()
@@ -603,6 +606,9 @@ class StreamingEngine:
         # Meta parameters (shapes only: validate_only, compile_only) have nothing to move.
         unique = {id(p): p for i in chosen for p in unit_params[i]}.values()
         moved = [p for p in unique if not p.is_meta]
+        if self.store.sharded:  # every rank holds the tier's units (Note [sharded store])
+            self.store.replicas.replicate(moved, list(self._optimizers))
+            self.reducer.replicate(moved)
         tier, old_state = self.store.tier, []
 
         def to_device(t: torch.Tensor) -> torch.Tensor:
@@ -627,8 +633,8 @@ class StreamingEngine:
         return chosen
 
     def describe_tiers(self) -> str:
-        """One line for the log: the training state on the device and on the host, and the
-        bytes a step moves over the link (fetches and gradients of the streamed units) and
+        """One line for the log: this rank's training state on the device and on the host,
+        and the bytes a step moves over the link (fetches and gradients of the streamed units) and
         through host memory in their update (masters and state read and written, gradients
         read), once the plan is fixed (Note [device tier] in runtime/placement.py)."""
         device, host, link, update = {}, {}, 0, 0
@@ -641,7 +647,7 @@ class StreamingEngine:
                 link += sum(fetches * p.numel() * self.stream_dtype(p).itemsize for p in u.params)
                 link += sum(p.nbytes for p in u.params if p.requires_grad)
             for p in u.params:
-                if id(p) in seen:
+                if id(p) in seen or not self.store.owns(p):  # a sharded store: this rank's
                     continue
                 seen.add(id(p))
                 where = device if on_device else host

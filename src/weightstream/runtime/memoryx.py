@@ -183,6 +183,9 @@ class MemoryX:
     def owns(self, p: torch.Tensor) -> bool:
         return self.replicas.owns(p)
 
+    def counts_in_norm(self, p: torch.Tensor) -> bool:
+        return self.replicas.counts_in_norm(p)
+
     def state_zeros_like(
         self,
         p: torch.Tensor,

@@ -327,12 +327,13 @@ def predict(master_bytes: Sequence[int], capacity: int, states_per_master: int =
 # engine's construction, the units leave it: their files are given back
 # (``DiskStore.forget``, ``drop``) and the store's placement counts the rest.
 #
-# Under data parallel with a replicated store every rank places the same units
-# (the plan and the budget are the same), and SwarmX reduces their gradients
-# where they are, on the device (a bucket reduces each device's gradients
-# apart). Limits, each said by a warning that leaves every unit streamed: a
-# sharded store (each rank holds only its own units' masters), cbfloat16 (its
-# grid is applied on the way to the device).
+# Under data parallel every rank places the same units (the plan is the same,
+# and so is the budget: "auto" takes the least room over the ranks), and SwarmX
+# reduces their gradients where they are, on the device (a bucket reduces each
+# device's gradients apart). A sharded store's tier units are held by every
+# rank (Note [sharded store] in runtime/sharding.py). Limit, said by a warning
+# that leaves every unit streamed: cbfloat16 (its grid is applied on the way to
+# the device).
 
 
 def device_tier(

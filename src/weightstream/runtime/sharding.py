@@ -26,10 +26,10 @@ is split across the ranks acting as weight servers (MemoryX with
   DeviceOps' single worker thread, on a process group of their own: no
   collective of another thread can interleave with them.
 
-* Host tensors only, whatever the compute device. The store's masters,
-  gradients and optimizer state are host tensors (there is no device tier), so
-  every collective of the store moves host tensors on gloo: the reduces of the
-  gradients, the whole-state gathers and the weight broadcasts. On an
+* Host tensors on gloo, whatever the compute device. The store's masters,
+  gradients and optimizer state are host tensors (but the device tier's, below),
+  so every collective of the store moves host tensors on gloo: the reduces of
+  the gradients, the whole-state gathers and the weight broadcasts. On an
   accelerator a fetch broadcasts into page-locked host buffers (the owner casts
   its masters into one on the host) and copies them to the device on the
   prefetch thread's copy stream (``DeviceOps.staging``, ``from_staging``); NCCL
@@ -66,8 +66,17 @@ On accelerators the store is replicated unless ``store_sharding="sharded"`` is
 asked for (StreamingConfig): a sharded fetch adds gloo's host broadcast and a
 host cast on the prefetch thread, and the host mirror is off (Note [host
 mirror] in runtime/mirror.py), so sharding trades fetch work for host memory
-there (not measured yet). Limits: a device tier's units would be gathered with
-NCCL; there is none yet.
+there (not measured yet).
+
+The device tier (Note [device tier] in runtime/placement.py) is held by every
+rank: its units are few and the device's memory is each rank's own, so no
+fetch of theirs needs a collective. When it is placed (the same units on every
+rank), their masters and optimizer state are broadcast from their owners on the
+host, then move to each rank's device (``replicate``); from then on every rank
+owns them: SwarmX all-reduces their gradients on the device (NCCL, or gloo's
+CUDA all-reduce where ranks share a GPU), every rank updates them alike, and a
+whole-model read takes them from the rank's own copy. A whole-model norm
+counts each of their gradients on its first owner alone (``counts_in_norm``).
 """
 
 from __future__ import annotations
@@ -161,6 +170,9 @@ class Replicated:
     def owns(self, p: torch.Tensor) -> bool:
         return True
 
+    def counts_in_norm(self, p: torch.Tensor) -> bool:
+        return True
+
     def state_zeros_like(self, p: torch.Tensor, dtype=None, shape=None) -> None:
         return None
 
@@ -225,6 +237,9 @@ class ShardedStore:
         for params, owner in zip(self.group_params, self.group_owner):
             for p in params:
                 self._owner_of_param[id(p)] = owner
+        # id(p) of the parameters every rank holds from the device tier's placement on
+        # (see the Note): owned by all, counted in a whole-model norm by their owner.
+        self._everywhere: set[int] = set()
         # Owner: this store. Why: weight broadcasts run on DeviceOps' worker
         # thread, whole-state gathers on the caller's; each needs a group of its
         # own so that every rank sees each group's collectives in the same order
@@ -240,7 +255,34 @@ class ShardedStore:
         return self._owner_of_param.get(id(p), self.rank)
 
     def owns(self, p: torch.Tensor) -> bool:
+        return id(p) in self._everywhere or self.owner_of(p) == self.rank
+
+    def counts_in_norm(self, p: torch.Tensor) -> bool:
+        """Whether this rank adds ``p``'s gradient to a whole-model norm summed over the
+        ranks: each gradient once, a replicated one by its owner."""
         return self.owner_of(p) == self.rank
+
+    def replicate(self, params: Sequence[torch.Tensor], optimizers) -> None:
+        """Every rank holds ``params`` from now on (the device tier's, see the Note):
+        their masters and the ``optimizers``' state of them, broadcast from their owners
+        to the ranks that hold placeholders. Collective, in the same order on every rank."""
+        by_owner: dict[int, list[torch.Tensor]] = {}
+        for p in params:
+            if id(p) not in self._everywhere:
+                by_owner.setdefault(self.owner_of(p), []).append(p)
+        with torch.no_grad():
+            for owner, owned in sorted(by_owner.items()):
+                values = self._broadcast_from_owner(owner, [p.data for p in owned], False)
+                states = [opt.state.get(p, {}) for opt in optimizers for p in owned]
+                keys = [(s, k) for s in states for k in sorted(s) if torch.is_tensor(s[k])]
+                got = self._broadcast_from_owner(owner, [s[k] for s, k in keys], False)
+                if owner == self.rank:
+                    continue
+                for p, value in zip(owned, values):
+                    p.data = value
+                for (state, key), value in zip(keys, got):
+                    state[key] = value
+        self._everywhere.update(id(p) for p in params)
 
     def _drop_unowned_masters(self) -> None:
         dropped, old = [], []
@@ -312,8 +354,11 @@ class ShardedStore:
             pieces.append(piece)
         return ops.from_staging(pieces)
 
-    def _broadcast_from_owner(self, owner: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``tensors`` as the owner has them, on every rank (one collective per dtype)."""
+    def _broadcast_from_owner(
+        self, owner: int, tensors: list[torch.Tensor], scratch: bool = True
+    ) -> list[torch.Tensor]:
+        """``tensors`` as the owner has them, on every rank (one collective per dtype);
+        ``scratch``: a disk store's copies in scratch files (``_whole``)."""
         out: list[torch.Tensor] = list(tensors)
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, t in enumerate(tensors):
@@ -329,7 +374,7 @@ class ShardedStore:
             if owner == self.rank:
                 continue  # the owner's tensors are the values
             for i, view in zip(idx, unflatten_views(flat, same)):
-                out[i] = self._whole(view)
+                out[i] = self._whole(view) if scratch else view.clone()
         return out
 
     def _whole(self, value: torch.Tensor) -> torch.Tensor:
@@ -357,6 +402,7 @@ class ShardedStore:
             if prefix + name in state:
                 names.setdefault(id(p), []).append(prefix + name)
         for params, owner in zip(self.group_params, self.group_owner):
+            params = [p for p in params if id(p) not in self._everywhere]  # whole here
             values = self._broadcast_from_owner(owner, [p.detach() for p in params])
             if owner == self.rank:
                 continue  # this rank's own values are in the dict already
@@ -373,7 +419,7 @@ class ShardedStore:
             entries = [
                 (index_of[id(p)], key)
                 for p in params
-                if id(p) in index_of
+                if id(p) in index_of and id(p) not in self._everywhere
                 for key, value in sorted(state["state"].get(index_of[id(p)], {}).items())
                 if isinstance(value, torch.Tensor)
             ]

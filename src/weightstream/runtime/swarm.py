@@ -333,10 +333,10 @@ def before_accumulate_hook(
 
 @dataclass
 class _InFlight:
-    bucket: int
     params: list[torch.nn.Parameter]
     flat: torch.Tensor
     work: object  # torch.distributed Work
+    owner: int | None  # the rank it was reduced to; None: all of them
 
 
 class GradientReducer:
@@ -388,6 +388,9 @@ class GradientReducer:
         # (p, its gradient, the gradient's _version, p's _version) (Note [changed after
         # the reduce]).
         self._landed: dict[int, tuple[torch.nn.Parameter, weakref.ref, int, int]] = {}
+        # id(p) of a sharded store's parameters that every rank holds (its device tier's,
+        # Note [sharded store]): all-reduced whatever their bucket's owner.
+        self._everywhere: set[int] = set()
         self._hooks = []
         if install_hooks:
             for params in self.buckets:
@@ -447,11 +450,12 @@ class GradientReducer:
             return
         if self._note is not None:
             self._note("reduce_start", b)
-        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
+        by_kind: dict[tuple, list[torch.nn.Parameter]] = {}
         for p in params:
-            by_kind.setdefault((p.grad.dtype, p.grad.device), []).append(p)
-        owner = None if self.owners is None else self.owners[b]
-        for same in by_kind.values():
+            kind = (p.grad.dtype, p.grad.device, id(p) in self._everywhere)
+            by_kind.setdefault(kind, []).append(p)
+        for (*_, everywhere), same in by_kind.items():
+            owner = None if self.owners is None or everywhere else self.owners[b]
             flat = flatten([p.grad for p in same])
             if owner is None:
                 work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
@@ -463,14 +467,14 @@ class GradientReducer:
                     for p in same:
                         p.grad = None  # sent: only the owner keeps this gradient
                         self._set_aside.pop(id(p), None)
-            self._in_flight.append(_InFlight(b, same, flat, work))
+            self._in_flight.append(_InFlight(same, flat, work, owner))
 
     def wait(self) -> None:
         """Wait for every started reduction and put the means into ``p.grad``."""
         in_flight, self._in_flight = self._in_flight, []
         for item in in_flight:
             item.work.wait()  # host sync point
-            if self.owners is not None and self.owners[item.bucket] != self.rank:
+            if item.owner is not None and item.owner != self.rank:
                 continue
             item.flat.div_(self.world)
             grads = [p.grad for p in item.params]
@@ -484,6 +488,10 @@ class GradientReducer:
                 if self.owners is not None:
                     landed = (p, weakref.ref(p.grad), p.grad._version, p._version)
                     self._landed[id(p)] = landed
+
+    def replicate(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Every rank holds ``params`` from now on: their gradients are all-reduced."""
+        self._everywhere.update(id(p) for p in params)
 
     def rewritten(self, params: Sequence[torch.nn.Parameter]) -> None:
         """The gradients of ``params`` were rewritten in place by an operation that saw
