@@ -29,6 +29,15 @@ the roofline as a fraction of the measured WS step, and two ratios:
 line is ``RESULT {json}``; a size that does not fit the host is reported as
 ``skipped`` with why, a WS failure as ``error`` (and the exit status is 1).
 
+WS's training state is ``--state`` (fp32 masters and AdamW moments by default;
+bf16 masters with their Kahan buffer, bf16 or int8 moments: ``STATES``), in RAM
+or, with ``--store disk``, in a disk store (the model then built on the meta
+device and made in the store's files). More WS runs follow the first, each
+printed with its tokens/s over the run it is set against: ``--device-tier``
+(the same state with a device tier, against the first), ``--vs-state`` (another
+state, against the first), and both (the other state with the tier, against
+the first state's tier run).
+
     PYTHONPATH=src python3 benchmarks/gpu_stream.py [--sizes 1b,3b,5b] [--steps 5]
     .venv/bin/python benchmarks/gpu_stream.py --device cpu --tiny --steps 2 --warmup 1
 
@@ -46,12 +55,17 @@ The physical limit of one WS step is the largest of
   two share the memory bus (sum);
 * host: the step's host memory traffic over the measured host memory bandwidth.
   Per trainable parameter: the optimizer's 28 bytes (AdamW in fp32 reads param,
-  grad, exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq); on an
-  accelerator also the host mirror's write (the fp32 master read, the
+  grad, exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq; with
+  ``--state`` compact, ``compile_phase.compact_update_bytes``); on an
+  accelerator also the host mirror's write (the master read, the
   transfer-dtype copy written: Note [host mirror]) and the gradients' arrival
-  (written in fp32 by the copy engine: Note [gradients out]); and every byte
-  copied to the device, which the copy engine reads from host memory. On the CPU the device copies and the
-  gradients are the compute's own memory traffic and only the optimizer counts.
+  (written in the masters' dtype by the copy engine: Note [gradients out]); and
+  every byte copied to the device, which the copy engine reads from host memory.
+  On the CPU the device copies and the gradients are the compute's own memory
+  traffic and only the optimizer counts;
+* disk (``--store disk``): the bytes the store's placement reads and writes a
+  step over the read and write bandwidths of its directory, measured after the
+  run as the compile's probe measures them (``probe.disk_bandwidths``).
 
 With ``--activation-offload`` the saved activations (the offload's own count of
 bytes sent out in the timed steps) go out in the forward and come back in the
@@ -68,9 +82,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -84,8 +100,11 @@ from _common import fmt, lm_loss, print_result, summary
 
 import weightstream as cstorch
 from weightstream import backend
+from weightstream.compiler.compile_phase import compact_update_bytes
+from weightstream.compiler.probe import disk_bandwidths
 from weightstream.models import Llama, LlamaConfig
 from weightstream.models.llama import LlamaBlock
+from weightstream.models.zoo import LLAMA_PRESETS
 
 GiB = 2**30
 # The same AdamW hyperparameters for every mode (weightstream's AdamW and torch's
@@ -93,6 +112,15 @@ GiB = 2**30
 ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 # Host bytes of training state per parameter: fp32 master, fp32 gradient, two fp32 moments.
 STATE_BYTES_PER_PARAM = 16
+# WS's training state (--state, --vs-state): the masters' dtype and AdamW's state dtype.
+# bf16 masters keep a bf16 Kahan buffer (Note [Kahan summation] in optim/compact.py);
+# int8 moments are block-quantised (Note [compact optimizer state]).
+STATES = {
+    "fp32": (torch.float32, torch.float32),
+    "bf16": (torch.bfloat16, torch.bfloat16),
+    "int8": (torch.float32, torch.int8),
+    "bf16-int8": (torch.bfloat16, torch.int8),
+}
 # Host memory traffic of one fused fp32 AdamW update per parameter (Note [roofline]).
 ADAMW_BYTES_PER_PARAM = 28
 # Margin on the activation estimate when deciding whether eager fits.
@@ -126,6 +154,11 @@ SIZES: dict[str, Size] = {
         2,
         2048,
     ),
+    # The zoo's Llama 2 13B shape and its 20B: in a 128 GiB host only with compact state
+    # (--state bf16-int8: 8 bytes a parameter at a step's peak), the 20B with the disk
+    # store too (--store disk). Their activations want --activation-checkpointing.
+    "13b": Size(LlamaConfig(**{**LLAMA_PRESETS["13b"], "seq_len": 2048}), 4, 2048),
+    "20b": Size(LlamaConfig(**{**LLAMA_PRESETS["20b"], "seq_len": 2048}), 4, 2048),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -269,6 +302,22 @@ def pick_dtype(device: torch.device, requested: str, n: int, reps: int):
 
 
 # ---- models and their memory ------------------------------------------------------------
+
+
+def held_bytes_per_param(state: str) -> int:
+    """Host bytes a parameter holds at a step's peak in WS: its master and gradient (of
+    the master's dtype), a bf16 master's Kahan buffer, AdamW's two moments (int8's block
+    scales, a 64th, not counted)."""
+    master, moments = STATES[state]
+    p = master.itemsize
+    return 2 * p + (p if p < 4 else 0) + 2 * moments.itemsize
+
+
+def update_bytes_per_param(state: str) -> int:
+    """Host memory bytes of one AdamW update per parameter (Note [roofline])."""
+    if state == "fp32":
+        return ADAMW_BYTES_PER_PARAM
+    return compact_update_bytes(*STATES[state])
 
 
 def config_of(size: Size, seq: int) -> LlamaConfig:
@@ -461,8 +510,33 @@ def _transfer_bytes(runner) -> tuple[int, int, int]:
     return fetch, grads, engine.plan.weight_bound(engine.config.prefetch_depth)
 
 
-def run_ws(cfg, x, y, device, dtype, args, device_tier: int | str | None = None) -> dict:
-    model = build(cfg)
+def _disk_traffic(runner) -> tuple[int, int]:
+    """Bytes a step reads from and writes to the disk store's files (0, 0 in RAM)."""
+    placed = runner.engine.store.predicted_placement()
+    return (0, 0) if placed is None else (placed.disk_reads_per_step, placed.disk_writes_per_step)
+
+
+def build_ws(cfg: LlamaConfig, state: str, on_meta: bool) -> Llama:
+    """WS's model with masters of ``state``'s dtype: from seed 0 as the peers', or on the
+    meta device (``on_meta``: a disk store makes the values in its files, by each
+    module's initialization rule, without the whole model in memory first)."""
+    if not on_meta:
+        return build(cfg).to(STATES[state][0])
+    with torch.device("meta"):
+        return Llama(cfg).to(STATES[state][0])
+
+
+def run_ws(
+    cfg, x, y, device, dtype, args, device_tier: int | str | None = None, state: str = "fp32"
+) -> dict:
+    disk = args.store == "disk"
+    model = build_ws(cfg, state, on_meta=disk)
+    store = {}
+    if disk:
+        budget = args.host_memory_budget
+        store = {"store": "disk", "store_dir": args.store_dir}
+        if budget is not None:
+            store["host_memory_budget"] = int(budget * GiB)
     runner = backend.compile(
         model,
         "wse_ws",
@@ -475,11 +549,14 @@ def run_ws(cfg, x, y, device, dtype, args, device_tier: int | str | None = None)
         activation_checkpointing=args.activation_checkpointing,
         activation_offload=args.activation_offload,
         device_tier_budget=device_tier,
+        **store,
         # This process's model alone, even if a process group exists (FSDP2's is
         # destroyed after each size, but a launcher's environment must not join it).
         data_parallel=False,
     )
-    opt = cstorch.optim.AdamW(model.parameters(), **ADAMW, fused=True)
+    # torch's fused kernel for fp32 state, the compact kernels for the others.
+    fused, moments = state == "fp32", STATES[state][1]
+    opt = cstorch.optim.AdamW(model.parameters(), **ADAMW, fused=fused, state_dtype=moments)
     start: list[int | None] = []
     offloaded: list[int] = []
 
@@ -520,6 +597,9 @@ def run_ws(cfg, x, y, device, dtype, args, device_tier: int | str | None = None)
             "resident_units": len(runner.engine.resident),
             "tiers": runner.engine.describe_tiers(),
             "transfer_bytes": torch.empty((), dtype=dtype).element_size(),
+            "state": state,
+            # The disk store's file traffic a step, as its placement predicts it.
+            "disk_bytes": _disk_traffic(runner),
         }
     finally:
         runner.close()  # its tensors go with this frame; run_size frees the memory
@@ -655,23 +735,27 @@ def run_fsdp2(cfg, x, y, device, dtype, args, params: int) -> dict:
 
 
 def host_bytes(
-    params: int, h2d: float, transfer_bytes: int, mirror: bool, device, act_out: float
+    params: int, h2d: float, transfer_bytes: int, mirror: bool, device, act_out: float, state: str
 ) -> float:
     """Host memory bytes one WS step moves (Note [roofline])."""
+    update = update_bytes_per_param(state)
     if device.type != "cuda":
-        return ADAMW_BYTES_PER_PARAM * params
-    mirror_write = 4 + transfer_bytes if mirror else 0
-    grads_in = 4  # fp32, written by the copy engine (Note [gradients out])
-    return (ADAMW_BYTES_PER_PARAM + mirror_write + grads_in) * params + h2d + act_out
+        return update * params
+    master = STATES[state][0].itemsize
+    mirror_write = master + transfer_bytes if mirror else 0
+    grads_in = master  # in the masters' dtype, written by the copy engine (Note [gradients out])
+    return (update + mirror_write + grads_in) * params + h2d + act_out
 
 
-def roofline(params, tokens, peak, h2d, d2h, host_bytes, limits, device) -> dict:
+def roofline(params, tokens, peak, h2d, d2h, host_bytes, limits, device, disk_s=0.0) -> dict:
     """Note [roofline]."""
     compute = 6 * params * tokens / peak
     to_dev, from_dev = h2d / limits["pinned_h2d"], d2h / limits["pinned_d2h"]
     link = max(to_dev, from_dev) if device.type == "cuda" else to_dev + from_dev
     host = host_bytes / limits["host"]
     parts = {"compute_s": compute, "link_s": link, "host_s": host}
+    if disk_s:
+        parts["disk_s"] = disk_s
     bound = max(parts, key=parts.get)
     return {**parts, "roofline_s": parts[bound], "bound": bound[: -len("_s")]}
 
@@ -701,11 +785,15 @@ def run_size(name: str, size: Size, device, dtype, peak: float, limits: dict, ar
         flush=True,
     )
     base = {"params": params, "tokens_per_step": tokens, "batch": batch, "seq": seq}
-    host_need = params * STATE_BYTES_PER_PARAM
-    if host_need * 1.1 + 2 * GiB > host_available_bytes():
+    host_need = params * held_bytes_per_param(args.state)
+    room, where = host_available_bytes(), "host memory"
+    if args.store == "disk":  # the disk store keeps in files what RAM does not hold
+        room += shutil.disk_usage(_existing(args.store_dir)).free
+        where = f"host memory and {args.store_dir}'s disk"
+    if host_need * 1.1 + 2 * GiB > room:
         reason = (
-            f"host memory: the fp32 state needs {host_need / GiB:.1f} GiB, "
-            f"{host_available_bytes() / GiB:.1f} GiB available"
+            f"{where}: the {args.state} state needs {host_need / GiB:.1f} GiB, "
+            f"{room / GiB:.1f} GiB available"
         )
         print(f"  skipped: {reason}")
         return {**base, "skipped": reason}
@@ -717,7 +805,7 @@ def run_size(name: str, size: Size, device, dtype, peak: float, limits: dict, ar
 
     error = None
     try:
-        ws = run_ws(cfg, x, y, device, dtype, args)
+        ws = run_ws(cfg, x, y, device, dtype, args, state=args.state)
     except Exception as exc:
         error = _failure(exc)
     # After the except block: no traceback holds the frames' tensors any more.
@@ -730,8 +818,19 @@ def run_size(name: str, size: Size, device, dtype, peak: float, limits: dict, ar
     h2d = ws["h2d_bytes_counted"] if ws["h2d_bytes_counted"] is not None else ws["h2d_bytes_plan"]
     act_out = ws["offload_bytes"]  # activations each way: out in the forward, back after
     h2d, d2h = h2d + act_out, ws["d2h_bytes_plan"] + act_out
-    moved = host_bytes(params, h2d, ws["transfer_bytes"], ws["mirror"], device, act_out)
-    roof = roofline(params, tokens, peak, h2d, d2h, moved, limits, device)
+    moved = host_bytes(params, h2d, ws["transfer_bytes"], ws["mirror"], device, act_out, args.state)
+    reads, writes = ws["disk_bytes"]
+    disk_s = 0.0
+    if reads + writes:  # the store's directory, measured as the compile's probe measures it
+        nbytes = 2 * GiB if device.type == "cuda" else 256 * 2**20
+        rates = disk_bandwidths(Path(_existing(args.store_dir)), nbytes)
+        disk_s = reads / rates["read"] + writes / rates["write"]
+        print(
+            f"  disk store: {reads / 1e9:.1f} GB read and {writes / 1e9:.1f} GB written a step; "
+            f"{args.store_dir}: read {rates['read'] / 1e9:.2f} GB/s, write "
+            f"{rates['write'] / 1e9:.2f} GB/s"
+        )
+    roof = roofline(params, tokens, peak, h2d, d2h, moved, limits, device, disk_s)
 
     # Eager needs about what WS keeps on the device besides its streamed weights.
     # (The estimate counts every activation: with checkpointing only the measured peak.)
@@ -755,6 +854,7 @@ def run_size(name: str, size: Size, device, dtype, peak: float, limits: dict, ar
         **base,
         **fig,
         "h2d_bytes_per_step": h2d,
+        "disk_bytes_per_step": {"read": reads, "write": writes},
         "host_bytes_per_step": moved,
         "h2d_bytes_plan": ws["h2d_bytes_plan"],
         "d2h_bytes_per_step": d2h,
@@ -767,7 +867,7 @@ def run_size(name: str, size: Size, device, dtype, peak: float, limits: dict, ar
         "roofline": roof,
         "roofline_s": roof["roofline_s"],
         "fraction_of_roofline": roof["roofline_s"] / med,
-        "optimizer": "weightstream AdamW fused (host masters)",
+        "optimizer": f"weightstream AdamW (host masters, {args.state} state)",
         "units": ws["units"],
         "largest_unit_bytes": ws["largest_unit_bytes"],
         "weight_bound_bytes": ws["weight_bound_bytes"],
@@ -778,42 +878,69 @@ def run_size(name: str, size: Size, device, dtype, peak: float, limits: dict, ar
         "ws_vs_fsdp2": _ratio(fig["tokens_per_s"], peer["fsdp2_cpu_offload"].get("tokens_per_s")),
         "ws_vs_eager": _ratio(med, peer["eager"].get("step_s", {}).get("median")),
     }
-    if args.device_tier == "auto" or args.device_tier > 0:
-        result["device_tier"] = run_tier(cfg, x, y, device, dtype, args, fig, tokens, params, peak)
     report_size(result)
+    # More WS runs against the first: with the device tier, with --vs-state, and with
+    # both against the tier's (the same pair, the tier on).
+    again = functools.partial(run_again, cfg, x, y, device, dtype, args, tokens, params, peak)
+    tier = args.device_tier == "auto" or args.device_tier > 0
+    if tier:
+        result["device_tier"] = again(fig, "device tier", tier=True, state=args.state)
+    if args.vs_state:
+        result["vs_state"] = again(fig, f"{args.vs_state} state", tier=False, state=args.vs_state)
+        if tier and "tokens_per_s" in result["device_tier"]:
+            result["vs_state_device_tier"] = again(
+                result["device_tier"],
+                f"{args.vs_state} state + tier",
+                tier=True,
+                state=args.vs_state,
+            )
     return result
 
 
-def run_tier(cfg, x, y, device, dtype, args, streamed: dict, tokens, params, peak) -> dict:
-    """WS again with ``--device-tier`` GiB for its device tier (Note [device tier] in
-    runtime/placement.py), against the WS run above without it."""
-    budget = "auto" if args.device_tier == "auto" else int(args.device_tier * GiB)
+def run_again(cfg, x, y, device, dtype, args, tokens, params, peak, against: dict, label: str,
+              tier: bool, state: str) -> dict:  # fmt: skip
+    """WS again, with ``--device-tier`` GiB for its device tier (Note [device tier] in
+    runtime/placement.py) if ``tier`` and the training ``state``: its figures and its
+    tokens/s over those of the run ``against``."""
+    budget = None
+    if tier:
+        budget = "auto" if args.device_tier == "auto" else int(args.device_tier * GiB)
     try:
-        ws = run_ws(cfg, x, y, device, dtype, args, device_tier=budget)
+        ws = run_ws(cfg, x, y, device, dtype, args, device_tier=budget, state=state)
     except Exception as exc:
         error = _failure(exc)
     else:
         error = None
     free_memory(device)
     if error is not None:
-        print(f"  WS with the device tier failed: {error}")
+        print(f"  WS with {label} failed: {error}")
         return {"error": error}
     fig = ws["timing"].figures(tokens, params, peak)
+    ratio = fig["tokens_per_s"] / against["tokens_per_s"]
     print(
-        f"  WS + device tier of {args.device_tier} (GiB): {ws['tiers']}; "
-        f"{fig['tokens_per_s']:.0f} tokens/s, {fig['pct_peak']:.1f}% of peak, "
-        f"{fig['tokens_per_s'] / streamed['tokens_per_s']:.3f}x WS without it"
+        f"  WS, {label} (device tier {args.device_tier if tier else 0} GiB, {state} state): "
+        f"{ws['tiers']}; {fig['tokens_per_s']:.0f} tokens/s, {fig['pct_peak']:.1f}% of peak, "
+        f"{ratio:.3f}x the run it is set against"
     )
     return {
         **fig,
-        "budget_gib": args.device_tier,
+        "budget_gib": args.device_tier if tier else 0,
+        "state": state,
         "resident_units": ws["resident_units"],
         "h2d_bytes_plan": ws["h2d_bytes_plan"],
         "device_peak_gib": None
         if ws["device_peak_bytes"] is None
         else ws["device_peak_bytes"] / GiB,
-        "tier_vs_streamed": fig["tokens_per_s"] / streamed["tokens_per_s"],
+        "vs_against": ratio,
     }
+
+
+def _existing(path: str) -> str:
+    """``path`` or its nearest existing parent (the store makes its directory later)."""
+    where = Path(path).resolve()
+    while not where.exists() and where.parent != where:
+        where = where.parent
+    return str(where)
 
 
 def _ratio(a: float, b: float | None) -> float | None:
@@ -869,7 +996,9 @@ def report_size(r: dict) -> None:
     roof = r["roofline"]
     print(
         f"  roofline: compute {roof['compute_s']:.4f} s, link {roof['link_s']:.4f} s, host "
-        f"memory {r['host_bytes_per_step'] / 1e9:.1f} GB {roof['host_s']:.4f} s -> "
+        f"memory {r['host_bytes_per_step'] / 1e9:.1f} GB {roof['host_s']:.4f} s"
+        + (f", disk {roof['disk_s']:.4f} s" if "disk_s" in roof else "")
+        + f" -> "
         f"{roof['roofline_s']:.4f} s ({roof['bound']}); "
         f"WS at {r['fraction_of_roofline']:.0%} of it"
     )
@@ -928,6 +1057,29 @@ def parse_args() -> argparse.Namespace:
         "without it is printed (default 0: not run)",
     )
     ap.add_argument(
+        "--state",
+        choices=STATES,
+        default="fp32",
+        help="WS's training state: masters and AdamW moments fp32; bf16 masters (with a "
+        "Kahan buffer) and bf16 moments; fp32 masters and int8 moments; bf16 masters and "
+        "int8 moments (default fp32)",
+    )
+    ap.add_argument(
+        "--vs-state",
+        choices=STATES,
+        help="WS runs again with this training state, and its tokens/s over the first run's "
+        "is printed (with --device-tier also both with the tier)",
+    )
+    ap.add_argument(
+        "--store", choices=("ram", "disk"), default="ram", help="WS's store (default ram)"
+    )
+    ap.add_argument("--store-dir", help="the disk store's directory (--store disk)")
+    ap.add_argument(
+        "--host-memory-budget",
+        type=float,
+        help="GiB of host memory for the disk store's RAM part (default: the store's own)",
+    )
+    ap.add_argument(
         "--profile", action="store_true", help="WS: one more step under torch.profiler, printed"
     )
     ap.add_argument(
@@ -943,6 +1095,8 @@ def parse_args() -> argparse.Namespace:
         "activation_offload; the peers: torch.autograd.graph.save_on_cpu)",
     )
     args = ap.parse_args()
+    if args.store == "disk" and not args.store_dir:
+        ap.error("--store disk needs --store-dir (a directory with room for the state's files)")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch.cuda.is_available() is False; use --device cpu")
     args.sizes = ["tiny"] if args.tiny else [s.strip() for s in args.sizes.split(",") if s.strip()]
@@ -1008,6 +1162,9 @@ def main() -> None:
                 "activation_checkpointing",
                 "activation_offload",
                 "device_tier",
+                "state",
+                "vs_state",
+                "store",
             )
         },
         torch=torch.__version__,

@@ -7,6 +7,9 @@
 #   TESTS=0 BENCH="--sizes 1b --profile" bash scripts/gpu_check.sh
 #   BENCH2="--sizes 1b --peers '' --update-in-backward" bash scripts/gpu_check.sh  # a second run
 #   BENCH="--sizes 5b --peers '' --device-tier 40" bash scripts/gpu_check.sh  # WS with and without a 40 GiB device tier
+#   BENCH="--sizes 5b --batch 16 --peers '' --vs-state bf16 --device-tier auto" ...  # fp32 vs compact state, tier off and on
+#   BENCH="--sizes 13b --peers '' --state bf16-int8 --activation-checkpointing" ...  # the 13B in RAM
+#   BENCH="--sizes 20b --peers '' --state bf16-int8 --store disk --store-dir /tmp/ws_store --activation-checkpointing" ...
 #
 # Uses the machine's own python3 with PYTHONPATH=src (no set-up: the GPU machine
 # has torch, h5py, safetensors, transformers, tensorboard, tqdm and pytest).

@@ -128,3 +128,39 @@ def test_tiny_cpu_run_with_updates_in_the_backward_and_a_profile():
     assert s["loss"]["last"] < s["loss"]["first"]  # it trains
     assert s["peer"]["eager"] == {"reason": "not run (--peers)"}
     assert r["options"]["activation_checkpointing"] and r["options"]["update_in_backward"]
+
+
+@pytest.mark.slow  # the options' smoke run: with the slow tests
+def test_tiny_cpu_run_with_compact_state_the_tier_and_the_disk_store(tmp_path):
+    """The runs of the compact-state acceptance (scripts/gpu_check.sh) work anywhere: WS
+    in fp32 against bf16 state, each with and without a device tier; then bf16 masters
+    with int8 moments in a disk store, priced with the disk in the roofline."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
+    common = [sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--steps", "2"]
+    common += ["--warmup", "1", "--peers", "", "--dtype", "fp32"]
+
+    def run(*options: str) -> dict:
+        cmd = [*common, *options]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1][len("RESULT ") :])["sizes"]["tiny"]
+
+    s = run("--vs-state", "bf16", "--device-tier", "0.001")
+    assert s["optimizer"].endswith("fp32 state)")
+    for key, state, units in (
+        ("device_tier", "fp32", 1),
+        ("vs_state", "bf16", 0),
+        ("vs_state_device_tier", "bf16", 1),
+    ):
+        assert s[key]["state"] == state and s[key]["resident_units"] == units, key
+        assert _positive(s[key]["vs_against"]) and s[key]["loss"]["last"] < s[key]["loss"]["first"]
+    # The weights cross in the compute dtype (fp32 here) whatever the masters' dtype.
+    assert s["vs_state"]["h2d_bytes_plan"] == s["h2d_bytes_plan"]
+
+    store = tmp_path / "store"
+    s = run("--state", "bf16-int8", "--store", "disk", "--store-dir", str(store),
+            "--host-memory-budget", "0.016")  # fmt: skip
+    assert s["loss"]["last"] < s["loss"]["first"]
+    assert s["disk_bytes_per_step"]["read"] > 0 and s["disk_bytes_per_step"]["write"] > 0
+    assert _positive(s["roofline"]["disk_s"])
+    assert s["d2h_bytes_per_step"] == 2 * s["params"]  # gradients in the masters' bf16

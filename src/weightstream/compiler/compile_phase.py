@@ -50,14 +50,18 @@ def quick_profile() -> bool:
     return os.environ.get(ENV_QUICK) == "1"
 
 
-def update_bytes(params) -> int:
-    """Bytes the params file's optimizer update moves per trainable parameter.
+def compact_update_bytes(master: torch.dtype, state: torch.dtype) -> int:
+    """Bytes an Adam update with compact state or bf16 masters moves per parameter
+    (Notes [compact optimizer state], [Kahan summation] in optim/compact.py): its
+    chunked kernels' float32 scratch stays in cache, so from memory each value is read
+    and written once (the master and each moment read and written, the gradient read,
+    a bf16 master's Kahan buffer read and written)."""
+    p, moment = master.itemsize, state.itemsize
+    return 3 * p + 2 * 2 * moment + (2 * p if p < 4 else 0)
 
-    Compact state or bf16 masters (Notes [compact optimizer state], [Kahan summation]
-    in optim/compact.py) run chunked kernels whose float32 scratch stays in cache:
-    from memory, each value is read and written once (the master and each moment
-    read and written, the gradient read, a bf16 master's Kahan buffer read and
-    written)."""
+
+def update_bytes(params) -> int:
+    """Bytes the params file's optimizer update moves per trainable parameter."""
     opt, master = params.optimizer, params.runconfig.master_dtype
     name = opt.optimizer_type.lower()
     if name == "sgd" and opt.optimizer_kwargs().get("momentum"):
@@ -65,8 +69,7 @@ def update_bytes(params) -> int:
     clipped = opt.max_gradient_norm is not None or opt.max_gradient_value is not None
     clip, state = CLIP_BYTES if clipped else 0, opt.state_dtype or "float32"
     if name in ("adam", "adamw") and (state, master) != ("float32", "float32"):
-        p, moment = getattr(torch, master).itemsize, getattr(torch, state).itemsize
-        return 3 * p + 2 * 2 * moment + (2 * p if p < 4 else 0) + clip
+        return compact_update_bytes(getattr(torch, master), getattr(torch, state)) + clip
     return UPDATE_BYTES.get(name, DEFAULT_UPDATE_BYTES) + clip
 
 

@@ -222,7 +222,7 @@ def _fixed_costs(device: torch.device, sizes: _Sizes) -> dict[str, float]:
     return {"op_s": op_s, "tensor_s": tensor_s, "step_s": few - few_tensors * tensor_s}
 
 
-def _disk_bandwidths(directory: Path, nbytes: int) -> dict[str, float]:
+def disk_bandwidths(directory: Path, nbytes: int) -> dict[str, float]:
     """Write (with fsync) and read (page cache dropped where the OS allows) of one file of
     random bytes: a compressing file system must not make the write look fast."""
     chunk = os.urandom(min(nbytes, 8 << 20))
@@ -331,6 +331,6 @@ def load_or_measure(
         where = Path(disk_dir)
         while not where.is_dir() and where.parent != where:  # the store makes its own later
             where = where.parent
-        probe.disk[str(disk_dir)] = _disk_bandwidths(where, (_QUICK if quick else _FULL).disk_bytes)
+        probe.disk[str(disk_dir)] = disk_bandwidths(where, (_QUICK if quick else _FULL).disk_bytes)
         _save(probe, path)
     return probe
