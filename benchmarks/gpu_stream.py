@@ -36,7 +36,10 @@ device and made in the store's files). More WS runs follow the first, each
 printed with its tokens/s over the run it is set against: ``--device-tier``
 (the same state with a device tier, against the first), ``--vs-state`` (another
 state, against the first), and both (the other state with the tier, against
-the first state's tier run).
+the first state's tier run). ``--checkpoint DIR`` saves the first run's state
+there, times the save against the directory's write rate, watches the host's
+resident memory, and resumes it into a new model that must take the next step
+to the same bits.
 
     PYTHONPATH=src python3 benchmarks/gpu_stream.py [--sizes 1b,3b,5b] [--steps 5]
     .venv/bin/python benchmarks/gpu_stream.py --device cpu --tiny --steps 2 --warmup 1
@@ -96,7 +99,15 @@ from pathlib import Path
 
 import torch
 import torch.utils.checkpoint
-from _common import fmt, lm_loss, print_result, summary
+from _common import (
+    current_rss_bytes,
+    fmt,
+    lm_loss,
+    peak_rss_bytes,
+    print_result,
+    reset_peak_rss,
+    summary,
+)
 
 import weightstream as cstorch
 from weightstream import backend
@@ -526,9 +537,8 @@ def build_ws(cfg: LlamaConfig, state: str, on_meta: bool) -> Llama:
         return Llama(cfg).to(STATES[state][0])
 
 
-def run_ws(
-    cfg, x, y, device, dtype, args, device_tier: int | str | None = None, state: str = "fp32"
-) -> dict:
+def make_ws(cfg, device, dtype, args, device_tier: int | str | None, state: str):
+    """WS's compiled model, its model and its AdamW, as the options say."""
     disk = args.store == "disk"
     model = build_ws(cfg, state, on_meta=disk)
     store = {}
@@ -557,6 +567,13 @@ def run_ws(
     # torch's fused kernel for fp32 state, the compact kernels for the others.
     fused, moments = state == "fp32", STATES[state][1]
     opt = cstorch.optim.AdamW(model.parameters(), **ADAMW, fused=fused, state_dtype=moments)
+    return runner, model, opt
+
+
+def run_ws(
+    cfg, x, y, device, dtype, args, device_tier: int | str | None = None, state: str = "fp32"
+) -> dict:
+    runner, model, opt = make_ws(cfg, device, dtype, args, device_tier, state)
     start: list[int | None] = []
     offloaded: list[int] = []
 
@@ -579,6 +596,9 @@ def run_ws(
         peak_bytes = _device_peak(device)
         if args.profile:
             profile_step(runner, opt, x, y, device, args.update_in_backward)
+        saved = None
+        if args.checkpoint and device_tier is None and state == args.state:  # the first run
+            saved = save_checkpoint(runner, model, opt, x, y, device, args)
         counted = None if end is None or start[0] is None else (end - start[0]) / args.steps
         # Saved activations sent to host memory a step (each comes back once).
         act = (offloaded_bytes() - offloaded[0]) / args.steps
@@ -600,9 +620,80 @@ def run_ws(
             "state": state,
             # The disk store's file traffic a step, as its placement predicts it.
             "disk_bytes": _disk_traffic(runner),
+            "checkpoint": saved,
         }
     finally:
         runner.close()  # its tensors go with this frame; run_size frees the memory
+
+
+def _checksums(model, opt) -> list[int]:
+    """Exact integer sums of every tensor's bits: the weights' and the optimizer state's."""
+    tensors = list(model.state_dict().values())
+    tensors += [v for st in opt.state_dict()["state"].values() for v in st.values()]
+    out = []
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            bits = t.detach().cpu().contiguous().view(-1)
+            if bits.dtype.is_floating_point:
+                bits = bits.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[bits.itemsize])
+            out.append(int(bits.to(torch.int64).sum()))
+    return out
+
+
+def save_checkpoint(runner, model, opt, x, y, device, args) -> dict:
+    """``--checkpoint DIR``: WS's model and optimizer state saved there (``cstorch.save``),
+    timed against the directory's measured write rate, with the host's resident memory
+    before and at its peak while saving; then one more step, whose bits the resumed run
+    must reproduce (``resume_checkpoint``)."""
+    directory = Path(args.checkpoint)
+    directory.mkdir(parents=True, exist_ok=True)
+    nbytes = 2 * GiB if device.type == "cuda" else 256 * 2**20
+    write = disk_bandwidths(directory, nbytes)["write"]
+    path = directory / "gpu_stream.mdl"
+    gc.collect()
+    rss_before = current_rss_bytes()
+    reset_peak_rss()
+    t0 = time.perf_counter()
+    cstorch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    save_s = time.perf_counter() - t0
+    size = path.stat().st_size
+    out = {
+        "path": str(path),
+        "bytes": size,
+        "save_s": save_s,
+        "write_gbps": write / 1e9,
+        "save_vs_disk": save_s / (size / write),
+        "rss_before_gib": rss_before / GiB,
+        "rss_peak_gib": peak_rss_bytes() / GiB,
+    }
+    train_step(runner, opt, x, y, device, None, args.update_in_backward)
+    out["checksums"] = _checksums(model, opt)
+    print(
+        f"  checkpoint: {size / 1e9:.2f} GB saved in {save_s:.1f} s, "
+        f"{out['save_vs_disk']:.2f}x its bytes at the disk's write rate "
+        f"({write / 1e9:.2f} GB/s); host RSS {out['rss_before_gib']:.1f} GiB before, "
+        f"{out['rss_peak_gib']:.1f} GiB at the peak of the process"
+    )
+    return out
+
+
+def resume_checkpoint(cfg, x, y, device, dtype, args, saved: dict) -> dict:
+    """A new WS model and optimizer load ``saved``'s checkpoint and take the step the
+    saving run took after it: every bit of the weights and the state must agree."""
+    runner, model, opt = make_ws(cfg, device, dtype, args, None, args.state)
+    try:
+        t0 = time.perf_counter()
+        state = cstorch.load(saved["path"])
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        del state
+        load_s = time.perf_counter() - t0
+        train_step(runner, opt, x, y, device, None, args.update_in_backward)
+        exact = _checksums(model, opt) == saved["checksums"]
+    finally:
+        runner.close()
+    print(f"  resumed: loaded in {load_s:.1f} s; the next step {'exact' if exact else 'DIFFERS'}")
+    return {"load_s": load_s, "exact": exact}
 
 
 def profile_step(model, opt, x, y, device: torch.device, in_backward: bool) -> None:
@@ -878,6 +969,15 @@ def run_size(name: str, size: Size, device, dtype, peak: float, limits: dict, ar
         "ws_vs_fsdp2": _ratio(fig["tokens_per_s"], peer["fsdp2_cpu_offload"].get("tokens_per_s")),
         "ws_vs_eager": _ratio(med, peer["eager"].get("step_s", {}).get("median")),
     }
+    if ws["checkpoint"] is not None:
+        saved = {k: v for k, v in ws["checkpoint"].items() if k != "checksums"}
+        try:
+            saved["resume"] = resume_checkpoint(cfg, x, y, device, dtype, args, ws["checkpoint"])
+        except Exception as exc:
+            saved["resume"] = {"error": _failure(exc)}
+        free_memory(device)
+        Path(saved["path"]).unlink(missing_ok=True)
+        result["checkpoint"] = saved
     report_size(result)
     # More WS runs against the first: with the device tier, with --vs-state, and with
     # both against the tier's (the same pair, the tier on).
@@ -1074,6 +1174,12 @@ def parse_args() -> argparse.Namespace:
         "--store", choices=("ram", "disk"), default="ram", help="WS's store (default ram)"
     )
     ap.add_argument("--store-dir", help="the disk store's directory (--store disk)")
+    ap.add_argument(
+        "--checkpoint",
+        help="a directory: WS's state saved there after the timed steps (timed against the "
+        "disk's write rate, host RSS watched), then resumed by a new model and checked "
+        "bit for bit after one more step",
+    )
     ap.add_argument(
         "--host-memory-budget",
         type=float,

@@ -8,6 +8,7 @@
 #   BENCH2="--sizes 1b --peers '' --update-in-backward" bash scripts/gpu_check.sh  # a second run
 #   BENCH="--sizes 5b --peers '' --device-tier 40" bash scripts/gpu_check.sh  # WS with and without a 40 GiB device tier
 #   BENCH="--sizes 5b --batch 16 --peers '' --vs-state bf16 --device-tier auto" ...  # fp32 vs compact state, tier off and on
+#   BENCH="--sizes 5b --peers '' --state bf16 --checkpoint /tmp/ws_ckpt" ...  # save (vs the disk's rate), resume exactly
 #   BENCH="--sizes 13b --peers '' --state bf16-int8 --activation-checkpointing" ...  # the 13B in RAM
 #   BENCH="--sizes 20b --peers '' --state bf16-int8 --store disk --store-dir /tmp/ws_store --activation-checkpointing" ...
 #

@@ -133,8 +133,9 @@ def test_tiny_cpu_run_with_updates_in_the_backward_and_a_profile():
 @pytest.mark.slow  # the options' smoke run: with the slow tests
 def test_tiny_cpu_run_with_compact_state_the_tier_and_the_disk_store(tmp_path):
     """The runs of the compact-state acceptance (scripts/gpu_check.sh) work anywhere: WS
-    in fp32 against bf16 state, each with and without a device tier; then bf16 masters
-    with int8 moments in a disk store, priced with the disk in the roofline."""
+    in fp32 against bf16 state, each with and without a device tier, and its checkpoint
+    saved and resumed bit for bit; then bf16 masters with int8 moments in a disk store,
+    priced with the disk in the roofline."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
     common = [sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--steps", "2"]
     common += ["--warmup", "1", "--peers", "", "--dtype", "fp32"]
@@ -145,8 +146,13 @@ def test_tiny_cpu_run_with_compact_state_the_tier_and_the_disk_store(tmp_path):
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         return json.loads(done.stdout.strip().splitlines()[-1][len("RESULT ") :])["sizes"]["tiny"]
 
-    s = run("--vs-state", "bf16", "--device-tier", "0.001")
+    checkpoints = tmp_path / "checkpoints"
+    s = run("--vs-state", "bf16", "--device-tier", "0.001", "--checkpoint", str(checkpoints))
     assert s["optimizer"].endswith("fp32 state)")
+    saved = s["checkpoint"]
+    assert saved["resume"]["exact"] is True and _positive(saved["save_vs_disk"])
+    assert saved["bytes"] > 12 * s["params"]  # fp32 masters and two moments, and the rest
+    assert not any(checkpoints.iterdir())  # the file is removed after the check
     for key, state, units in (
         ("device_tier", "fp32", 1),
         ("vs_state", "bf16", 0),
