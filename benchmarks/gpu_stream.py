@@ -577,8 +577,8 @@ def run_ws(
     start: list[int | None] = []
     offloaded: list[int] = []
 
-    def offloaded_bytes() -> int:  # the streamer exists from the first step
-        offload = runner.engine.streamer.offload  # None without activation_offload
+    def offloaded_bytes() -> int:  # the streamer exists from the first step (--warmup 0)
+        offload = getattr(runner.engine.streamer, "offload", None)  # None without the option
         return 0 if offload is None else offload.bytes_out
 
     def on_timed():

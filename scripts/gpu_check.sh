@@ -37,9 +37,9 @@ if [ "$TESTS" = 1 ]; then
     -o addopts="" -ra --timeout 120 2>&1 | tee "$OUT/cuda_tests.txt"
 fi
 
-# shellcheck disable=SC2086  # BENCH is a list of arguments
-timeout "$BENCH_S" python3 benchmarks/gpu_stream.py $BENCH 2>&1 | tee "$OUT/gpu_stream.txt"
+eval "set -- $BENCH"  # quoted arguments (an empty --peers '') survive
+timeout "$BENCH_S" python3 benchmarks/gpu_stream.py "$@" 2>&1 | tee "$OUT/gpu_stream.txt"
 if [ -n "${BENCH2:-}" ]; then
-  eval "set -- $BENCH2"  # quoted arguments (an empty --peers '') survive
+  eval "set -- $BENCH2"
   timeout "${BENCH2_S:-$BENCH_S}" python3 benchmarks/gpu_stream.py "$@" 2>&1 | tee "$OUT/gpu_stream2.txt"
 fi
