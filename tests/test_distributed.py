@@ -248,6 +248,23 @@ def test_ranks_that_share_a_gpu_join_with_gloo_alone(
 
 
 @pytest.mark.parametrize(
+    "device, local_ranks, devices, sharing",
+    [(CPU, 2, 0, 1), (CUDA, 2, 2, 1), (CUDA, 2, 4, 1), (CUDA, 2, 1, 2), (CUDA, 3, 2, 2)],
+)
+def test_ranks_sharing_a_gpu_count_each_other(monkeypatch, device, local_ranks, devices, sharing):
+    """The ranks that take a GPU round robin (above) split what it has: the 'auto' device
+    tier's room (Note [device tier])."""
+    from weightstream.runtime import swarm
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: devices)
+    monkeypatch.setattr(swarm.dist, "is_initialized", lambda: True)
+    assert swarm.ranks_per_device(device) == sharing
+    on = [swarm.device_index(r, local_ranks, devices) for r in range(local_ranks)]
+    assert device == CPU or max(on.count(i) for i in set(on)) == sharing
+
+
+@pytest.mark.parametrize(
     "backend, device_type, native",
     [
         ("cpu:gloo,cuda:nccl", "cuda", True),

@@ -565,7 +565,8 @@ class StreamingEngine:
         peak holds the device tier from the second step on (Note [device tier])."""
         self._auto_tier = None
         self.updater.synchronize()  # the first step fully applied: its state moves as it is
-        room = self.ops.tier_room()
+        # Ranks that share a GPU share its room (Note [ranks sharing a device]).
+        room = self.ops.tier_room() // swarm.ranks_per_device(self.device)
         if self.reducer is not None:  # every rank places the same units: the least room
             room = -int(swarm.max_over_ranks(torch.tensor(-room, dtype=torch.int64)))
         self.resident = self._place_device_tier(room) if room > 0 else frozenset()

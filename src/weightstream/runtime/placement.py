@@ -328,7 +328,8 @@ def predict(master_bytes: Sequence[int], capacity: int, states_per_master: int =
 # (``DiskStore.forget``, ``drop``) and the store's placement counts the rest.
 #
 # Under data parallel every rank places the same units (the plan is the same,
-# and so is the budget: "auto" takes the least room over the ranks), and SwarmX
+# and so is the budget: "auto" takes the least room over the ranks, ranks that
+# share a GPU each a share of its room), and SwarmX
 # reduces their gradients where they are, on the device (a bucket reduces each
 # device's gradients apart). A sharded store's tier units are held by every
 # rank (Note [sharded store] in runtime/sharding.py). Limit, said by a warning

@@ -84,6 +84,15 @@ def device_index(local_rank: int, local_ranks: int, devices: int) -> int:
     return local_rank % devices if local_ranks > devices > 0 else local_rank
 
 
+def ranks_per_device(device: torch.device) -> int:
+    """How many of this node's ranks compute on each of its GPUs: more than one where
+    they outnumber them (Note [ranks sharing a device]), else 1."""
+    if device.type != "cuda" or not dist.is_initialized():
+        return 1
+    local_ranks, devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
+    return -(-local_ranks // devices) if local_ranks > devices > 0 else 1
+
+
 def init_from_env(device: torch.device) -> bool:
     """Join the process group described by the torchrun environment, if there is one."""
     if dist.is_initialized():
