@@ -984,7 +984,11 @@ def run_size(name: str, size: Size, device, dtype, peak: float, limits: dict, ar
     again = functools.partial(run_again, cfg, x, y, device, dtype, args, tokens, params, peak)
     tier = args.device_tier == "auto" or args.device_tier > 0
     if tier:
-        result["device_tier"] = again(fig, "device tier", tier=True, state=args.state)
+        result["device_tier"] = with_tier = again(fig, "device tier", tier=True, state=args.state)
+        eager = peer["eager"].get("step_s", {}).get("median")
+        if "step_s" in with_tier and eager is not None:  # what fits the device: eager's speed?
+            with_tier["ws_vs_eager"] = with_tier["step_s"]["median"] / eager
+            print(f"  WS + device tier / eager step time {with_tier['ws_vs_eager']:.2f}x")
     if args.vs_state:
         result["vs_state"] = again(fig, f"{args.vs_state} state", tier=False, state=args.vs_state)
         if tier and "tokens_per_s" in result["device_tier"]:

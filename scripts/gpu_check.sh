@@ -7,6 +7,7 @@
 #   TESTS=0 BENCH="--sizes 1b --profile" bash scripts/gpu_check.sh
 #   BENCH2="--sizes 1b --peers '' --update-in-backward" bash scripts/gpu_check.sh  # a second run
 #   BENCH="--sizes 5b --peers '' --device-tier 40" bash scripts/gpu_check.sh  # WS with and without a 40 GiB device tier
+#   BENCH="--sizes 1b --batch 8 --peers eager --device-tier auto" ...  # a model the device holds: WS + tier / eager
 #   BENCH="--sizes 5b --batch 16 --peers '' --vs-state bf16 --device-tier auto" ...  # fp32 vs compact state, tier off and on
 #   BENCH="--sizes 5b --peers '' --state bf16 --checkpoint /tmp/ws_ckpt" ...  # save (vs the disk's rate), resume exactly
 #   BENCH="--sizes 13b --peers '' --state bf16-int8 --activation-checkpointing" ...  # the 13B in RAM
