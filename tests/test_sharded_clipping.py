@@ -117,6 +117,15 @@ def _train(compiled, model, optimizer, clipping: str, rank: int, share: int) -> 
     return None
 
 
+def _adamw(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    import weightstream as cstorch
+
+    if name.endswith("torch-optim"):
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    # torch.optim.AdamW's eps and weight decay (the reference API's defaults are 1e-6 and 0).
+    return cstorch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-8, weight_decay=0.01)
+
+
 def _rank(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -131,14 +140,10 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         for name, (sharding, clipping, budget) in CASES.items():
             model = _model()
             before = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            if name.endswith("torch-optim"):
-                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-            else:
-                # torch.optim.AdamW's eps and weight decay (the reference API's defaults
-                # are 1e-6 and 0).
-                optimizer = cstorch.optim.AdamW(
-                    model.parameters(), lr=1e-2, eps=1e-8, weight_decay=0.01
-                )
+            # With a tier: built after the engine, so a rank's state of the units another
+            # rank owns starts as placeholders, which the tier's placement must replace
+            # by the owner's values (ShardedStore.replicate).
+            optimizer = _adamw(name, model) if budget is None else None
             compiled = cstorch.compile(
                 model,
                 backend="wse_ws",
@@ -147,6 +152,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
                 store_sharding=sharding,
                 device_tier_budget=budget,
             )
+            optimizer = optimizer or _adamw(name, model)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 error = _train(compiled, model, optimizer, clipping, rank, share)
@@ -158,6 +164,14 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
             record[name] = {
                 "error": error,
                 "tier": sorted(compiled.engine.resident),
+                # Every rank's own copy of the tier's units: the same bits on each.
+                "tier_values": [
+                    v
+                    for i in sorted(compiled.engine.resident)
+                    for p in compiled.plan.units[i].params
+                    for t in (p, *optimizer.state[p].values())
+                    for v in t.detach().flatten().tolist()
+                ],
                 "unchanged": unchanged,
                 "unchecked_warnings": unchecked,
                 # The optimizer state's values (AdamW's step counts and moments): all
@@ -219,6 +233,8 @@ def test_clipping_by_the_whole_model_on_two_ranks_equals_eager_pytorch(two_ranks
     tiers = [r[name]["tier"] for r in records]
     # the ends of the order (Note [device tier]): the first unit is rank 0's, the last rank 1's
     assert tiers == ([[0, 3], [0, 3]] if "tier" in name else [[], []])
+    values = [r[name]["tier_values"] for r in records]
+    assert values[0] == values[1] and (len(values[0]) > 0) == ("tier" in name)
     got = torch.load(out / f"{name}.pt")
     want = _eager(CASES[name][1])
     assert set(got) == set(want)
