@@ -112,7 +112,7 @@ from _common import (
 import weightstream as cstorch
 from weightstream import backend
 from weightstream.compiler.compile_phase import compact_update_bytes
-from weightstream.compiler.probe import disk_bandwidths
+from weightstream.compiler.probe import disk_bandwidths, existing_dir
 from weightstream.models import Llama, LlamaConfig
 from weightstream.models.llama import LlamaBlock
 from weightstream.models.zoo import LLAMA_PRESETS
@@ -889,7 +889,7 @@ def run_size(name: str, size: Size, device, dtype, peak: float, limits: dict, ar
     host_need = params * held_bytes_per_param(args.state)
     room, where = host_available_bytes(), "host memory"
     if args.store == "disk":  # the disk store keeps in files what RAM does not hold
-        room += shutil.disk_usage(_existing(args.store_dir)).free
+        room += shutil.disk_usage(existing_dir(args.store_dir)).free
         where = f"host memory and {args.store_dir}'s disk"
     if host_need * 1.1 + 2 * GiB > room:
         reason = (
@@ -924,7 +924,7 @@ def run_size(name: str, size: Size, device, dtype, peak: float, limits: dict, ar
     disk_s = 0.0
     if reads + writes:  # the store's directory, measured as the compile's probe measures it
         nbytes = 2 * GiB if device.type == "cuda" else 256 * 2**20
-        rates = disk_bandwidths(Path(_existing(args.store_dir)), nbytes)
+        rates = disk_bandwidths(existing_dir(args.store_dir), nbytes)
         disk_s = reads / rates["read"] + writes / rates["write"]
         print(
             f"  disk store: {reads / 1e9:.1f} GB read and {writes / 1e9:.1f} GB written a step; "
@@ -972,9 +972,7 @@ def run_size(name: str, size: Size, device, dtype, peak: float, limits: dict, ar
         "units": ws["units"],
         "largest_unit_bytes": ws["largest_unit_bytes"],
         "weight_bound_bytes": ws["weight_bound_bytes"],
-        "device_peak_gib": None
-        if ws["device_peak_bytes"] is None
-        else ws["device_peak_bytes"] / GiB,
+        "device_peak_gib": _gib(ws["device_peak_bytes"]),
         "peer": peer,
         "ws_vs_fsdp2": _ratio(fig["tokens_per_s"], peer["fsdp2_cpu_offload"].get("tokens_per_s")),
         "ws_vs_eager": _ratio(med, peer["eager"].get("step_s", {}).get("median")),
@@ -1042,19 +1040,13 @@ def run_again(cfg, x, y, device, dtype, args, tokens, params, peak, against: dic
         "state": state,
         "resident_units": ws["resident_units"],
         "h2d_bytes_plan": ws["h2d_bytes_plan"],
-        "device_peak_gib": None
-        if ws["device_peak_bytes"] is None
-        else ws["device_peak_bytes"] / GiB,
+        "device_peak_gib": _gib(ws["device_peak_bytes"]),
         "vs_against": ratio,
     }
 
 
-def _existing(path: str) -> str:
-    """``path`` or its nearest existing parent (the store makes its directory later)."""
-    where = Path(path).resolve()
-    while not where.exists() and where.parent != where:
-        where = where.parent
-    return str(where)
+def _gib(nbytes: int | None) -> float | None:
+    return None if nbytes is None else nbytes / GiB
 
 
 def _ratio(a: float, b: float | None) -> float | None:

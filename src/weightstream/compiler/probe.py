@@ -222,6 +222,14 @@ def _fixed_costs(device: torch.device, sizes: _Sizes) -> dict[str, float]:
     return {"op_s": op_s, "tensor_s": tensor_s, "step_s": few - few_tensors * tensor_s}
 
 
+def existing_dir(path: str | Path) -> Path:
+    """``path``, or its nearest parent that is a directory (a store makes its own later)."""
+    where = Path(path)
+    while not where.is_dir() and where.parent != where:
+        where = where.parent
+    return where
+
+
 def disk_bandwidths(directory: Path, nbytes: int) -> dict[str, float]:
     """Write (with fsync) and read (page cache dropped where the OS allows) of one file of
     random bytes: a compressing file system must not make the write look fast."""
@@ -328,9 +336,7 @@ def load_or_measure(
         probe = measure(device, quick)
         _save(probe, path)
     if disk_dir is not None and str(disk_dir) not in probe.disk:
-        where = Path(disk_dir)
-        while not where.is_dir() and where.parent != where:  # the store makes its own later
-            where = where.parent
+        where = existing_dir(disk_dir)
         probe.disk[str(disk_dir)] = disk_bandwidths(where, (_QUICK if quick else _FULL).disk_bytes)
         _save(probe, path)
     return probe
