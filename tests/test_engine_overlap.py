@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -116,3 +117,48 @@ def test_overlap_is_exact_against_eager_torch_optim():
         opt.zero_grad()
     for (k, a), b in zip(model.state_dict().items(), eager.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+@pytest.mark.parametrize("store", ["ram", "disk"])
+def test_a_weight_written_behind_an_overlapped_step_stops_it(tmp_path, store):
+    """Writing a parameter while its overlapped update is pending would step the written
+    value: the next forward raises, naming it. After ``optimizer.synchronize()`` the same
+    write is exact against eager PyTorch (step, then write)."""
+    hold = threading.Lock()  # held by the test: the update waits behind step()
+
+    class HeldAdamW(cstorch.optim.AdamW):
+        def _update(self, groups):
+            with hold:
+                super()._update(groups)
+
+    def run(synchronize: bool | None):
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        if synchronize is None:  # eager PyTorch
+            runner = model
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6, weight_decay=0.0)
+        else:
+            disk = {"store": "disk", "store_dir": str(tmp_path / "s")} if store == "disk" else {}
+            runner = cstorch.compile(model, backend="ws", overlap_updates=True, **disk)
+            opt = HeldAdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+        target = model.blocks[1].mlp.fc.weight
+        for step in range(2):
+            x, y = _batch(step)
+            F.cross_entropy(runner(x).flatten(0, 1), y.flatten()).backward()
+            with hold:
+                opt.step()
+                opt.zero_grad()
+                if synchronize:
+                    hold.release()
+                    opt.synchronize()
+                    hold.acquire()
+                with torch.no_grad():
+                    target.mul_(0.5)  # behind the step while it is pending
+        return model
+
+    eager = run(None)
+    model = run(True)
+    for (k, a), b in zip(model.state_dict().items(), eager.state_dict().values()):
+        assert torch.equal(a, b), k
+    with pytest.raises(RuntimeError, match=r"'blocks\.1\.mlp\.fc\.weight' were changed in place"):
+        run(False)

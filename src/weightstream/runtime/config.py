@@ -88,7 +88,10 @@ class StreamingConfig:
         False,
         doc="Apply the optimizer step unit by unit in the background, behind the next "
         "forward, which waits per unit (Note [overlapped updates] in runtime/updater.py). "
-        "p.grad is None right after step() in this mode.",
+        "p.grad is None right after step() in this mode, and a parameter holds its new "
+        "value only once the next forward fetched it or optimizer.synchronize() returned: "
+        "call that before reading or writing weights between steps (an in-place write "
+        "before it stops the step with an error).",
     )
     update_in_backward: bool = setting(
         False,

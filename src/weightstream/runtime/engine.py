@@ -242,6 +242,7 @@ class StreamingEngine:
             thread_init=self.ops.helper_thread_init,
             in_backward=config.update_in_backward,
         )
+        self.updater.name_of = self._name_of
         if config.update_in_backward:
             self.store.tier.hands_over = self.updater.takes
         # One pair of gradient hooks per master, the store's (Note [one gradient hook]).
@@ -399,6 +400,11 @@ class StreamingEngine:
                 )
             return False
         return True
+
+    def _name_of(self, p: torch.Tensor) -> str:
+        """``p``'s name in the module (for messages)."""
+        names = (n for n, q in self.module.named_parameters(remove_duplicate=False) if q is p)
+        return repr(next(names, f"of shape {tuple(p.shape)}"))
 
     def _check_gradients_unchanged(self) -> None:
         """Stop the step on every rank if something rewrote an owned gradient after its

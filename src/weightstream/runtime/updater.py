@@ -29,6 +29,15 @@ next backward cannot race with it. Anything that reads the masters or the
 optimizer state as a whole (``state_dict()`` of the model or the optimizer,
 ``load_state_dict()``) waits for the pending update first.
 
+A parameter itself is not guarded: until the next forward has fetched its unit
+(or ``optimizer.synchronize()`` returned), reading it may give its value before
+the step (an EMA, a weight norm), and writing it races with the update, which
+would then step the written value. So each share compares its parameters'
+version counters with those at ``step()``: an in-place write in between (under
+``torch.no_grad()``) stops the share before it updates anything, and the error
+surfaces at the next wait, naming the parameter and the fix. A write through
+``p.data`` does not count a version and is not seen.
+
 A parameter shared by several units (a tied embedding) is updated with the
 first unit that holds it; one worker runs the shares in order, so waiting for a
 unit's share also waits for every earlier share.
@@ -144,6 +153,7 @@ class UnitUpdater:
         # Called with each share's parameters once they are updated, on the thread
         # that updated them (the streamer's mirrors: Note [host mirror] in mirror.py).
         self.on_updated: Callable[[list[torch.nn.Parameter]], None] | None = None
+        self.name_of: Callable[[torch.Tensor], str] = lambda p: f"of shape {tuple(p.shape)}"
 
     def set_units(self, unit_params: Sequence[Sequence[torch.nn.Parameter]]) -> None:
         """The units of the traced plan, in its forward order (fixed at the first call)."""
@@ -195,6 +205,9 @@ class UnitUpdater:
                 if pager is not None:
                     self._store.settle()  # step() returns with the masters current
             return
+        # Behind step(): a parameter written in between must not be stepped (see the Note).
+        versions = {id(p): p._version for share in every for p in share}
+        check = (versions, self.name_of) if self._background else None
         with self._lock:
             if early is None:
                 self._unit_futures = [[] for _ in every]
@@ -202,7 +215,15 @@ class UnitUpdater:
             for index, share in enumerate(every):
                 if share:
                     self._submit(
-                        index, _apply, optimizer, snapshot, share, grads, pager, self.on_updated
+                        index,
+                        _apply,
+                        optimizer,
+                        snapshot,
+                        share,
+                        grads,
+                        pager,
+                        self.on_updated,
+                        check,
                     )
         if not self._background:
             self.synchronize()  # step() returns with the step applied
@@ -352,7 +373,9 @@ class _Early:
         self.held: concurrent.futures.Future | None = None  # the last share on in-memory grads
 
 
-def _apply(optimizer, snapshot, share, grads, pager: _Pager | None = None, on_updated=None) -> None:
+def _apply(
+    optimizer, snapshot, share, grads, pager: _Pager | None = None, on_updated=None, check=None
+) -> None:
     """Run the optimizer's update on ``share`` with the step's hyperparameters.
 
     The gradients travel in the groups (``GRADS_KEY``), never through ``p.grad``:
@@ -361,7 +384,8 @@ def _apply(optimizer, snapshot, share, grads, pager: _Pager | None = None, on_up
     parameters whose master, gradient or state is in a file are updated one at a
     time on buffers read ahead by ``pager`` (Note [explicit disk I/O]); the
     others together, in place. ``on_updated(share)`` runs once they all are (the
-    mirrors' write: Note [host mirror] in mirror.py).
+    mirrors' write: Note [host mirror] in mirror.py). ``check``: the version counters
+    at ``step()`` and a namer, for an update behind it (Note [overlapped updates]).
     """
     if pager is not None:
         pager.store.adopt_optimizer_state(optimizer, share)
@@ -369,6 +393,12 @@ def _apply(optimizer, snapshot, share, grads, pager: _Pager | None = None, on_up
     in_files = [p for p in share if paged(p)]
     in_place = [p for p in share if not paged(p)]
     try:
+        if check is not None:
+            written = _written(share, *check)
+            if written:
+                if pager is not None:
+                    pager.skip(in_files)
+                raise written
         with torch.no_grad():
             if in_place:
                 _update(optimizer, snapshot, in_place, grads)
@@ -385,6 +415,24 @@ def _apply(optimizer, snapshot, share, grads, pager: _Pager | None = None, on_up
             pager.store.discard(grads[id(p)] for p in share)
         for p in share:
             grads[id(p)] = None  # consumed: a gradient in memory is freed now (the bound)
+
+
+def _written(share, versions: dict[int, int], name_of) -> RuntimeError | None:
+    """The error that stops an overlapped share whose parameters were written in place
+    after ``step()``, before it updates any of them (Note [overlapped updates])."""
+    written = [p for p in share if p._version != versions[id(p)]]
+    if written:
+        named = ", ".join(name_of(p) for p in written[:3]) + (" ..." if len(written) > 3 else "")
+        return RuntimeError(
+            f"weightstream: parameter(s) {named} were changed in place after "
+            "optimizer.step() while overlap_updates was still applying that step to them; "
+            "updating them now would step the written values, and eager PyTorch steps first. "
+            "The step was not applied to their unit (the others were stepped): reload a "
+            "checkpoint. Fix: call optimizer.synchronize() after optimizer.step() before "
+            "reading or writing parameters, or compile with overlap_updates=False (Note "
+            "[overlapped updates] in runtime/updater.py)."
+        )
+    return None
 
 
 def _update(optimizer, snapshot, params, grads, replaced=None) -> None:
@@ -414,6 +462,7 @@ class _Pager:
         self._position = {id(p): i for i, p in enumerate(self._order)}
         self._next = 0  # index in _order of the next parameter to read
         self._started: dict[int, object] = {}  # id(p) -> its Paged
+        self._skipped: set[int] = set()  # ids of parameters whose update does not run
 
     def _tensors(self, p) -> list[torch.Tensor]:
         return [p.data, self._grads[id(p)], *_state_tensors(self._optimizer, [p])]
@@ -426,6 +475,9 @@ class _Pager:
 
     def _start(self, wait: bool) -> bool:
         p = self._order[self._next]
+        if id(p) in self._skipped:
+            self._next += 1
+            return True
         paged = self.store.page_in(self._tensors(p), wait=wait)
         if not paged.started:
             return False
@@ -440,6 +492,15 @@ class _Pager:
         running share's)."""
         if self._next < len(self._order):
             self._start(wait=False)
+
+    def skip(self, params) -> None:
+        """Give back what was read for ``params``, whose update will not run, unwritten;
+        those not read yet are passed over."""
+        self._skipped.update(id(p) for p in params)
+        for p in params:
+            paged = self._started.pop(id(p), None)
+            if paged is not None:
+                paged.finish()
 
     def update(self, p, run) -> None:
         """Run ``p``'s update (``run(gradients by id)``) with its file-placed tensors
