@@ -23,7 +23,8 @@ def test_defaults_are_the_seeds():
     assert cfg.mount_dirs is None and cfg.python_paths is None and cfg.job_labels is None
 
 
-def test_configure_sets_every_seed_argument_and_keeps_cluster_addresses():
+def test_configure_sets_every_seed_argument_and_keeps_cluster_addresses(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # one of 2 ranks (torchrun's environment)
     cfg = cstorch.configure(
         model_dir="out",
         compile_dir="cc",
@@ -43,6 +44,12 @@ def test_configure_sets_every_seed_argument_and_keeps_cluster_addresses():
     assert current_config() is cfg
     assert cfg.checkpoint_steps == 10 and cfg.num_csx == 2 and cfg.job_labels == ["team=ml"]
     assert cfg.extra == {"mgmt_address": "localhost:9000"}
+
+
+def test_num_csx_in_a_single_process_warns_how_to_start_the_ranks(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.warns(UserWarning, match=r"one of 1 rank\(s\).*weightstream launch --num_csx 2"):
+        cstorch.configure(num_csx=2)
 
 
 def test_second_call_is_an_error():

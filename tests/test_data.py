@@ -356,7 +356,8 @@ def _equal(a, b):
 
 
 def test_state_records_worker_identity_from_config():
-    cstorch.configure(num_csx=2, num_workers_per_csx=3)
+    with pytest.warns(UserWarning, match="configure starts no processes|one of 1 rank"):
+        cstorch.configure(num_csx=2, num_workers_per_csx=3)
     _, state = run(shuffled_fn, stop_after=2, max_steps=8)
     assert {
         k: state[k] for k in ("local_worker_id", "num_csx", "num_workers_per_csx", "wse_id")

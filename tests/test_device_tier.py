@@ -206,6 +206,9 @@ def test_where_the_tier_cannot_be_it_says_so_and_streams():
     with pytest.warns(UserWarning, match="device_tier_budget is ignored.*cbfloat16"):
         _, runner, _ = _streamed(10**9, steps=1, compute_dtype="cbfloat16")
     assert runner.engine.resident == frozenset()
+    with pytest.warns(UserWarning, match="device_tier_budget=100 bytes holds no unit"):
+        _, runner, _ = _streamed(100, steps=1)
+    assert runner.engine.resident == frozenset()
 
 
 @pytest.mark.parametrize("budget", ["files", "hybrid"])

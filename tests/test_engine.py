@@ -366,6 +366,40 @@ def test_bad_backend_lists_the_valid_ones():
         assert name in str(info.value)
 
 
+@pytest.mark.parametrize("second", ["ws", "lp"])
+def test_compiling_a_streamed_module_again_is_refused_until_closed(second):
+    """A second compile would hook the module twice; closing the first releases it."""
+    torch.manual_seed(0)
+    model = zoo.fc_mnist()
+    first = cstorch.compile(model, backend="ws")
+    x = torch.randn(4, 784)
+    with pytest.raises(ValueError, match="compiled for weight streaming already"):
+        cstorch.compile(model, backend=second)
+    expected = model(x)  # eager, with the first compile's weights
+    first.close()
+    again = cstorch.compile(model, backend=second)
+    torch.testing.assert_close(again(x), expected, rtol=0, atol=0)
+    opt = cstorch.optim.SGD(again.parameters(), lr=0.1)  # binds to the new one only
+    again(x).sum().backward()
+    opt.step()
+
+
+def test_a_meta_model_in_the_ram_store_is_refused_at_its_first_step(tmp_path):
+    """The RAM store keeps a meta model as shapes (to plan it); running it names the fixes,
+    and the disk store, which materializes it, runs it."""
+    with torch.device("meta"):
+        model = zoo.fc_mnist()
+    runner = cstorch.compile(model, backend="ws")
+    with pytest.raises(RuntimeError, match=r"on the meta device .* store='disk'"):
+        runner(torch.randn(4, 784))
+    runner.close()
+    with torch.device("meta"):
+        model = zoo.fc_mnist()
+    runner = cstorch.compile(model, backend="ws", store="disk", store_dir=str(tmp_path))
+    assert torch.isfinite(runner(torch.randn(4, 784))).all()
+    runner.close()
+
+
 @pytest.mark.parametrize("backend", ["WSE_WS", "wse_ws", "ws", "WSE_LP", "wse_lp", "lp", "cpu"])
 def test_backend_names(backend):
     runner = cstorch.compile(zoo.fc_mnist(), backend=backend)
@@ -384,6 +418,11 @@ def test_streaming_config_validation():
         cstorch.StreamingConfig(granularity="layers")
     with pytest.raises(TypeError, match="only to weight streaming"):
         cstorch.compile(zoo.fc_mnist(), backend="lp", prefetch_depth=2)
+    # a params-file key: the answer is the model's dtype, not compute_dtype
+    for call in (lambda: cstorch.compile(zoo.fc_mnist(), master_dtype=torch.bfloat16),
+                 lambda: cstorch.configure(master_dtype="bfloat16")):  # fmt: skip
+        with pytest.raises(TypeError, match=r"model\.to\(torch\.bfloat16\)"):
+            call()
 
 
 def test_exception_in_forward_restores_the_masters():

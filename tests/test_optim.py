@@ -636,6 +636,8 @@ def test_configure_optimizer_warns_on_unknown_keys_and_drops_them():
             "Lion", params_list(), lr=1e-4, max_gradient_norm=1.0, foo=3
         )
     assert "foo" not in opt.param_groups[0] and "max_gradient_norm" not in opt.defaults
+    with pytest.warns(UserWarning, match="Did you mean 'weight_decay' for 'wieght_decay'"):
+        wsoptim.configure_optimizer("AdamW", params_list(), lr=1e-4, wieght_decay=0.1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         wsoptim.configure_optimizer("Lion", params_list(), lr=1e-4, betas=(0.9, 0.98))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import params_files as pf
@@ -223,6 +224,47 @@ def test_train_and_eval_then_eval_all(tmp_path, execution_mode):
     steps = sorted({s for s, _ in _scalars(model_dir / "eval", "loss")})
     assert steps == [4, 8]
     assert len(_scalars(model_dir / "eval", "perplexity")) >= 3
+
+
+@pytest.fixture
+def run_log(caplog):
+    """The run command's log (its logger does not propagate to the root's handlers)."""
+    logger = logging.getLogger("weightstream")
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)
+
+
+def test_train_and_eval_checks_the_eval_data_before_training(tmp_path, run_log):
+    """An eval set smaller than one batch stops train_and_eval before step 1 (nothing
+    written), not after training; the same data trains and evaluates with drop_last off."""
+    raw = yaml.safe_load(_params(tmp_path, max_steps=2, checkpoint_steps=0).read_text())
+    raw["eval_input"]["batch_size"] = 10**6
+    params = pf.write(tmp_path / "big_eval_batch.yaml", raw)
+    model_dir = tmp_path / "m"
+    argv = ["run", "CPU", "-p", str(params), "-m", "train_and_eval", "-o", str(model_dir)]
+    assert main(argv) != 0
+    out = run_log.text
+    assert "fewer than one global batch" in out and "global_step" not in out  # no step ran
+    assert not list(model_dir.glob("checkpoint_*.mdl")) and not (model_dir / "train").exists()
+    raw["eval_input"]["drop_last"] = False  # one batch of all the eval data
+    argv[3] = str(pf.write(params, raw))
+    assert main(argv) == 0
+    with pytest.warns(UserWarning, match="eval input has 1 batches, so the evaluation reads"):
+        assert main([*argv[:5], "eval", *argv[6:], "--eval_steps", "2"]) == 0
+
+
+def test_sequences_longer_than_the_models_positions_are_named_as_such():
+    """GPT-2's learned positions end at n_positions: the embedding's IndexError is told as
+    the sequence length it is, beside the vocabulary."""
+    transformers = pytest.importorskip("transformers")
+    from weightstream.train.trainer import _task_loss
+
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.zeros(2, 32, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"learned position embeddings .*are 32 long"):
+        _task_loss("lm", model, {"input_ids": ids, "labels": ids})
 
 
 def test_progress_bar_line():

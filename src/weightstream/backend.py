@@ -21,6 +21,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from weightstream.amp import step_helper
+from weightstream.amp.half import half_dtype_setting
+from weightstream.common.schema import MASTER_DTYPE_HINT
+from weightstream.optim.binding import hosts
 from weightstream.runtime import swarm
 from weightstream.runtime.config import StreamingConfig
 from weightstream.runtime.engine import StreamingEngine
@@ -210,6 +213,15 @@ def compile(
     mode, name = resolve_backend(backend)
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile() expects a torch.nn.Module, got {type(model).__name__}.")
+    if hosts.holding(model.parameters()) is not None:
+        raise ValueError(
+            "this module is compiled for weight streaming already: an earlier "
+            "cstorch.compile() holds its parameters (its store, hooks and optimizer "
+            "binding). Reuse the module that call returned (it runs training and eval "
+            "alike), or call its close() first to compile the module again."
+        )
+    if "master_dtype" in streaming_kwargs:
+        raise TypeError(f"compile(): {MASTER_DTYPE_HINT}")
     if streaming is not None and streaming_kwargs:
         raise TypeError("pass either streaming=StreamingConfig(...) or its fields, not both.")
     if mode is ExecutionMode.LAYER_PIPELINED and "activation_checkpointing" in streaming_kwargs:
@@ -232,6 +244,15 @@ def compile(
         )
     if mode is ExecutionMode.WEIGHT_STREAMING:
         config = streaming or StreamingConfig.from_kwargs(**streaming_kwargs)
+        if config.compute_dtype == "cbfloat16" and half_dtype_setting.name != "cbfloat16":
+            warnings.warn(
+                "weightstream: compute_dtype='cbfloat16', but the run's half type is "
+                f"{half_dtype_setting.name}, so a GradScaler built now takes its defaults (a "
+                "dynamic loss scale of at most 2**15, not cbfloat16's 2**31). Fix: call "
+                "cstorch.amp.set_half_dtype('cbfloat16') first, as the reference API does "
+                "before the model is built.",
+                stacklevel=2,
+            )
         engine = StreamingEngine(model, device, config)  # joins the ranks by itself
         return CompiledModule(model, mode, device, engine)
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):

@@ -12,7 +12,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from weightstream.common.schema import check, setting
+from weightstream.common.schema import MASTER_DTYPE_HINT, check, setting
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,8 @@ def parse_configure_arguments(**kwargs) -> RunConfig:
     known = {k: v for k, v in kwargs.items() if k in fields}
     extra = {k: v for k, v in kwargs.items() if k not in fields}
     unknown = sorted(set(extra) - _ACCEPTED_EXTRA)
+    if "master_dtype" in unknown:
+        raise TypeError(f"configure(): {MASTER_DTYPE_HINT}")
     if unknown:
         import difflib
 

@@ -37,6 +37,8 @@ context needs nothing of ``amp`` (a layer above); ``amp/half.py`` and
 from __future__ import annotations
 
 import contextlib
+import os
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -131,6 +133,16 @@ def configure(**kwargs) -> RunConfig:
             "called only once. Start a new process for a run with a different configuration."
         )
     run.config = parse_configure_arguments(**kwargs)
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's and weightstream launch's
+    if run.config.num_csx > 1 and ranks != run.config.num_csx:
+        warnings.warn(
+            f"configure(num_csx={run.config.num_csx}), but this process is one of {ranks} "
+            "rank(s): configure() starts no processes, so it trains as those ranks do. Fix: "
+            f"start the script as {run.config.num_csx} ranks, `weightstream launch --num_csx "
+            f"{run.config.num_csx} script.py` or `torchrun --nproc_per_node "
+            f"{run.config.num_csx} script.py`.",
+            stacklevel=2,
+        )
     return run.config
 
 

@@ -125,7 +125,10 @@ class RunConfigParams:
         None, doc="Steps counted as an epoch with num_epochs (default: the loader's length)."
     )
     eval_steps: int | None = _positive(
-        None, doc="Evaluation steps (default: the whole eval input)."
+        None,
+        doc="Evaluation steps (default: the whole eval input, less a last partial batch "
+        "while eval_input.drop_last is true, its default). More steps than the eval input "
+        "has batches read some again (with a warning).",
     )
     eval_frequency: int | None = _positive(
         None,

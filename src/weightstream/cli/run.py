@@ -19,6 +19,7 @@ import random
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -142,6 +143,10 @@ class Run:
             # Before the store takes the model: its masters keep the parameters' dtype
             # (Note [Kahan summation] in optim/compact.py). Buffers keep theirs.
             _convert_parameters(model, getattr(torch, rc.master_dtype))
+        if self._compute_dtype() is not None:
+            # The run's half type, as a reference script sets it before its model: the
+            # GradScaler's default loss scales follow it (this run's context only).
+            cstorch.amp.set_half_dtype(self._compute_dtype())
         kwargs = {"device": self.device}
         if self.ws:
             # The runconfig's streaming settings are the engine's StreamingConfig;
@@ -375,6 +380,8 @@ class Run:
             # transformers names (models/hf_names.py).
             names = hf_name_map(p.model.name)
             trainer.warm_start(Path(rc.checkpoint_path), warm, dataloader, name_map=names)
+        if self.mode == "train_and_eval":
+            self._check_eval_input()
         self.perf.programming_time = time.perf_counter() - t_program
         # Compiling reads the first batch (checking the data) and writes only the
         # compile directory, and that only once everything compiled.
@@ -412,6 +419,22 @@ class Run:
         if trainer.losses:
             log.info("Loss for final step: %.5f", trainer.losses[-1])
         self.trainer = trainer
+
+    def _check_eval_input(self) -> None:
+        """Build train_and_eval's eval input once before step 1, so that what is wrong
+        with it (no section, a missing file, fewer samples than a batch) stops the run
+        before training, not after it. The random generators are left as they were:
+        training draws what it draws in mode train."""
+        if self.params.eval_input is None:
+            raise ValueError(
+                "train_and_eval needs an eval_input section in the params file; add one, or "
+                "run with -m train."
+            )
+        state = capture_rng_state()
+        try:
+            self._input_fn(self.params.eval_input, False)()
+        finally:
+            restore_rng_state(state)
 
     def _optimizer(self, model):
         """The params file's optimizer over ``model``'s trainable parameters."""
@@ -550,6 +573,8 @@ class Run:
         loader = self._dataloader(p.eval_input, False, num_steps=steps) if steps else None
         if loader is None:
             loader = self._input_fn(p.eval_input, False)()
+        else:
+            _warn_wrapping_eval(steps, loader.loader)
         # Checked: the checkpoint and the eval data. Now model_dir may be written.
         self._write_params("eval")
         writer = trainer.eval_writer = (
@@ -622,6 +647,22 @@ class Run:
             name_map=lambda name: (names.get(name) or name, False),
             only=lambda name: names.get(name) is not None,
             renames_of=model.get_base_model(),
+        )
+
+
+def _warn_wrapping_eval(steps: int, loader) -> None:
+    """eval_steps past the eval input's batches read some twice (the DataLoader starts
+    the input again, as the reference's does), which weighs them twice in the metrics."""
+    try:
+        batches = len(loader)
+    except TypeError:  # an iterable of unknown length
+        return
+    if steps > batches:
+        warnings.warn(
+            f"weightstream: eval_steps = {steps}, but the eval input has {batches} batches, "
+            "so the evaluation reads some of them again and counts them twice. Fix: "
+            f"eval_steps <= {batches}, or leave it unset for the whole eval input.",
+            stacklevel=2,
         )
 
 

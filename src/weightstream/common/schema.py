@@ -403,3 +403,14 @@ def plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
     return value
+
+
+#: The answer to a ``master_dtype`` passed to ``compile()`` or ``configure()``: it is a
+#: params-file key (``runconfig.master_dtype``), and the Python API's way is the model's dtype.
+MASTER_DTYPE_HINT = (
+    "master_dtype is not an argument here: the store keeps each master in its parameter's "
+    "dtype. For bfloat16 masters convert the model before compiling, model.to(torch.bfloat16) "
+    "(what the run command's runconfig.master_dtype does); the Adam family and momentum SGD "
+    "then keep a Kahan compensation buffer (kahan_summation=True). Compact optimizer state is "
+    "the optimizer's state_dtype, e.g. cstorch.optim.AdamW(..., state_dtype='bfloat16')."
+)

@@ -78,9 +78,11 @@ def configure_optimizer(optimizer_type: str, params: ParamsT, **kwargs: Any) -> 
         )
     unknown = [key for key in options if key not in accepted]
     if unknown:
+        close = {k: difflib.get_close_matches(k, sorted(accepted), n=1) for k in unknown}
+        typos = "".join(f" Did you mean {c[0]!r} for {k!r}?" for k, c in close.items() if c)
         warnings.warn(
             f"configure_optimizer({cls.__name__}): ignoring {unknown}, which "
-            f"{cls.__name__} does not take (it takes {sorted(accepted)}).",
+            f"{cls.__name__} does not take (it takes {sorted(accepted)}).{typos}",
             UserWarning,
             stacklevel=2,
         )

@@ -50,12 +50,20 @@ class OptimizerParams:
         doc="A number, or a scheduler (scheduler: CosineDecay, ...) or a list of them "
         "(configure_lr_scheduler); null: the optimizer's default.",
     )
-    weight_decay: float | None = setting(None, ge=0, doc="The optimizer's weight decay.")
+    weight_decay: float | None = setting(
+        None,
+        ge=0,
+        doc="The optimizer's weight decay (null: its default, 0 for Adam and AdamW, where "
+        "torch.optim.AdamW takes 0.01).",
+    )
     betas: tuple[float, float] | None = setting(
         None, doc="The Adam family's two moment decays, each in [0, 1)."
     )
     eps: float | tuple[float, float] | None = setting(
-        None, gt=0, doc="The optimizer's epsilon (two numbers for Adafactor)."
+        None,
+        gt=0,
+        doc="The optimizer's epsilon (two numbers for Adafactor; null: its default, 1e-6 for "
+        "Adam and AdamW as in the reference API, where torch.optim takes 1e-8).",
     )
     momentum: float | None = setting(None, ge=0, doc="SGD's (and RMSprop's) momentum.")
     state_dtype: Literal["float32", "bfloat16", "int8"] | None = setting(

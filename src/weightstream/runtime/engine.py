@@ -575,7 +575,7 @@ class StreamingEngine:
         room = self.ops.tier_room() // swarm.ranks_per_device(self.device)
         if self.reducer is not None:  # every rank places the same units: the least room
             room = -int(swarm.max_over_ranks(torch.tensor(-room, dtype=torch.int64)))
-        self.resident = self._place_device_tier(room) if room > 0 else frozenset()
+        self.resident = self._place_device_tier(room, asked=False) if room > 0 else frozenset()
         if self.resident:
             self._install_streamer()
             log.info("Device tier placed after the first step: %s", self.describe_tiers())
@@ -587,10 +587,10 @@ class StreamingEngine:
                 self.device,
             )
 
-    def _place_device_tier(self, budget: int | None) -> frozenset[int]:
-        """Choose the units of the device tier within ``budget`` bytes and move their
-        masters, gradients and optimizer state to the device (Note [device tier] in
-        runtime/placement.py)."""
+    def _place_device_tier(self, budget: int | None, asked: bool = True) -> frozenset[int]:
+        """Choose the units of the device tier within ``budget`` bytes (the user's, or
+        ``"auto"``'s room: ``asked=False``) and move their masters, gradients and optimizer
+        state to the device (Note [device tier] in runtime/placement.py)."""
         if not budget:
             return frozenset()
         plan, recompute = self.plan, self._recompute
@@ -610,6 +610,14 @@ class StreamingEngine:
             nbytes += sum(p.nbytes + self._state_bytes(p) for p in params if p.requires_grad)
             groups.append((indices, nbytes, max(2 + (i in recompute) for i in indices)))
         chosen = frozenset(device_tier(groups, budget, len(plan.units)))
+        if not chosen and asked and groups:
+            warnings.warn(
+                f"weightstream: device_tier_budget={budget:,} bytes holds no unit: the "
+                f"smallest needs {min(n for _, n, _ in groups):,} (its masters, gradients and "
+                "optimizer state), so every unit streams. Fix: a larger budget, or smaller "
+                "units (granularity='module', a smaller unit_size_target).",
+                stacklevel=4,
+            )
         # Meta parameters (shapes only: validate_only, compile_only) have nothing to move.
         unique = {id(p): p for i in chosen for p in unit_params[i]}.values()
         moved = [p for p in unique if not p.is_meta]
@@ -763,6 +771,19 @@ class StreamingEngine:
 
         return to_cbfloat16
 
+    def _refuse_meta(self) -> None:
+        """A model left on the meta device (shapes only) can be planned, not run."""
+        meta = [n for n, p in self.module.named_parameters() if p.is_meta]
+        if meta:
+            raise RuntimeError(
+                f"{len(meta)} parameter(s) of the model, such as {meta[0]!r}, are on the meta "
+                "device (shapes only), so it can be planned (validate_only, compile_only) but "
+                "not run: the RAM store keeps such a model as it is. Fix: build the model on "
+                "the CPU, compile with store='disk' (which materializes it in its files, one "
+                "module at a time), or load its weights first (init_weights=False, then "
+                "load_state_dict)."
+            )
+
     def prepare(self, *args, **kwargs) -> Plan:
         """Fix the plan for a batch like ``args`` now, without running a step."""
         if self.streamer is None:
@@ -780,6 +801,7 @@ class StreamingEngine:
             self._warn_unchecked_step()
         args, kwargs = self._to_device(args, kwargs)
         if self.streamer is None:
+            self._refuse_meta()
             self._compile(args, kwargs)
         if self._auto_tier == "due":
             self._place_auto_tier()

@@ -465,10 +465,15 @@ def _task_loss(task: str, model, batch: dict, attention: str | None = None, deno
     try:
         return task_loss(task, model, batch, attention, denominator)
     except IndexError as e:
+        ids = batch.get("input_ids", batch.get("inputs"))
+        length = f" (this batch's are {ids.shape[-1]} long)" if ids is not None else ""
         raise ValueError(
-            f"a batch holds an index the model has no row for ({e}): most likely a token id "
-            "at or beyond the model's vocab_size. Fix: set the model's vocab_size to the "
-            "data's vocabulary (its tokenizer's), or write the data with the model's tokenizer."
+            f"a batch holds an index the model has no row for ({e}): a token id at or beyond "
+            "the model's vocab_size, or a position beyond its learned position embeddings "
+            f"for a sequence longer than the model takes{length}, such as GPT-2's n_positions "
+            "or OPT's max_position_embeddings. Fix: the model's vocab_size for the data's "
+            "vocabulary (its tokenizer's), or the data written with the model's tokenizer; "
+            "a seq_len within the model's positions."
         ) from e
 
 
