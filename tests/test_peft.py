@@ -411,3 +411,29 @@ def test_evaluation_reads_the_base_from_its_folder_and_the_adapters_from_the_run
             logits = model(input_ids=batch["input_ids"]).logits
             losses.append(F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()).item())
     assert got == pytest.approx(sum(losses) / 2, rel=1e-6)
+
+
+def test_wrapping_logs_the_adapted_modules_and_warns_of_a_target_that_matched_none(caplog):
+    """The count is peft's own (get_nb_trainable_parameters); a partly misspelled
+    target_modules list, which peft accepts, is named."""
+    import logging
+
+    from test_hf_finetune import _llama
+
+    from weightstream.common import lora
+
+    config = lora.lora_config({"r": 4, "target_modules": ["q_prj", "v_proj", "down_proj"]})
+    logger = logging.getLogger("weightstream")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="weightstream"):
+            with pytest.warns(UserWarning, match=r"\['q_prj'\] matched no module"):
+                wrapped = lora.wrap(_llama(), config)
+    finally:
+        logger.removeHandler(caplog.handler)
+    trainable, total = wrapped.get_nb_trainable_parameters()
+    layers = wrapped.config.num_hidden_layers
+    assert f"LoRA adapters on {2 * layers} modules (down_proj x{layers}, v_proj x{layers})" in (
+        caplog.text
+    )
+    assert f"{trainable:,} of {total:,} parameters train" in caplog.text

@@ -96,6 +96,9 @@ class RunContext:
     # Whether each optimizer's latest step was skipped by a loss scaler (amp/skip.py).
     # Weak keys: the record never keeps an optimizer alive nor puts an attribute on it.
     skipped_steps: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    # Keys of the log lines said once a run, such as a data section's summary, which a
+    # run builds more than once (the compile phase's example batch, then training).
+    logged: set = field(default_factory=set)
 
 
 _run = RunContext()  # the current run: Note [run context]

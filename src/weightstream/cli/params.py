@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib
 import re
 import warnings
 from collections.abc import Mapping
@@ -387,7 +388,23 @@ def parse_params(raw: Any, mode: str) -> Params:
         peft=None if peft is None else PeftParams.from_dict(peft),
     )
     params.check_mode(mode)
+    _check_input_sections(params.train_input, params.eval_input)
     return params
+
+
+def _check_input_sections(train: InputParams | None, evals: InputParams | None) -> None:
+    """The data processors' checks over both sections; like each section's key check
+    (``data.params``), looked up when it runs and skipped where the processors module
+    is not there or has none."""
+    try:
+        module = importlib.import_module("weightstream.data.processors")
+    except ModuleNotFoundError as e:
+        if e.name != "weightstream.data.processors":
+            raise
+        return
+    check = getattr(module, "check_input_sections", None)
+    if check is not None:
+        check(train and train.to_dict(), evals and evals.to_dict())
 
 
 # ---------------------------------------------------------------------- files

@@ -50,7 +50,10 @@ every default filled in, to `model_dir` as its params file.
 def _default(f: dataclasses.Field) -> str:
     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
         return "required"
-    value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    return _value(f.default if f.default is not dataclasses.MISSING else f.default_factory())
+
+
+def _value(value: Any) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -96,16 +99,29 @@ def _table(rows: list[str]) -> str:
 
 
 def _processors() -> str:
-    from weightstream.data.processors import COMMON_KEYS, DATA_PROCESSORS, processor_keys
+    from weightstream.data.processors import (
+        COMMON_KEYS,
+        DATA_PROCESSORS,
+        processor_key_docs,
+        processor_keys,
+    )
 
     lines = [
         "Keys other than these go to the data processor, which accepts its own (keys "
         "every processor accepts: " + ", ".join(f"`{k}`" for k in sorted(COMMON_KEYS)) + "):",
         "",
     ]
+    documented = []
     for name in sorted(DATA_PROCESSORS):
         own = sorted(processor_keys(name) - COMMON_KEYS)
+        if processor_key_docs(name):
+            documented.append(name)
         lines.append(f"- `{name}`: " + (", ".join(f"`{k}`" for k in own) or "no keys of its own"))
+    for name in documented:
+        lines += ["", f"`{name}`'s keys:", "", "| key | default | what it does |", "|---|---|---|"]
+        for key, (default, doc) in sorted(processor_key_docs(name).items()):
+            shown = "required" if default == "required" else _value(default)
+            lines.append(f"| `{key}` | {shown} | {doc} |")
     return "\n".join(lines)
 
 

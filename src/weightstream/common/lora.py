@@ -31,9 +31,12 @@ in the transformers model :func:`base_names` gives (peft's ``base_layer``,
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
+import logging
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -42,6 +45,8 @@ import torch
 from torch import nn
 
 from weightstream.common.hf_config import peft_module
+
+log = logging.getLogger("weightstream")
 
 __all__ = [
     "ADAPTER",
@@ -123,7 +128,35 @@ def wrap(model: nn.Module, config) -> nn.Module:
             layer.reset_lora_parameters(ADAPTER, config.init_lora_weights)
         left = [n for n, p in _adapter_tensors(layer) if p.is_meta]
         assert not left, f"{name}: adapter tensors without values: {left}"
+    _report(wrapped, config, BaseTunerLayer)
     return wrapped
+
+
+def _report(wrapped: nn.Module, config, layer_class: type) -> None:
+    """Log where the adapters went and what trains; warn of a ``target_modules`` entry that
+    matched no module (peft refuses only a list that matches none)."""
+    full = [name for name, m in wrapped.named_modules() if isinstance(m, layer_class) and name]
+    adapted = collections.Counter(name.rsplit(".", 1)[-1] for name in full)
+    trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in wrapped.parameters())
+    log.info(
+        "LoRA adapters on %d modules (%s); %s of %s parameters train",
+        sum(adapted.values()),
+        ", ".join(f"{k} x{n}" for k, n in sorted(adapted.items())),
+        f"{trainable:,}",
+        f"{total:,}",
+    )
+    targets = config.target_modules
+    if isinstance(targets, (list, set, tuple)):
+        names = {name.rsplit(".", 1)[-1] for name, _ in wrapped.named_modules() if name}
+        missed = sorted(t for t in targets if not any(n == t or n.endswith(f".{t}") for n in full))
+        if missed:
+            warnings.warn(
+                f"peft.target_modules {missed} matched no module of the model, so they get no "
+                f"adapters (adapted: {sorted(adapted)}). Fix: use the model's module names, "
+                f"such as {sorted(n for n in names if 'proj' in n or 'fc' in n)[:8]}.",
+                stacklevel=3,
+            )
 
 
 def _adapter_tensors(layer) -> list[tuple[str, torch.Tensor]]:

@@ -21,7 +21,9 @@ Its keys, besides the common ones:
   tail is dropped). Either way the counts are logged;
 - ``eval_fraction``: if given, the training section takes the documents' head and
   ``eval_input`` the tail of this fraction (give the same data and value in both); without
-  it a section reads all of its ``data_dir`` (a separate eval set);
+  it a section reads all of its ``data_dir`` (a separate eval set). The same ``data_dir``
+  with the fraction in one section only, or two values, would evaluate on trained
+  documents: :func:`check_eval_split`, which the params parser runs, refuses it;
 - ``cache_dir``: where the tokenized documents and the rows go, as Arrow files under
   ``<cache_dir>/weightstream/`` (default: ``datasets``' cache, ``HF_DATASETS_CACHE``,
   ``~/.cache/huggingface/datasets``). The data itself is read where it is, not copied.
@@ -95,10 +97,27 @@ that lets a token see only earlier tokens of its own document
 (``weightstream.models.tasks.model_kwargs``), so each document's logits are those of the
 document alone. That needs a transformers model (the zoo's models take no mask).
 
+Note [documents without targets]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A document can end up with no target token (labels -100 everywhere): a conversation
+without an assistant turn, or whose assistant's role is misspelled (the template renders
+``asistant`` like any role, and only ``assistant`` turns are targets), or, with
+``overflow: truncate``, a prompt at least ``seq_len`` tokens long (the completion is the
+dropped tail). Such a document costs a row and trains nothing, and data where *no*
+document keeps a target trains at loss 0 (eval: nan metrics) without any other sign. So
+the docs file keeps, per document, the position of its first target (``first_target``, -1
+for none) and what looked wrong when it was tokenized (``issues``, bits ``ISSUE_*``);
+every build counts them from these two small columns (no token is read): data without a
+single target is an error before step 1, naming the cause and the fix; some documents
+without one are a warning, with where the first few are (file and line), and a count in
+the summary line. A row without the format's column (``{"msgs": ...}`` in messages data)
+is an error naming its file and line.
+
 Note [hf dataset cache]
 ~~~~~~~~~~~~~~~~~~~~~~~
 Data are tokenized once into two Arrow stream files under ``<cache_dir>/weightstream/``:
-``docs-*`` (every document of the data: ``input_ids``, ``labels``, ``length``) and
+``docs-*`` (every document of the data: ``input_ids``, ``labels``, ``length``,
+``first_target`` and ``issues`` (Note [documents without targets])) and
 ``rows-*`` (a section's rows, cut or packed). Training reads the rows file memory-mapped
 (:class:`HFRows`), and the run command, which builds a section's loader more than once
 (the compile phase's first batch, then training), tokenizes once.
@@ -132,7 +151,7 @@ import itertools
 import logging
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,6 +161,7 @@ import pyarrow as pa
 import torch
 from torch.utils.data import Dataset
 
+from weightstream.context import current_run
 from weightstream.data.arrow_files import ArrowStreamWriter, MappedFile
 from weightstream.data.section import SEQ_KEYS, Section
 
@@ -150,26 +170,65 @@ log = logging.getLogger("weightstream")
 __all__ = [
     "FORMATS",
     "HF_DATASET_KEYS",
+    "HF_DATASET_KEY_DOCS",
     "IGNORE_INDEX",
     "DocumentEncoder",
     "HFDataSettings",
     "HFRows",
     "build_rows",
+    "check_eval_split",
+    "conversation_issues",
+    "first_targets",
     "make_rows",
     "detect_format",
     "hf_tokenizer_vocab_size",
     "load_hf_tokenizer",
 ]
 
-HF_DATASET_KEYS = SEQ_KEYS | {
-    "tokenizer",
-    "format",
-    "completion_only_loss",
-    "packing",
-    "overflow",
-    "eval_fraction",
-    "cache_dir",
+# The processor's own keys: (default, what it does), for docs/params.md
+# (``weightstream.data.processors.processor_key_docs``); the module docstring says more.
+HF_DATASET_KEY_DOCS: dict[str, tuple[Any, str]] = {
+    "tokenizer": (
+        "required",
+        "The Hugging Face tokenizer folder (as save_pretrained writes it; the model folder "
+        "usually holds it), with an eos token and, for conversations, a chat template.",
+    ),
+    "format": (
+        "auto",
+        "The data's format: auto (from the columns: messages, then prompt and completion, "
+        "then text), text, prompt_completion or messages.",
+    ),
+    "seq_len": (1024, "Tokens per row."),
+    "max_sequence_length": (None, "Another name of seq_len (give one of them)."),
+    "completion_only_loss": (
+        True,
+        "Only the completion's tokens (prompt_completion) or the assistant's (messages) are "
+        "targets; false: every token is.",
+    ),
+    "packing": (
+        False,
+        "Several documents per row, each attending to itself only (needs a transformers "
+        "model); false: one document (or piece) per row, padded.",
+    ),
+    "overflow": (
+        "split",
+        "A document longer than seq_len: split into pieces of seq_len tokens, or truncate "
+        "(its tail is dropped).",
+    ),
+    "eval_fraction": (
+        None,
+        "train_input takes the documents' head and eval_input the tail of this fraction; "
+        "give the same value and data_dir in both sections. null: the section reads all of "
+        "its data_dir.",
+    ),
+    "cache_dir": (
+        None,
+        "Where the tokenized documents and rows are cached (in its weightstream/ folder); "
+        "null: datasets' cache (HF_DATASETS_CACHE).",
+    ),
 }
+HF_DATASET_KEYS = frozenset(HF_DATASET_KEY_DOCS)
+assert SEQ_KEYS <= HF_DATASET_KEYS
 FORMATS = ("auto", "text", "prompt_completion", "messages")
 IGNORE_INDEX = -100
 # Suffix -> the ``datasets`` builder that reads it.
@@ -178,7 +237,15 @@ PACK_BATCH = 1000  # documents per packing batch (Note [packing])
 TOKENIZE_BATCH = 1000  # documents per tokenizer batch (Note [hf dataset cache])
 # Part of every cache file's fingerprint: change it when the rows this module makes from
 # the same data and settings change, or their files' layout (Note [hf dataset cache]).
-ROWS_VERSION = "2"
+ROWS_VERSION = "3"
+# The roles chat templates know (OpenAI's, Llama 3's ipython). A template renders any
+# role as it renders these (a header of its name), so a misspelled "asistant" gives no
+# error anywhere: its turn is simply not trained. Such documents are counted and warned of.
+KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer", "function", "ipython")
+# A document's issues, bits of the docs file's ``issues`` column (Note [documents without
+# targets]): a role not in KNOWN_ROLES, a conversation without an assistant turn, a
+# message whose content is null (and that has no tool_calls, which make null legitimate).
+ISSUE_ROLE, ISSUE_NO_ASSISTANT, ISSUE_NULL_CONTENT = 1, 2, 4
 # Files of a model folder that do not define its tokenizer (weights): not hashed.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".ckpt")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -550,8 +617,48 @@ DOCS_SCHEMA = pa.schema(
         ("input_ids", pa.large_list(pa.int32())),
         ("labels", pa.large_list(pa.int32())),
         ("length", pa.int64()),
+        ("first_target", pa.int64()),  # Note [documents without targets]
+        ("issues", pa.uint8()),
     ]
 )
+
+
+def first_targets(labels: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Per document, the position of its first label != -100 (-1 where there is none);
+    ``labels`` flat [sum(lengths)]. A row of the document's first ``n`` positions keeps
+    a target iff this is in ``[0, n)``."""
+    ends = np.cumsum(lengths)
+    hits = np.flatnonzero(labels != IGNORE_INDEX)
+    first = np.full(len(lengths), -1, np.int64)
+    if len(hits):
+        doc = np.searchsorted(ends, hits, side="right")
+        docs_hit, at = np.unique(doc, return_index=True)  # hits ascend: the first of each
+        first[docs_hit] = hits[at] - (ends - lengths)[docs_hit]
+    return first
+
+
+def conversation_issues(columns: dict[str, list], fmt: str) -> np.ndarray:
+    """The ``ISSUE_*`` bits of each document of ``columns`` (Note [documents without
+    targets]); 0 for plain strings."""
+    if fmt == "messages":
+        conversations = columns["messages"]
+    elif fmt == "prompt_completion" and any(isinstance(p, list) for p in columns["prompt"]):
+        conversations = [list(p or []) + list(c or []) for p, c in zip(*columns.values())]
+    else:
+        return np.zeros(len(next(iter(columns.values()))), np.uint8)
+    out = np.zeros(len(conversations), np.uint8)
+    for i, messages in enumerate(conversations):
+        roles = [m.get("role") if isinstance(m, dict) else None for m in messages or ()]
+        if any(r not in KNOWN_ROLES for r in roles):
+            out[i] |= ISSUE_ROLE
+        if fmt == "messages" and "assistant" not in roles:
+            out[i] |= ISSUE_NO_ASSISTANT
+        if any(
+            isinstance(m, dict) and m.get("content") is None and not m.get("tool_calls")
+            for m in messages or ()
+        ):
+            out[i] |= ISSUE_NULL_CONTENT
+    return out
 
 
 def _rows_schema(packing: bool) -> pa.Schema:
@@ -793,15 +900,78 @@ def _write_docs(path: Path, source: _Source, s: Section, settings: HFDataSetting
     schema = DOCS_SCHEMA.with_metadata({"format": fmt})
     # No total: a stream's length is known once it has been read.
     bar = _progress(f"{s.section}: tokenizing", None)
+    row = 0  # the data row of the table's first (for errors naming file and line)
     with ArrowStreamWriter(path, schema) as writer, bar:
         for table in itertools.chain([first], batches):
             if table.num_rows == 0:
                 continue
-            docs = encoder({c: table.column(c).to_pylist() for c in _FORMAT_COLUMNS[fmt]})
-            ids = _list_array(docs.ids, docs.lengths)
-            labels = _list_array(docs.labels, docs.lengths)
-            writer.write(pa.record_batch([ids, labels, pa.array(docs.lengths)], schema=schema))
+            _check_columns(table, fmt, row, source, s, settings)
+            columns = {c: table.column(c).to_pylist() for c in _FORMAT_COLUMNS[fmt]}
+            docs = encoder(columns)
+            arrays = [
+                _list_array(docs.ids, docs.lengths),
+                _list_array(docs.labels, docs.lengths),
+                pa.array(docs.lengths),
+                pa.array(first_targets(docs.labels, docs.lengths)),
+                pa.array(conversation_issues(columns, fmt), pa.uint8()),
+            ]
+            writer.write(pa.record_batch(arrays, schema=schema))
             bar.update(len(docs.lengths))
+            row += table.num_rows
+
+
+def _check_columns(
+    table: pa.Table, fmt: str, row: int, source: _Source, s: Section, settings: HFDataSettings
+) -> None:
+    """A row without the format's column (absent from its line, or null) is an error
+    naming where it is, what it has and the format; ``row``: the table's first row."""
+    for name in _FORMAT_COLUMNS[fmt]:
+        if name not in table.column_names:
+            missing = 0
+        else:
+            column = table.column(name)
+            if column.null_count == 0:
+                continue
+            missing = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
+        has = [c for c in table.column_names if table.column(c)[missing].is_valid]
+        how = " (detected from the columns: format auto)" if settings.format == "auto" else ""
+        raise ValueError(
+            f"{s.where('data_dir')}: {_places(source, [row + missing])[0]} has no {name!r} "
+            f"(missing or null), which format {fmt!r}{how} reads; the row has "
+            f"{', '.join(map(repr, has)) or 'no keys'}. Fix: give every row {name!r} (rename "
+            "its key), or remove the row."
+        )
+
+
+def _places(source: _Source, rows: Sequence[int]) -> list[str]:
+    """Where data rows ``rows`` (0-based, the files in order) are, for messages: ``file
+    line N`` in .jsonl files (blank lines hold no row, as datasets reads them), ``file row
+    N`` (0-based) in parquet files, else ``row N of the data``. Reads the files: only on
+    the way to an error or a warning."""
+    found: dict[int, str] = {}
+    wanted = set(rows)
+    base = 0
+    try:
+        for f in source.files if source.kind in ("json", "parquet") else ():
+            if source.kind == "parquet":
+                import pyarrow.parquet as pq
+
+                n = pq.ParquetFile(f).metadata.num_rows
+                found.update({r: f"{f} row {r - base}" for r in wanted if 0 <= r - base < n})
+            elif f.lower().endswith(".jsonl"):
+                n = 0
+                with open(f, "rb") as lines:
+                    for number, line in enumerate(lines, 1):
+                        if line.strip():
+                            if base + n in wanted:
+                                found[base + n] = f"{f} line {number}"
+                            n += 1
+            else:  # a .json file's rows need not be lines: the later files' are unknown
+                break
+            base += n
+    except OSError:
+        pass
+    return [found.get(r, f"row {r} of the data (0-based)") for r in rows]
 
 
 def _write_rows(
@@ -834,10 +1004,7 @@ def build_rows(s: Section, is_training: bool) -> HFRows:
     tokenizer = load_hf_tokenizer(settings.tokenizer, s.where("tokenizer"))
     eos = tokenizer.eos_token_id
     if eos is None:
-        raise ValueError(
-            f"{s.where('tokenizer')}: the tokenizer at {settings.tokenizer!r} has no eos token, "
-            "which ends every document. Fix: set eos_token in its tokenizer_config.json."
-        )
+        raise ValueError(_no_eos_message(s, settings.tokenizer, tokenizer))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     source = _open_source(s)
     cache = Path(settings.cache_dir or _import_datasets().config.HF_DATASETS_CACHE)
@@ -871,11 +1038,98 @@ def build_rows(s: Section, is_training: bool) -> HFRows:
     if not rows_path.is_file():
         verb = "packing" if settings.packing else "cutting"
         _write_rows(rows_path, docs, head, settings, f"{s.section}: {verb} rows")
-    _log_counts(s, settings, fmt, docs, head, rows_path)
+    _summarize(s, settings, fmt, docs, head, rows_path, source)
     rows = HFRows(rows_path, settings.seq_len, pad, settings.packing)
     if len(rows) == 0:
         raise ValueError(f"{s.where('data_dir')}: the data holds no document. Fix: give data.")
     return rows
+
+
+# -- train_input and eval_input on the same data ------------------------------------------
+
+
+def _data_key(params: Mapping[str, Any]) -> tuple[str, ...] | None:
+    data_dir = params.get("data_dir")
+    entries = [data_dir] if isinstance(data_dir, (str, os.PathLike)) else data_dir
+    if not isinstance(entries, (list, tuple)) or not entries:
+        return None
+    return tuple(os.path.abspath(os.path.expanduser(os.fspath(e))) for e in entries)
+
+
+def _split_problem(fraction: dict[str, float | None], data: str) -> str | None:
+    """What is wrong with train_input's and eval_input's ``eval_fraction`` (``fraction``,
+    None where unset) over the same data, or None where they agree."""
+    train, evals = fraction["train_input"], fraction["eval_input"]
+    if train == evals:
+        return None
+    if evals is None:
+        overlap = f"eval_input reads all of it, the head ({1 - train:g}) train_input trains on too"
+    elif train is None:
+        overlap = f"train_input trains on all of it, eval_input's tail of {evals:g} included"
+    else:
+        overlap = (
+            f"train_input takes the head of {1 - train:g} and eval_input the tail of "
+            f"{evals:g}, so {'they overlap' if train > evals else 'some is in neither'}"
+        )
+    value = train if train is not None else evals
+    return (
+        f"train_input.eval_fraction = {train} and eval_input.eval_fraction = {evals} over "
+        f"the same data_dir ({data}): {overlap}. Fix: set eval_fraction: {value} in both "
+        "sections (or give eval_input a data_dir of its own, without eval_fraction)."
+    )
+
+
+def check_eval_split(train: Mapping[str, Any] | None, evals: Mapping[str, Any] | None) -> None:
+    """Refuse train_input and eval_input of HFDatasetProcessor over the same ``data_dir``
+    with different ``eval_fraction`` (set in one only, or two values): eval would measure
+    documents that trained. For the params parser, which sees both sections; the same
+    data read whole by both is a warning (evaluating on the training data may be meant).
+    """
+    if not train or not evals:
+        return
+    if {train.get("data_processor"), evals.get("data_processor")} != {"HFDatasetProcessor"}:
+        return
+    data = _data_key(train)
+    if data is None or data != _data_key(evals):
+        return
+    fraction = {"train_input": train.get("eval_fraction"), "eval_input": evals.get("eval_fraction")}
+    if not all(f is None or type(f) in (int, float) for f in fraction.values()):
+        return  # the processor's own check names a value that is no number
+    problem = _split_problem(fraction, ", ".join(data))
+    if problem is not None:
+        raise ValueError(problem)
+    if fraction["train_input"] is None:
+        log.warning(
+            "train_input and eval_input read the same data_dir (%s), all of it: eval measures "
+            "the documents that trained. Fix, if not meant: set eval_fraction (e.g. 0.1) in "
+            "both sections.",
+            ", ".join(data),
+        )
+
+
+def _no_eos_message(s: Section, path: str, tokenizer) -> str:
+    """The error of a tokenizer without eos: the fix for its folder as it is (a bare
+    tokenizer.json has no tokenizer_config.json to edit)."""
+    special = [t for t in getattr(tokenizer, "all_special_tokens", []) if t]
+    added = [t for t in getattr(tokenizer, "get_added_vocab", dict)() if t not in special]
+    known = special + added
+    names = f" (its special/added tokens: {', '.join(map(repr, known[:8]))})" if known else ""
+    eos = known[0] if known else "<eos>"
+    folder = Path(path)
+    if (folder / "tokenizer_config.json").is_file():
+        fix = f'set "eos_token": "<its end token>"{names} in {folder / "tokenizer_config.json"}'
+    else:
+        fix = (
+            f"{path!r} has no tokenizer_config.json to set it in (only tokenizer.json?); write "
+            "one with: from transformers import PreTrainedTokenizerFast; "
+            f"PreTrainedTokenizerFast(tokenizer_file={str(folder / 'tokenizer.json')!r}, "
+            f"eos_token={eos!r}).save_pretrained({path!r}), with the tokenizer's own end "
+            f"token{names} (add chat_template=... for conversations)"
+        )
+    return (
+        f"{s.where('tokenizer')}: the tokenizer at {path!r} has no eos token, which ends "
+        f"every document. Fix: {fix}."
+    )
 
 
 def _uses_template(first: pa.Table, fmt: str) -> bool:
@@ -884,52 +1138,239 @@ def _uses_template(first: pa.Table, fmt: str) -> bool:
     return isinstance(first.column("prompt")[0].as_py(), list)
 
 
-def _log_counts(
+@dataclass(frozen=True)
+class _Counts:
+    """What a section's documents and rows hold (Note [documents without targets])."""
+
+    docs: int
+    long: int  # longer than seq_len
+    excess: int  # their tokens beyond seq_len
+    rows: int
+    tokens: int
+    targets: int  # labels != -100 in the rows
+    no_target: int  # documents without any target
+    cut_off: int  # documents with targets, none of them kept by truncation
+    first_min: int  # the earliest first target of the cut-off documents
+    first_max: int  # and the latest
+    issues: dict[int, int]  # ISSUE_* bit -> documents with it
+    untrained_issues: dict[int, int]  # ISSUE_* bit -> documents with it and no target
+
+
+def _count(settings: HFDataSettings, docs: MappedFile, head: tuple[int, int], rows_path: Path):
+    """The section's :class:`_Counts`, from the length, first_target and issues columns
+    of the memory-mapped files (no copy of the tokens; their pages given back)."""
+    import pyarrow.compute as pc
+
+    n = head[1] - head[0]
+    lengths, first, issues = (
+        docs.table.column(c).slice(head[0], n) for c in ("length", "first_target", "issues")
+    )
+    long = pc.greater(lengths, settings.seq_len)
+    over = pc.subtract(pc.filter(lengths, long), settings.seq_len)
+    if settings.overflow == "truncate":
+        cut_first = pc.filter(first, pc.greater_equal(first, settings.seq_len))
+    else:  # split keeps every token, targets included
+        cut_first = pa.array([], pa.int64())
+    none = pc.equal(first, -1)
+    has = {
+        bit: pc.not_equal(pc.bit_wise_and(issues, bit), 0)
+        for bit in (ISSUE_ROLE, ISSUE_NO_ASSISTANT, ISSUE_NULL_CONTENT)
+    }
+    rows = MappedFile(rows_path)
+    row_lengths, row_targets = rows.table.column("length"), rows.table.column("targets")
+    counts = _Counts(
+        docs=n,
+        long=int(pc.sum(long).as_py() or 0),
+        excess=int(pc.sum(over).as_py() or 0),
+        rows=rows.table.num_rows,
+        tokens=int(pc.sum(row_lengths).as_py() or 0),
+        targets=int(pc.sum(row_targets).as_py() or 0),
+        no_target=_sum(none),
+        cut_off=len(cut_first),
+        first_min=int(pc.min(cut_first).as_py() or 0),
+        first_max=int(pc.max(cut_first).as_py() or 0),
+        issues={bit: _sum(has[bit]) for bit in has},
+        untrained_issues={bit: _sum(pc.and_(has[bit], none)) for bit in has},
+    )
+    docs.drop_pages([lengths, first, issues])
+    rows.drop_pages([row_lengths, row_targets])
+    return counts
+
+
+def _sum(values) -> int:
+    import pyarrow.compute as pc
+
+    return int(pc.sum(values).as_py() or 0)
+
+
+def _first_rows(docs: MappedFile, head: tuple[int, int], column: str, test, limit: int = 3):
+    """The data rows (0-based) of the first ``limit`` documents of ``head`` whose
+    ``column`` value passes ``test`` (a numpy predicate)."""
+    found: list[int] = []
+    for start in range(head[0], head[1], PACK_BATCH):
+        values = docs.table.column(column).slice(start, min(PACK_BATCH, head[1] - start))
+        hits = np.flatnonzero(test(values.to_numpy()))
+        found += (start + hits[: limit - len(found)]).tolist()
+        docs.drop_pages([values])
+        if len(found) >= limit:
+            break
+    return found
+
+
+_ISSUE_WORDS = {
+    ISSUE_NO_ASSISTANT: "without an assistant turn (role 'assistant')",
+    ISSUE_ROLE: f"with a message whose role is none of {', '.join(KNOWN_ROLES)} (misspelled?)",
+    ISSUE_NULL_CONTENT: "with a message whose content is null (and no tool_calls)",
+}
+
+
+def _where(source: _Source, docs: MappedFile, head: tuple[int, int], column: str, test) -> str:
+    rows = _first_rows(docs, head, column, test)
+    return "; first at " + ", ".join(_places(source, rows)) if rows else ""
+
+
+def _summarize(
     s: Section,
     settings: HFDataSettings,
     fmt: str,
     docs: MappedFile,
     head: tuple[int, int],
     rows_path: Path,
+    source: _Source,
 ) -> None:
-    """One log line: documents, rows, what was cut, how full the rows are, how many targets.
-
-    Reads the length columns from the memory-mapped files (no copy of the tokens), and
-    gives their pages back."""
-    import pyarrow.compute as pc
-
-    lengths = docs.table.column("length").slice(head[0], head[1] - head[0])
-    n_docs = head[1] - head[0]
-    long = pc.greater(lengths, settings.seq_len)
-    n_long = int(pc.sum(long).as_py() or 0)
-    over = pc.subtract(pc.filter(lengths, long), settings.seq_len)
-    excess = int(pc.sum(over).as_py() or 0)
-    docs.drop_pages([lengths])
-    rows = MappedFile(rows_path)
-    n_rows = rows.table.num_rows
-    row_lengths, row_targets = rows.table.column("length"), rows.table.column("targets")
-    tokens = int(pc.sum(row_lengths).as_py() or 0)
-    targets = int(pc.sum(row_targets).as_py() or 0)
-    rows.drop_pages([row_lengths, row_targets])
-    if n_long == 0:
-        cut = f"none longer than seq_len = {settings.seq_len}"
+    """Refuse rows without a single target; log the section's summary line and warn of
+    documents without targets or with suspicious messages, once per process (Note
+    [documents without targets])."""
+    c = _count(settings, docs, head, rows_path)
+    if c.targets == 0:
+        raise ValueError(_no_targets_message(s, settings, fmt, c, docs, head, source))
+    # Once a run (the run context's record): the run command builds a section's loader
+    # more than once (the compile phase's example batch, the training loader).
+    said, key = current_run().logged, ("hf data summary", s.section, os.fspath(rows_path))
+    if key in said:
+        return
+    said.add(key)
+    seq = settings.seq_len
+    if c.long == 0:
+        cut = f"none longer than seq_len = {seq}"
     elif settings.overflow == "split":
-        cut = f"{n_long} longer than seq_len = {settings.seq_len}, split into pieces"
+        cut = f"{c.long} longer than seq_len = {seq}, split into pieces"
     else:
-        cut = (
-            f"{n_long} longer than seq_len = {settings.seq_len}, truncated "
-            f"({excess} tokens dropped)"
-        )
+        cut = f"{c.long} longer than seq_len = {seq}, truncated ({c.excess} tokens dropped)"
+    untrained = ""
+    if c.no_target or c.cut_off:
+        untrained = f"; {_documents(c.no_target + c.cut_off)} without a target (train nothing)"
     log.info(
         "%s: HFDatasetProcessor: %d %s documents (%s) in %d %s rows; %d tokens, %.1f%% of the "
-        "rows' positions (the rest is padding); %d targets (labels != -100)",
+        "rows' positions (the rest is padding); %d targets (labels != -100)%s",
         s.section,
-        n_docs,
+        c.docs,
         fmt,
         cut,
-        n_rows,
+        c.rows,
         "packed" if settings.packing else "unpacked",
-        tokens,
-        100.0 * tokens / max(1, n_rows * settings.seq_len),
-        targets,
+        c.tokens,
+        100.0 * c.tokens / max(1, c.rows * seq),
+        c.targets,
+        untrained,
     )
+    if c.no_target:
+        log.warning(
+            "%s: %s of %d without a target token (labels != -100 nowhere): they train "
+            "nothing%s%s. Fix: %s",
+            s.section,
+            _documents(c.no_target),
+            c.docs,
+            _reasons(c, fmt),
+            _where(source, docs, head, "first_target", lambda v: v == -1),
+            _no_target_fix(settings, fmt),
+        )
+    if c.cut_off:
+        log.warning(
+            "%s: truncation to seq_len = %d (overflow: truncate) leaves %d of %d documents "
+            "without a target: their first target is at position %d to %d, beyond the row%s. "
+            "Fix: raise seq_len to at least %d, or set overflow: split.",
+            s.section,
+            seq,
+            c.cut_off,
+            c.docs,
+            c.first_min,
+            c.first_max,
+            _where(source, docs, head, "first_target", lambda v: v >= seq),
+            c.first_max + 1,
+        )
+    for bit, effect in (
+        (ISSUE_ROLE, "the template renders it like any role (its header) and trains none of it"),
+        (ISSUE_NULL_CONTENT, "the template renders null as it does (Jinja: 'None' or nothing)"),
+    ):
+        if c.issues[bit]:
+            log.warning(
+                "%s: %s %s%s: %s. Fix: correct these messages, or remove them.",
+                s.section,
+                _documents(c.issues[bit]),
+                _ISSUE_WORDS[bit],
+                _where(source, docs, head, "issues", lambda v, b=bit: (v & b) != 0),
+                effect,
+            )
+
+
+def _documents(n: int) -> str:
+    return f"{n} document{'' if n == 1 else 's'}"
+
+
+def _reasons(c: _Counts, fmt: str) -> str:
+    """`` (messages: N without an assistant turn; ...)``: what the documents without a
+    target had wrong, where their issues say."""
+    counts = c.untrained_issues
+    parts = [f"{counts[bit]} {_ISSUE_WORDS[bit]}" for bit in _ISSUE_WORDS if counts[bit]]
+    return f" ({fmt}: {'; '.join(parts)})" if parts else ""
+
+
+def _no_target_fix(settings: HFDataSettings, fmt: str) -> str:
+    if fmt == "messages":
+        fix = "give each conversation an assistant turn (role 'assistant', spelled so)"
+    elif fmt == "prompt_completion":
+        fix = "give each prompt a non-empty completion"
+    else:
+        fix = "give non-empty texts"
+    if settings.completion_only_loss and fmt != "text":
+        fix += ", or set completion_only_loss: false to train on every token"
+    return fix + ", or remove these documents."
+
+
+def _no_targets_message(
+    s: Section,
+    settings: HFDataSettings,
+    fmt: str,
+    c: _Counts,
+    docs: MappedFile,
+    head: tuple[int, int],
+    source: _Source,
+) -> str:
+    use = (
+        "training would run at loss 0 and learn nothing"
+        if s.section == "train_input"
+        else "the eval loss and metrics would be 0 or nan"
+    )
+    if c.no_target < c.docs:  # the documents have targets: truncation dropped them all
+        what = (
+            f"truncation to seq_len = {settings.seq_len} (overflow: truncate) leaves none of "
+            f"the {c.docs} {fmt} documents a target token (labels != -100): in each the first "
+            f"target (the completion's or the assistant's first token) is at position "
+            f"{c.first_min} or later, beyond the row"
+        )
+        if c.no_target:
+            what += f" ({c.no_target} have no target at all)"
+        fix = (
+            f"raise {s.where('seq_len')} to at least {c.first_min + 1} (to {c.first_max + 1} "
+            "to keep targets in every document), or set overflow: split (the pieces "
+            "after the first hold the targets)"
+        )
+    else:
+        what = (
+            f"none of the {c.docs} {fmt} documents has a target token (labels != -100)"
+            f"{_reasons(c, fmt)}"
+            f"{_where(source, docs, head, 'first_target', lambda v: v == -1)}"
+        )
+        fix = _no_target_fix(settings, fmt).rstrip(".")
+    return f"{s.section}: {what}, so {use}. Fix: {fix}."

@@ -43,7 +43,13 @@ from torch.utils.data import Dataset
 from weightstream.common.schema import did_you_mean
 from weightstream.data.corpus import VOCAB_SIZE, ByteCorpusDataset, read_texts, text_files
 from weightstream.data.gpt_hdf5 import GptHDF5Dataset, scan_gpt_hdf5_dir, write_gpt_hdf5
-from weightstream.data.hf_dataset import HF_DATASET_KEYS, build_rows, hf_tokenizer_vocab_size
+from weightstream.data.hf_dataset import (
+    HF_DATASET_KEY_DOCS,
+    HF_DATASET_KEYS,
+    build_rows,
+    check_eval_split,
+    hf_tokenizer_vocab_size,
+)
 from weightstream.data.sampler import DistributedSampler
 from weightstream.data.section import SEQ_KEYS, LoaderSettings, Section, loader_settings
 from weightstream.data.tokenize import encode, load_tokenizer, tokenizer_file
@@ -53,8 +59,10 @@ __all__ = [
     "COMMON_KEYS",
     "DATA_PROCESSORS",
     "DataProcessor",
+    "check_input_sections",
     "digits_split",
     "get_data_processor",
+    "processor_key_docs",
     "processor_keys",
     "write_gpt_hdf5",
 ]
@@ -104,6 +112,29 @@ def processor_keys(name: str) -> set[str]:
     """The keys the input section may hold for processor ``name`` (common keys included)."""
     get_data_processor(name)  # the error for an unknown name
     return set(_KEYS[name])
+
+
+# Per processor, its own keys' (default, what it does), for docs/params.md; a processor
+# without an entry is listed by key names alone. The defaults are those the processor
+# applies ("required": it has none).
+_KEY_DOCS: dict[str, dict[str, tuple[object, str]]] = {
+    "HFDatasetProcessor": HF_DATASET_KEY_DOCS,
+}
+
+
+def processor_key_docs(name: str) -> dict[str, tuple[object, str]]:
+    """``{key: (default, doc)}`` of processor ``name``'s own keys (not COMMON_KEYS), where
+    it declares them; {} where it does not."""
+    get_data_processor(name)  # the error for an unknown name
+    return dict(_KEY_DOCS.get(name, {}))
+
+
+def check_input_sections(train: dict | None, evals: dict | None) -> None:
+    """Checks that need both input sections (each as ``InputParams.to_dict()`` gives it,
+    None where absent); for the params parser. HFDatasetProcessor: the same data_dir with
+    different eval_fraction is an error (:func:`weightstream.data.hf_dataset.check_eval_split`).
+    """
+    check_eval_split(train, evals)
 
 
 def _streamer_position() -> tuple[int, int]:
