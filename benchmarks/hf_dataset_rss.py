@@ -33,8 +33,10 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """The kernel's peak resident set (VmHWM): anonymous memory and mapped file pages."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    """The kernel's peak resident set (VmHWM): anonymous memory and mapped file pages. Not
+    getrusage's ru_maxrss, which keeps the forked parent's size across exec."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
 
 
 def rss_parts() -> dict[str, int]:
