@@ -48,6 +48,11 @@ class InputParams:
     shuffle_seed: int | None = setting(
         None, ge=0, doc="The shuffle's seed (default: drawn from the run's seed)."
     )
+    drop_last: bool = setting(
+        True,
+        doc="Drop the last, partial batch of an epoch (an eval input too: the default eval "
+        "then leaves those samples out); false keeps it, smaller.",
+    )
     num_workers: int = setting(
         0, ge=0, doc="Loader worker processes; 0 loads in the training process."
     )
