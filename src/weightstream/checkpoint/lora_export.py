@@ -50,9 +50,7 @@ def _peft_model(src: Path, record: dict, cfg) -> nn.Module:
     transformers = transformers_module()
     with torch.device("meta"):
         base = transformers.AutoModelForCausalLM.from_config(cfg)
-    peft = peft_module()
-    config = lora.lora_config(record["lora_config"])
-    wrapped = peft.get_peft_model(base, config, adapter_name=lora.ADAPTER, low_cpu_mem_usage=True)
+    wrapped = lora.peft_model(base, lora.lora_config(record["lora_config"]))
     trained = dict(load(src, map_location="cpu")["model"])  # the adapters: small
     expected = {n for n, p in wrapped.named_parameters() if p.requires_grad}
     if set(trained) != expected:

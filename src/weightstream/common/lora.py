@@ -56,6 +56,7 @@ __all__ = [
     "base_names",
     "config_fields",
     "lora_config",
+    "peft_model",
     "wrap",
 ]
 
@@ -103,12 +104,22 @@ def lora_config(values: Mapping[str, Any]):
     return peft.LoraConfig(**{"task_type": "CAUSAL_LM", **values})
 
 
+def peft_model(model: nn.Module, config) -> nn.Module:
+    """``peft.get_peft_model`` with this run's adapter name, its adapters left on meta."""
+    with warnings.catch_warnings():
+        # peft reads transformers' deprecated is_gradient_checkpointing while it wraps (a
+        # FutureWarning in every run, from the libraries' versions, not the user's code).
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
+        return peft_module().get_peft_model(
+            model, config, adapter_name=ADAPTER, low_cpu_mem_usage=True
+        )
+
+
 def wrap(model: nn.Module, config) -> nn.Module:
     """``model`` (a transformers causal LM, on meta or in host memory) wrapped by
     ``peft.get_peft_model``, its adapters in host memory with peft's initial
     values (Note [lora on meta]); the base parameters are frozen by peft."""
-    peft = peft_module()
-    wrapped = peft.get_peft_model(model, config, adapter_name=ADAPTER, low_cpu_mem_usage=True)
+    wrapped = peft_model(model, config)
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     for name, layer in wrapped.named_modules():
