@@ -134,8 +134,14 @@ def test_validate_only_prints_bytes_per_parameter_and_the_verdict(tmp_path, caps
     compact = _tiny_params(
         tmp_path, optimizer={"state_dtype": "int8"}, name="compact", master_dtype="bfloat16"
     )
-    per8, total8, _ = _report(_validate(tmp_path, capsys, caplog, compact))
+    text8 = _validate(tmp_path, capsys, caplog, compact)
+    per8, total8, _ = _report(text8)
     assert total8 == sum(_expected(model, 2, "int8").values())
+    # the plan's Training state line counts the same optimizer's state, not fp32 moments
+    from weightstream.common.units import format_bytes
+
+    state = format_bytes(_expected(model, 2, "int8")["state"])
+    assert re.search(rf"Training state: .*host: .*optimizer state {re.escape(state)}\)", text8)
     assert 8 < per8 < 8.1 and total8 < total / 1.9
 
 
@@ -180,3 +186,14 @@ def test_llama2_13b_and_20b_on_this_machine(tmp_path, capsys, caplog):
     text = _validate(tmp_path, capsys, caplog, CONFIGS / "llama_20b.yaml")
     per20, _, _ = _report(text)
     assert f"x {20_228_933_120:,} parameters" in text and 8 < per20 < 8.1
+
+
+@pytest.mark.parametrize("mode", ["--validate_only", "--compile_only"])
+def test_shapes_only_runs_refuse_a_host_budget_training_would_refuse(tmp_path, mode):
+    """The plan is made in RAM, as shapes; the disk store's budget is checked all the same,
+    as the training run of the same file checks it before its first step."""
+    params = _tiny_params(tmp_path, store="disk", host_memory_budget=1000)
+    out = tmp_path / "m"
+    assert main(["run", "CPU", "-p", str(params), "-o", str(out), mode]) != 0
+    assert main(["run", "CPU", "-p", str(params), "-o", str(tmp_path / "t")]) != 0
+    assert not (out / "train").exists()

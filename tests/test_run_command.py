@@ -295,3 +295,11 @@ def test_run_leaves_no_engine_threads_behind(tmp_path):
     argv = ["run", "CPU", "-p", str(params), "-m", "train_and_eval", "-o", str(tmp_path / "m")]
     assert main([*argv, "--eval_steps", "1"]) == 0
     assert len(prefetch_threads()) == before, prefetch_threads()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a GPU")
+def test_run_gpu_without_cuda_names_the_command_to_run(tmp_path, run_log):
+    params = _params(tmp_path, max_steps=1)
+    assert main(["run", "GPU", "-p", str(params), "-o", str(tmp_path / "m")]) != 0
+    assert "Fix: weightstream run CPU" in run_log.text
+    assert not (tmp_path / "m").exists()

@@ -39,7 +39,8 @@ def open_source(
         raise PickleNotAllowedError(
             f"{path} is a torch.save (pickle) file. Unpickling can run arbitrary code, so "
             "it is refused by default. If you trust the file, pass allow_pickle=True "
-            "(command line: --allow-pickle); better, convert it once to H5 or safetensors "
+            "(`weightstream checkpoint` commands: --allow-pickle); better, and for "
+            "`weightstream run`, convert it once to H5 or safetensors "
             "(`weightstream checkpoint convert --allow-pickle FILE OUT.mdl`)."
         )
 

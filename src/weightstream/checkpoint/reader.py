@@ -372,7 +372,8 @@ class H5Source(Source):
             raise PickleNotAllowedError(
                 f"{self.path}: key {key!r} holds a pickled {python_type}. Unpickling can run "
                 "arbitrary code, so it is refused by default. If you trust this file, pass "
-                "allow_pickle=True to load() (command line: --allow-pickle). Otherwise load "
+                "allow_pickle=True to load() (`weightstream checkpoint` commands: "
+                "--allow-pickle). Otherwise load "
                 "lazily (map_location=None) and leave this key alone."
             )
         try:

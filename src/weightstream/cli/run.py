@@ -39,6 +39,8 @@ from weightstream.models import hf
 from weightstream.models.hf_names import hf_name_map
 from weightstream.models.tasks import attention_of, model_inputs, model_kwargs
 from weightstream.runtime import swarm
+from weightstream.runtime.config import StreamingConfig
+from weightstream.runtime.engine import check_budget
 from weightstream.runtime.footprint import HostFootprint, host_footprint
 from weightstream.runtime.performance import PerformanceTracker
 from weightstream.runtime.rng import capture_rng_state, restore_rng_state
@@ -69,6 +71,12 @@ class Run:
         self.params = params
         self.mode = mode
         self.rc = params.runconfig
+        if target.upper() == "GPU" and not torch.cuda.is_available():
+            raise ValueError(
+                "weightstream run GPU needs a CUDA device, and torch.cuda.is_available() is "
+                "False here. Fix: weightstream run CPU ..., or a CUDA build of torch on a "
+                "machine with a GPU."
+            )
         self.device = torch.device("cuda" if target.upper() == "GPU" else "cpu")
         self.model_dir = Path(self.rc.model_dir)
         self.perf = PerformanceTracker()
@@ -209,6 +217,10 @@ class Run:
         if self.ws:
             with self._autocast():
                 plan = compiled.engine.prepare(*args, **kwargs)
+            if self.rc.validate_only or self.rc.compile_only:
+                # Planned in RAM, as shapes: check the plan against the streaming settings
+                # as training will have them, a disk store's host_memory_budget too.
+                check_budget(plan, self._streaming(), self.device)
             log.info("Streaming plan: %d units\n%s", len(plan.units), plan.describe())
             log.info("Training state: %s", compiled.engine.describe_tiers())
             predicted = compiled.engine.store.predicted_placement()
@@ -303,9 +315,12 @@ class Run:
         model, compiled = self._build_model(weights_from_checkpoint="model" in warm or peft)
         self._check_packing(model)
         if rc.validate_only or rc.compile_only:
+            # The run's optimizer, on the meta device, bound before the plan's log line
+            # (Training state:) so that it counts the state this optimizer makes.
+            optimizer = self._optimizer(model) if self.ws else None
             self.compile(compiled, p.train_input)
             if self.ws:
-                log.info("%s", self._host_footprint(model, compiled).describe())
+                log.info("%s", self._host_footprint(model, compiled, optimizer).describe())
             self._write_params("train")
             self._write_performance()
             log.info(
@@ -450,14 +465,18 @@ class Run:
             opt_params.optimizer_type, params=groups, **opt_params.optimizer_kwargs()
         )
 
-    def _host_footprint(self, model, compiled) -> HostFootprint:
+    def _streaming(self) -> StreamingConfig:
+        """The runconfig's streaming settings as a training run of this file takes them."""
+        return dataclasses.replace(self.rc.streaming, compute_dtype=self._compute_dtype())
+
+    def _host_footprint(self, model, compiled, optimizer) -> HostFootprint:
         """The training state's host bytes as configured, and where they go (Note [host
         footprint] in runtime/footprint.py). ``model`` is on the meta device: so is the
-        optimizer state built over it here, which is what gets counted."""
-        streaming = dataclasses.replace(self.rc.streaming, compute_dtype=self._compute_dtype())
+        state of ``optimizer`` (the run's, built over it), which is what gets counted."""
+        streaming = self._streaming()
         return host_footprint(
             model,
-            self._optimizer(model),
+            optimizer,
             compiled.engine.plan,
             streaming,
             self.device,
@@ -730,6 +749,14 @@ def main(argv: list[str] | None = None) -> int:
     created = not model_dir.exists()
     try:
         os.makedirs(model_dir, exist_ok=True)
+    except OSError as exc:
+        log.error(
+            "cannot create the model directory %s (-o): %s. Fix: -o a writable place.",
+            model_dir,
+            exc,
+        )
+        return 2
+    try:
         return Run(params, args.mode, args.target).execute()
     except (ValueError, TypeError, OSError, FloatingPointError, ImportError) as exc:
         message = str(exc)
