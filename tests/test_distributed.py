@@ -18,6 +18,7 @@ tolerances hold.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -100,6 +101,12 @@ def test_two_ranks_equal_one_rank_with_the_whole_batch(tmp_path, model, mode):
         torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=WEIGHT_ATOL, msg=k)
     # written once, by rank 0, in the same single-file format
     assert [s for s, _ in ckpt.list_checkpoints(two)] == [3, 6]
+    # the estimate beside the run's global rate is of both ranks: twice one rank's plan
+    # (each rank times its own input pipeline: the plan may be the other rank's)
+    (plan,) = two.glob("ws_*/plan.json")
+    per_rank = json.loads(plan.read_text())["est_samples_per_sec"]
+    reported = json.loads((two / "performance" / "performance.json").read_text())
+    assert reported["est_samples_per_sec"] == pytest.approx(2 * per_rank, rel=0.05)
 
 
 @pytest.mark.parametrize(

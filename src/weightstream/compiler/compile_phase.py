@@ -178,9 +178,12 @@ def run(run, compiled, args: tuple, batch_size: int, kwargs: dict | None = None)
         batch.append({k: (tuple(v.shape), v.dtype) for k, v in sorted(kwargs.items())})
     checksum = compile_checksum(model, batch, settings)
     cached = load_compile_dir(root, checksum)
+    # The estimate is of one rank's step on its share of the batch; the run's rate, of
+    # the global batch: the ranks step side by side.
+    ranks = swarm.world_size()
     if cached is not None:
         log.info("Compile cache hit: %s", root / f"ws_{checksum}")
-        return {"est_samples_per_sec": cached["est_samples_per_sec"], "cache_hit": True}
+        return {"est_samples_per_sec": cached["est_samples_per_sec"] * ranks, "cache_hit": True}
     if rc.validate_only:
         log.info("Validation passed: the model traces and every unit fits the device budget.")
         return {"est_samples_per_sec": None, "cache_hit": False}
@@ -190,7 +193,7 @@ def run(run, compiled, args: tuple, batch_size: int, kwargs: dict | None = None)
         return {"est_samples_per_sec": None, "cache_hit": False}
     costs, est, probe = found
     path = write_compile_dir(root, checksum, plan, costs, est, probe, settings=settings)
-    rate, bound = est.est_samples_per_sec, est.bound
+    rate, bound = est.est_samples_per_sec * ranks, est.bound
     log.info("Compiled into %s: estimated %.3g samples/sec (bound by %s)", path, rate, bound)
     return {"est_samples_per_sec": rate, "cache_hit": False}
 
