@@ -401,10 +401,15 @@ class StreamingEngine:
             return False
         return True
 
+    def _names(self) -> dict[int, str]:
+        """id(p) -> each parameter's first name in the module (for messages)."""
+        names: dict[int, str] = {}
+        for n, p in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), n)
+        return names
+
     def _name_of(self, p: torch.Tensor) -> str:
-        """``p``'s name in the module (for messages)."""
-        names = (n for n, q in self.module.named_parameters(remove_duplicate=False) if q is p)
-        return repr(next(names, f"of shape {tuple(p.shape)}"))
+        return repr(self._names().get(id(p), f"of shape {tuple(p.shape)}"))
 
     def _check_gradients_unchanged(self) -> None:
         """Stop the step on every rank if something rewrote an owned gradient after its
@@ -416,7 +421,7 @@ class StreamingEngine:
         count = self.sum_over_ranks(torch.tensor(float(once)))
         if int(count) == 0:
             return
-        names = {id(p): n for n, p in self.module.named_parameters(remove_duplicate=False)}
+        names = self._names()
         mine = [names.get(id(p), "?") for p in changed]
         here = f" (on this rank: {', '.join(mine[:4])}{' ...' if len(mine) > 4 else ''})"
         raise RuntimeError(

@@ -206,8 +206,9 @@ class UnitUpdater:
                     self._store.settle()  # step() returns with the masters current
             return
         # Behind step(): a parameter written in between must not be stepped (see the Note).
-        versions = {id(p): p._version for share in every for p in share}
-        check = (versions, self.name_of) if self._background else None
+        check = None
+        if self._background:
+            check = ({id(p): p._version for share in every for p in share}, self.name_of)
         with self._lock:
             if early is None:
                 self._unit_futures = [[] for _ in every]
