@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import params_files as pf
@@ -82,7 +83,13 @@ def test_train_writes_every_artifact(tmp_path):
     # TensorBoard scalars, read back with tensorboard's own reader
     losses = _scalars(model_dir / "train", "loss")
     assert [s for s, _ in losses] == list(range(1, 9))
-    assert len(_scalars(model_dir / "train", "lr")) == 8
+    # Each step's lr is the one its update used: warmup from 0 over 4 steps, then the
+    # cosine from the peak (the schedule of _params, in closed form).
+    used = [3e-3 * k / 4 for k in range(4)]
+    used += [1e-4 + (3e-3 - 1e-4) * (1 + math.cos(math.pi * k / 100)) / 2 for k in range(4)]
+    logged = _scalars(model_dir / "train", "lr")
+    assert [s for s, _ in logged] == list(range(1, 9))
+    assert [v for _, v in logged] == pytest.approx(used, rel=1e-6, abs=1e-12)
     assert len(_scalars(model_dir / "train", "samples_per_sec")) == 8
     # one event per step holds them all (Note [one event per step])
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader

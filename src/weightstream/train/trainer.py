@@ -351,6 +351,8 @@ class Trainer:
             batches, wait = self._micro_batches(it)
             if not batches:
                 break
+            # What this step runs with: the scheduler and the scaler move on in it.
+            used = self._step_settings()
             t0 = time.perf_counter()
             loss = self._optimizer_step(batches)
             loss_value = loss.item()  # host sync point: the step is complete
@@ -360,7 +362,7 @@ class Trainer:
             self.perf.add_step(seconds, wait, samples)
             self.losses.append(loss_value)
             self._check_loss(loss_value)
-            self._log(loss_value, samples / max(seconds + wait, 1e-9))
+            self._log(loss_value, samples / max(seconds + wait, 1e-9), used)
             if self.s.checkpoint_steps and self.global_step % self.s.checkpoint_steps == 0:
                 self.save_checkpoint(dataloader)
         self.perf.stop()
@@ -394,17 +396,17 @@ class Trainer:
             "continue regardless."
         )
 
-    def _log(self, loss: float, rate: float) -> None:
+    def _step_settings(self) -> dict[str, float]:
+        """The learning rate (of the first param group) and loss scale the next step uses."""
+        found = {"lr": float(self.optimizer.param_groups[0]["lr"])} if self.optimizer else {}
+        return {**found, "loss_scale": self.grad_scaler.get_scale()}
+
+    def _log(self, loss: float, rate: float, used: dict[str, float]) -> None:
         step = self.global_step
         if self._loss_log is not None:
             self._loss_log.append(step, loss)
         if self.writer is not None:  # one event a step (Note [one event per step])
-            values = {"loss": loss}
-            if self.optimizer is not None:
-                values["lr"] = self.optimizer.param_groups[0]["lr"]
-            values["loss_scale"] = self.grad_scaler.get_scale()
-            values["samples_per_sec"] = rate
-            self.writer.add(step, values)
+            self.writer.add(step, {"loss": loss, **used, "samples_per_sec": rate})
         if step % self.s.log_steps == 0 or step == 1:
             if self._progress is not None:
                 self._progress.clear()
