@@ -5,7 +5,8 @@ Runs the real run command, each run in a process of its own as a user's is
 in a fresh temporary model directory: fc_mnist (configs/fc_mnist.yaml), the tiny
 GPT-2 (configs/gpt2_tiny_ws.yaml), the tiny Llama preset
 (configs/llama_tiny_ws.yaml), the tiny GPT-2 streamed in bfloat16
-(gpt2_tiny_bf16) and, when asked for (``--models gpt2_small --steps 4``: minutes),
+(gpt2_tiny_bf16) and from a disk store (gpt2_tiny_disk: its state fits in
+RAM, what it changes is glibc's mmap threshold, Note [fresh pages]) and, when asked for (``--models gpt2_small --steps 4``: minutes),
 GPT-2 small (configs/gpt2_small.yaml). Each run compiles (the roofline, priced by
 the cached probe: ``weightstream.compiler.probe``) and trains ``--steps`` steps
 with no checkpoint inside the timed loop; ``performance/performance.json`` gives
@@ -44,22 +45,24 @@ MODELS = {
     "llama_tiny": ROOT / "configs" / "llama_tiny_ws.yaml",
     "gpt2_small": ROOT / "configs" / "gpt2_small.yaml",
 }
-DEFAULT_MODELS = "fc_mnist,gpt2_tiny,llama_tiny,gpt2_tiny_bf16"
+DEFAULT_MODELS = "fc_mnist,gpt2_tiny,llama_tiny,gpt2_tiny_bf16,gpt2_tiny_disk"
 # Steps per run: a few seconds of each (module docstring).
 STEPS = {"fc_mnist": 1500}
 DEFAULT_STEPS = 40
-# Variants: a file of MODELS with model keys changed.
+# Variants: a file of MODELS with keys of its sections changed.
 VARIANTS = {
     # Streamed in bfloat16 (autocast): the zoo's full-size files' precision.
-    "gpt2_tiny_bf16": ("gpt2_tiny", {"mixed_precision": True, "fp16_type": "bfloat16"}),
+    "gpt2_tiny_bf16": ("gpt2_tiny", {"model": {"mixed_precision": True, "fp16_type": "bfloat16"}}),
+    "gpt2_tiny_disk": ("gpt2_tiny", {"runconfig": {"store": "disk"}}),
 }
 
 
 def run_once(name: str, steps: int, work: Path) -> dict:
     """One run of the run command; the figures of its performance.json and plan.json."""
-    base, model_keys = VARIANTS.get(name, (name, {}))
+    base, changes = VARIANTS.get(name, (name, {}))
     raw = yaml.safe_load(MODELS[base].read_text())
-    raw["model"].update(model_keys)
+    for section, keys in changes.items():
+        raw.setdefault(section, {}).update(keys)
     rc = raw.setdefault("runconfig", {})
     rc.update(max_steps=steps, checkpoint_steps=0, log_steps=10**6)
     rc["execution_mode"] = "weight_streaming"

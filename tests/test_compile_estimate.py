@@ -34,6 +34,7 @@ from weightstream.compiler.report import compile_checksum, load_compile_dir, wri
 from weightstream.models import GPT, GPTConfig
 from weightstream.runtime.config import StreamingConfig
 from weightstream.runtime.partition import build_plan
+from weightstream.runtime.store import MMAP_THRESHOLD
 from weightstream.runtime.trace import trace_forward
 
 F32 = 4  # bytes per float32 element
@@ -321,6 +322,16 @@ def test_a_new_output_of_32_mib_or_more_counts_as_fresh_pages():
     assert costs.units[1].fresh_bytes == 4096 * 2048 * F32
 
 
+def test_a_disk_stores_mmap_threshold_makes_smaller_outputs_fresh():
+    # [512, 128] fp32 is 256 KiB: fresh from a disk store's 128 KiB threshold only.
+    model = Chain([64, 128, 4])
+    x = torch.randn(512, 64)
+    plan = _plan(model, x)
+    assert [u.fresh_bytes for u in unit_costs(model, plan, (x,), {}).units] == [0, 0]
+    costs = unit_costs(model, plan, (x,), {}, fresh_from=MMAP_THRESHOLD)
+    assert [u.fresh_bytes for u in costs.units] == [512 * 128 * F32] * 2
+
+
 # ---- estimate ------------------------------------------------------------------------------
 
 
@@ -544,11 +555,36 @@ def test_compile_dir_written_and_read_back(tmp_path):
         "bound",
     }
     assert all(unit_keys <= set(u) for u in data["units"])
-    assert data["totals"]["weight_bytes"] == sum(u.weight_bytes for u in plan.units)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, d_model=32, n_head=4))
+    assert data["totals"]["weight_bytes"] == sum(p.nbytes for p in model.parameters())
     text = (path / "compile_report.txt").read_text()
     for u in plan.units:
         assert f" {u.display_name} " in text
     assert f"est. samples/sec      {est.est_samples_per_sec:.2f}  (bound by {est.bound})" in text
+
+
+def test_a_tied_parameter_is_counted_once_in_the_totals_and_the_update(tmp_path):
+    """A transformers GPT-2 ties lm_head to wte: both units fetch the weight, but the
+    model has it once, and one update and one gradient a step move it."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=96, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+    model = transformers.GPT2LMHeadModel(cfg)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    idx = torch.randint(0, 96, (2, 16))
+    plan = _plan(model, idx, unit_size_target=1)
+    tied = model.lm_head.weight
+    held = [u.name for u in plan.units if any(p is tied for p in u.params)]
+    assert held == ["transformer.wte", "lm_head"]
+    costs = unit_costs(model, plan, (idx,), {}, lambda out: out.logits.sum())
+    unique = sum(p.numel() for p in model.parameters())  # torch's own: each once
+    assert sum(u.trainable_numel for u in costs.units) == unique
+    assert sum(u.numel for u in costs.units) == unique + tied.numel()
+    est = estimate(costs, _probe("cpu"), EstimateSettings(batch_size=2, update_bytes=80))
+    assert est.host_bytes == 80 * unique
+    path = write_compile_dir(tmp_path, "tied", plan, costs, est, _probe("cpu"), {})
+    totals = json.loads((path / "plan.json").read_text())["totals"]
+    assert totals["params"] == unique and totals["weight_bytes"] == F32 * unique
+    assert f"  parameters            {unique:,} (" in (path / "compile_report.txt").read_text()
 
 
 def test_load_compile_dir_misses(tmp_path):

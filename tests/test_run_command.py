@@ -145,22 +145,26 @@ def test_disk_store_run_and_resume_equal_the_ram_store_run(tmp_path):
 def test_compile_prices_the_disk_stores_file_traffic(tmp_path):
     """A disk store whose files hold part of the state: the compile estimate prices
     the bytes its placement moves a step (Note [the roofline] in compiler/estimate.py); with
-    the whole state in RAM there are none."""
-    priced = {}
-    for name, budget in (("tight", 400_000), ("roomy", 2**30)):
+    the whole state in RAM there are none. Either way a disk store's process maps every
+    allocation of 128 KiB or more afresh (Note [fresh pages] in compiler/cost.py): the
+    logits of this batch (4 x 32 x 256 floats) are fresh pages there, not in a RAM store's."""
+    priced, fresh = {}, {}
+    for name, store in (("tight", "disk"), ("roomy", "disk"), ("ram", "ram")):
         (tmp_path / name).mkdir()
-        params = _params(
-            tmp_path / name, store="disk", host_memory_budget=budget, compile_only=True
-        )
+        budget = {"tight": 400_000, "roomy": 2**30}.get(name)
+        keys = {"host_memory_budget": budget} if budget else {}
+        params = _params(tmp_path / name, store=store, compile_only=True, **keys)
         out = tmp_path / name / "out"
         assert main(["run", "CPU", "-p", str(params), "-o", str(out)]) == 0
         (compile_dir,) = out.glob("ws_*")
-        est = json.loads((compile_dir / "plan.json").read_text())["estimate"]
-        report = (compile_dir / "compile_report.txt").read_text()
+        plan = json.loads((compile_dir / "plan.json").read_text())
+        est, report = plan["estimate"], (compile_dir / "compile_report.txt").read_text()
         priced[name] = (est["disk_bytes"], est["disk_s"], ", disk " in report)
+        fresh[name] = sum(u["fresh_bytes"] for u in [*plan["units"], plan["outside_units"]])
     disk_bytes, disk_s, shown = priced["tight"]
     assert disk_bytes > 0 and disk_s > 0 and shown
-    assert priced["roomy"] == (0, 0.0, False)
+    assert priced["roomy"] == priced["ram"] == (0, 0.0, False)
+    assert fresh["ram"] == 0 and fresh["roomy"] >= 4 * 32 * 256 * 4
 
 
 def test_bad_params_file_is_reported_without_training(tmp_path, capsys):

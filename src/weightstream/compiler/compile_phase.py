@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from weightstream.compiler.cost import unit_costs
+from weightstream.compiler.cost import FRESH_BYTES, unit_costs
 from weightstream.compiler.estimate import (
     CLIP_BYTES,
     DEFAULT_UPDATE_BYTES,
@@ -38,6 +38,7 @@ from weightstream.runtime import swarm
 from weightstream.runtime.config import StreamingConfig
 from weightstream.runtime.engine import predicted_placement
 from weightstream.runtime.partition import Plan, build_plan
+from weightstream.runtime.store import MMAP_THRESHOLD
 
 log = logging.getLogger("weightstream")
 
@@ -152,8 +153,12 @@ def _estimate(run, compiled, plan: Plan, args: tuple, kwargs: dict, batch_size: 
     )
     loss_fn = task_loss_fn(run.task, args) if run.task is not None else None
     mixed = None if settings.compute_dtype == "float32" else getattr(torch, settings.compute_dtype)
+    disk_store = run.ws and rc.streaming.store == "disk"  # Note [fresh pages] in cost.py
+    fresh_from = MMAP_THRESHOLD if disk_store else FRESH_BYTES
     try:
-        costs = unit_costs(compiled._orig_mod, plan, args, kwargs, loss_fn, probe.device, mixed)
+        costs = unit_costs(
+            compiled._orig_mod, plan, args, kwargs, loss_fn, probe.device, mixed, fresh_from
+        )
     except (RuntimeError, NotImplementedError, TypeError) as exc:
         # A forward with data-dependent Python on tensor values cannot run on fakes.
         warnings.warn(

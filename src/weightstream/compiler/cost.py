@@ -49,7 +49,10 @@ a kernel timed in a small process sees little of it (a vocabulary-wide
 log-softmax: 0.13 s timed, 1.8 s in the step). So each new output of at least
 ``FRESH_BYTES`` counts as fresh bytes, priced at the probe's first-touch rate of
 fresh 4 KiB pages (huge pages are not to be counted on in a long run's
-fragmented memory). An accelerator's caching allocator reuses its blocks.
+fragmented memory). A disk store fixes the threshold at 128 KiB (Note [disk
+tier] in runtime/store.py): its runs count from there (gpt2_tiny_ws: 101
+samples/s against 170 in RAM). An accelerator's caching allocator reuses its
+blocks.
 """
 
 from __future__ import annotations
@@ -103,10 +106,10 @@ def tensor_bytes(tree) -> int:
     return sum(min(t.numel() * t.element_size(), t.untyped_storage().nbytes()) for t in leaves)
 
 
-def fresh_bytes(tree) -> int:
-    """Bytes of the tensors in ``tree`` of at least ``FRESH_BYTES`` each (Note [fresh pages])."""
+def fresh_bytes(tree, smallest: int = FRESH_BYTES) -> int:
+    """Bytes of the tensors in ``tree`` of at least ``smallest`` each (Note [fresh pages])."""
     sizes = [tensor_bytes(t) for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
-    return sum(n for n in sizes if n >= FRESH_BYTES)
+    return sum(n for n in sizes if n >= smallest)
 
 
 @dataclass(frozen=True)
@@ -178,7 +181,9 @@ class UnitCost:
     index: int
     name: str
     numel: int = 0  # parameters fetched with the unit
-    trainable_numel: int = 0  # of which require grad (gradients sent back, updated)
+    # of which require grad and are updated here (gradients sent back): a tied
+    # parameter's update is its first unit's
+    trainable_numel: int = 0
     weight_bytes: int = 0  # host master bytes
     trainable_bytes: int = 0  # host master bytes of the trainable parameters
     fwd_flops: int = 0
@@ -230,7 +235,6 @@ class StepCosts:
     activation_bytes = property(lambda self: self.total("activation_bytes"))
     ops = property(lambda self: self.total("ops"))
     op_bytes = property(lambda self: self.total("op_bytes"))
-    weight_bytes = property(lambda self: sum(u.weight_bytes for u in self.units))
 
 
 def default_loss(output) -> torch.Tensor | None:
@@ -243,8 +247,9 @@ def default_loss(output) -> torch.Tensor | None:
 class _Counter(TorchDispatchMode):
     """Credits every operator to the entry and pass that own it (Note [attributing FLOPs])."""
 
-    def __init__(self, n_units: int):
+    def __init__(self, n_units: int, fresh_from: int):
         super().__init__()
+        self.fresh_from = fresh_from
         flops = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
         self.formulas, self.outside, self.backward = flops.flop_registry, n_units, False
         self.stack: list[int] = []  # open unit windows, innermost last
@@ -286,7 +291,7 @@ class _Counter(TorchDispatchMode):
         stats[0] += flops
         stats[1] += 1
         if not (func.is_view or func._schema.is_mutable):  # a new tensor
-            stats[3] += fresh_bytes(out)
+            stats[3] += fresh_bytes(out, self.fresh_from)
         if flops or nbytes >= KERNEL_BYTES:
             k = Kernel.of(func, args, kwargs, flops)
             k = self.kernels.setdefault(k.key, k)
@@ -304,6 +309,7 @@ def unit_costs(
     loss_fn: Callable | None = None,
     device: torch.device | str = "cpu",
     autocast: torch.dtype | None = None,
+    fresh_from: int = FRESH_BYTES,
 ) -> StepCosts:
     """Count one training step of ``model`` per unit of ``plan`` on FakeTensors.
 
@@ -311,14 +317,15 @@ def unit_costs(
     ``requires_grad`` are used). ``loss_fn(output)`` makes the scalar whose
     backward is counted (default: :func:`default_loss`). ``device``: the device
     the run computes on, ``autocast``: its forward's autocast dtype (mixed
-    precision). Raises what the model raises on fakes in forward.
+    precision); ``fresh_from``: the smallest allocation mapped afresh (Note [fresh
+    pages]). Raises what the model raises on fakes in forward.
     """
     n, device = len(plan.units), torch.device(device)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     shadow = shadow_copy(model, fake, device)
     resident = {t.untyped_storage()._cdata for t in (*shadow.parameters(), *shadow.buffers())}
     shadow_of = {id(r): s for r, s in zip(model.modules(), shadow.modules())}
-    c = _Counter(n)
+    c = _Counter(n, fresh_from)
     activation = [0] * (n + 1)
     saved: dict[int, torch.Tensor] = {}  # keeps the storages alive: ids stay unique
 
@@ -381,9 +388,10 @@ def unit_costs(
             fwd_bytes=fb, bwd_bytes=bb, fresh_bytes=fr + br, fwd_kernels=fk, bwd_kernels=bk,
         )  # fmt: skip
 
-    units = []
+    units, updated = [], set()  # a tied parameter is fetched by each unit, updated by one
     for u in plan.units:
-        trainable = [p for p in u.params if p.requires_grad]
+        trainable = [p for p in u.params if p.requires_grad and id(p) not in updated]
+        updated.update(id(p) for p in trainable)
         units.append(
             UnitCost(
                 u.index,

@@ -116,8 +116,8 @@ def _plan_dict(checksum, plan: Plan, costs: StepCosts, est: Estimate, probe: Pro
         }
         for spec, cost, e in zip(plan.units, costs.units, est.units, strict=True)
     ]
-    totals = ("weight_bytes", "fwd_flops", "bwd_flops", "flops", "activation_bytes", "ops")
-    es = est.settings
+    totals = ("fwd_flops", "bwd_flops", "flops", "activation_bytes", "ops")
+    es, params = est.settings, {id(p): p for u in plan.units for p in u.params}  # tied: once
     return {
         "schema": SCHEMA,
         "checksum": checksum,
@@ -130,7 +130,8 @@ def _plan_dict(checksum, plan: Plan, costs: StepCosts, est: Estimate, probe: Pro
         "units": units,
         "outside_units": _entry(costs.outside, est.outside),
         "totals": {
-            "params": sum(u.numel for u in costs.units),
+            "params": sum(p.numel() for p in params.values()),
+            "weight_bytes": sum(p.nbytes for p in params.values()),
             **{k: getattr(costs, k) for k in (*totals, "op_bytes")},
             "largest_unit_bytes": plan.largest_unit_bytes,
             "pinned_bytes": plan.pinned_bytes,

@@ -78,6 +78,7 @@ _DISK_MARGIN = 64 * 2**20
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+MMAP_THRESHOLD = 128 * 1024  # what a disk store fixes it at (Note [disk tier])
 
 
 def _return_large_frees_to_the_os() -> None:
@@ -86,7 +87,7 @@ def _return_large_frees_to_the_os() -> None:
     makes its own choice."""
     mallopt = libc_function("mallopt", (ctypes.c_int, ctypes.c_int))
     if mallopt is not None:
-        mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+        mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
 
 class DiskStore:
