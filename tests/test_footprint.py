@@ -150,6 +150,8 @@ def test_a_ram_store_that_does_not_fit_names_the_fixes(tmp_path, capsys, caplog,
     monkeypatch.setattr(engine, "default_budget", lambda: 1000)
     text = _validate(tmp_path, capsys, caplog, _tiny_params(tmp_path))
     assert _report(text)[2] == "neither"
+    assert re.search(r"WARNING .*Host training state", text)  # not the INFO of a fit
+    assert "validate_only: done without training. The model compiles, but its training" in text
     fix = text.split("Fix: ")[1]
     for setting in ("state_dtype: int8", "master_dtype: bfloat16", "runconfig.store: disk"):
         assert setting in fix, fix

@@ -319,14 +319,22 @@ class Run:
             # (Training state:) so that it counts the state this optimizer makes.
             optimizer = self._optimizer(model) if self.ws else None
             self.compile(compiled, p.train_input)
-            if self.ws:
-                log.info("%s", self._host_footprint(model, compiled, optimizer).describe())
+            footprint = self._host_footprint(model, compiled, optimizer) if self.ws else None
+            fits = footprint is None or footprint.where != "neither"
+            if footprint is not None:
+                log.log(logging.INFO if fits else logging.WARNING, "%s", footprint.describe())
             self._write_params("train")
             self._write_performance()
-            log.info(
-                "%s: done without training.",
-                "validate_only" if rc.validate_only else "compile_only",
-            )
+            mode = "validate_only" if rc.validate_only else "compile_only"
+            if fits:
+                log.info("%s: done without training.", mode)
+            else:
+                log.warning(
+                    "%s: done without training. The model compiles, but its training state "
+                    "fits neither this host's RAM nor the store's disk: trained here as set "
+                    "up, it would run out of host memory or disk (the fixes are above).",
+                    mode,
+                )
             return
         # Everything that can be wrong with the input (data settings and files,
         # optimizer, the checkpoint to resume from) is checked before the first
