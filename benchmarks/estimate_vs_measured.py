@@ -15,18 +15,26 @@ of fc_mnist, whose step takes 3 ms. The models take turns, ``--repeats`` rounds,
 and the table shows every run and the min/median/max of measured / estimate per
 model, and of measured / physical limit.
 
+``--ablate`` also prices each model's counted costs with one refinement of the
+plain roofline off at a time (the kernels' own timings, the fresh pages, the
+fixed costs: Notes [timed kernels], [fresh pages] in compiler/cost.py, [fixed
+costs] in compiler/probe.py) and all of them, and sets the median measured rate
+against each: what each refinement is worth.
+
 The machines are shared: run it on a quiet one (nothing here detects other
 load; a busy neighbour stalls PyTorch's thread pool and the run measures it, not
 the model). ``--remeasure`` deletes the cached probe first.
 
     .venv/bin/python benchmarks/estimate_vs_measured.py [--steps N] [--repeats 3]
-        [--models fc_mnist,gpt2_tiny,...] [--remeasure]
+        [--models fc_mnist,gpt2_tiny,...] [--remeasure] [--ablate]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 import statistics
 import subprocess
 import sys
@@ -57,8 +65,7 @@ VARIANTS = {
 }
 
 
-def run_once(name: str, steps: int, work: Path) -> dict:
-    """One run of the run command; the figures of its performance.json and plan.json."""
+def _params_file(name: str, steps: int, work: Path) -> Path:
     base, changes = VARIANTS.get(name, (name, {}))
     raw = yaml.safe_load(MODELS[base].read_text())
     for section, keys in changes.items():
@@ -69,6 +76,12 @@ def run_once(name: str, steps: int, work: Path) -> dict:
     rc.pop("eval_steps", None)
     params = work / f"{name}.yaml"
     params.write_text(yaml.safe_dump(raw))
+    return params
+
+
+def run_once(name: str, steps: int, work: Path) -> dict:
+    """One run of the run command; the figures of its performance.json and plan.json."""
+    params = _params_file(name, steps, work)
     model_dir = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=work))
     command = [sys.executable, "-m", "weightstream.cli.main", "run", "CPU", "-p", str(params)]
     command += ["-m", "train", "-o", str(model_dir)]
@@ -85,6 +98,43 @@ def run_once(name: str, steps: int, work: Path) -> dict:
         "limit": plan["estimate"]["limit_samples_per_sec"],
         "bound": plan["estimate"]["bound"],
     }
+
+
+# The probe with one refinement of the plain roofline off (module docstring).
+ABLATIONS = {
+    "no timed kernels": {"kernel_s": {}},
+    "no fresh pages": {"fresh_bandwidth": None},
+    "no fixed costs": {"op_s": 0.0, "tensor_s": 0.0, "step_s": 0.0},
+}
+ABLATIONS["plain roofline"] = {k: v for change in ABLATIONS.values() for k, v in change.items()}
+
+
+def ablated_estimates(name: str, work: Path) -> dict[str, float]:
+    """The estimated samples/sec of ``name`` (a compile_only run in this process) and,
+    from the same counted costs, with each of ``ABLATIONS``."""
+    from weightstream.cli.main import main as ws_main
+    from weightstream.compiler import compile_phase
+
+    found, real = {}, compile_phase.estimate
+
+    def estimate(costs, probe, settings):
+        found["estimate"] = real(costs, probe, settings).est_samples_per_sec
+        for label, change in ABLATIONS.items():
+            priced = real(costs, dataclasses.replace(probe, **change), settings)
+            found[label] = priced.est_samples_per_sec
+        return real(costs, probe, settings)
+
+    params, model_dir = _params_file(name, 1, work), tempfile.mkdtemp(dir=work)
+    compile_phase.estimate = estimate
+    logging.getLogger("weightstream").disabled = True  # the run's log: the table is the output
+    try:
+        args = ["run", "CPU", "-p", str(params), "-m", "train", "-o", model_dir, "--compile_only"]
+        if ws_main(args) != 0:
+            raise SystemExit(f"{name}: the compile_only run failed")
+    finally:
+        compile_phase.estimate = real
+        logging.getLogger("weightstream").disabled = False
+    return found
 
 
 def _stats(values: list[float]) -> str:
@@ -105,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma-separated, of {', '.join([*MODELS, *VARIANTS])}",
     )
     ap.add_argument("--remeasure", action="store_true", help="measure the probe again first")
+    ap.add_argument(
+        "--ablate", action="store_true", help="also each refinement of the roofline off in turn"
+    )
     args = ap.parse_args(argv)
     names = [n for n in args.models.split(",") if n]
     unknown = sorted(set(names) - set(MODELS) - set(VARIANTS))
@@ -147,6 +200,16 @@ def main(argv: list[str] | None = None) -> int:
         ratios = [x["measured"] / x["est"] for x in runs]
         limits = [x["measured"] / x["limit"] for x in runs]
         print(f"  {name:<11} {_stats(ratios)}    {_stats(limits)}")
+    ablated = {}
+    if args.ablate:
+        print("\nmedian measured / estimate, with the estimate's refinements off in turn")
+        print(f"  {'model':<15}" + "".join(f"{k:>18}" for k in ["estimate", *ABLATIONS]))
+        with tempfile.TemporaryDirectory(prefix="ws-estimate-ablate-") as tmp:
+            for name, runs in results.items():
+                measured = statistics.median(x["measured"] for x in runs)
+                rates = ablated_estimates(name, Path(tmp))
+                ablated[name] = {k: measured / v for k, v in rates.items()}
+                print(f"  {name:<15}" + "".join(f"{r:>18.3f}" for r in ablated[name].values()))
     print_result(
         "estimate_vs_measured",
         models={
@@ -154,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ratio": summary([x["measured"] / x["est"] for x in runs]),
                 "limit": "measured/limit "
                 + _stats([x["measured"] / x["limit"] for x in runs]).strip(),
+                **({"ablated": ablated[name]} if name in ablated else {}),
             }
             for name, runs in results.items()
         },
