@@ -6,8 +6,9 @@ in a fresh temporary model directory: fc_mnist (configs/fc_mnist.yaml), the tiny
 GPT-2 (configs/gpt2_tiny_ws.yaml), the tiny Llama preset
 (configs/llama_tiny_ws.yaml), the tiny GPT-2 streamed in bfloat16
 (gpt2_tiny_bf16) and from a disk store (gpt2_tiny_disk: its state fits in
-RAM, what it changes is glibc's mmap threshold, Note [fresh pages]) and, when asked for (``--models gpt2_small --steps 4``: minutes),
-GPT-2 small (configs/gpt2_small.yaml). Each run compiles (the roofline, priced by
+RAM, what it changes is glibc's mmap threshold, Note [fresh pages]) and, when
+asked for (``--models gpt2_small``: 4 steps of 20 s each), GPT-2 small
+(configs/gpt2_small.yaml). Each run compiles (the roofline, priced by
 the cached probe: ``weightstream.compiler.probe``) and trains ``--steps`` steps
 with no checkpoint inside the timed loop; ``performance/performance.json`` gives
 both figures. Each run lasts a few seconds: 40 steps of the transformers, 1,500
@@ -55,7 +56,7 @@ MODELS = {
 }
 DEFAULT_MODELS = "fc_mnist,gpt2_tiny,llama_tiny,gpt2_tiny_bf16,gpt2_tiny_disk"
 # Steps per run: a few seconds of each (module docstring).
-STEPS = {"fc_mnist": 1500}
+STEPS = {"fc_mnist": 1500, "gpt2_small": 4}
 DEFAULT_STEPS = 40
 # Variants: a file of MODELS with keys of its sections changed.
 VARIANTS = {
