@@ -348,7 +348,7 @@ def test_zoo_model_warm_starts_from_a_hugging_face_folder_of_its_architecture(
     tmp_path, tokenizer, zoo_name
 ):
     """A zoo model of the same shape reads transformers' weights by their names
-    (models/hf_names.py; GPT-2's Conv1D matrices transposed) and computes
+    (common/hf_names.py; GPT-2's Conv1D matrices transposed) and computes
     transformers' logits with them."""
     make, fields, (zoo_key, hf_key, transposed) = _ZOO_SHAPES[zoo_name]
     folder = _save_pretrained(make, tmp_path / "pretrained", tokenizer)
@@ -379,6 +379,52 @@ def test_zoo_model_warm_starts_from_a_hugging_face_folder_of_its_architecture(
     with torch.no_grad():
         # The same formulas with other kernels and operation order: a few ulps.
         torch.testing.assert_close(model(x), hf_model(input_ids=x).logits, rtol=1e-5, atol=1e-5)
+
+
+_ZOO_EXPORTS = {
+    # Settings off their defaults where transformers has a field for them.
+    "llama": {"n_kv_head": 2, "d_ff": 48, "rope_theta": 5000.0, "norm_eps": 1e-6},
+    "gpt2": {"tie_embeddings": False},
+    "gptj": {"rotary_dim": 4, "d_ff": 80, "norm_eps": 1e-6},
+}
+
+
+@pytest.mark.parametrize("zoo_name", sorted(_ZOO_EXPORTS))
+def test_a_zoo_models_checkpoint_exports_to_its_hugging_face_architecture(tmp_path, zoo_name):
+    """--to hf of a zoo run: transformers' names (GPT-2's Conv1D matrices transposed) and
+    a config built from the run's model section; transformers' model computes the zoo
+    model's logits. A --config of another architecture is refused: its from_pretrained
+    would start the weights at random."""
+    zoo = {**pf.gpt2(2, 32, 32, n_head=4), **_ZOO_EXPORTS[zoo_name], "name": zoo_name}
+    section = pf.text_input(2, 32)
+    values = pf.params(train_input=section, model=zoo, optimizer=pf.adamw(1e-2),
+                       runconfig={"max_steps": 2, "seed": 3})  # fmt: skip
+    model_dir = tmp_path / "run"
+    assert _run(tmp_path, pf.write(tmp_path / "zoo.yaml", values), model_dir) == 0
+    checkpoint = model_dir / "checkpoint_2.mdl"
+    out = tmp_path / "exported"
+    assert main(["checkpoint", "convert", str(checkpoint), str(out), "--to", "hf"]) == 0
+    exported, info = transformers.AutoModelForCausalLM.from_pretrained(
+        out, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    from weightstream.cli.params import ModelParams
+
+    state = ckpt.load(checkpoint, map_location="cpu")
+    model = ModelParams.from_dict(dict(state["metadata"]["params"]["model"])).build("cpu")
+    model.load_state_dict(dict(state["model"]))
+    model.eval()
+    x = torch.randint(0, pf.VOCAB, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        # The same formulas with other kernels and operation order: a few ulps.
+        torch.testing.assert_close(model(x), exported(input_ids=x).logits, rtol=1e-5, atol=1e-5)
+
+    config = tmp_path / "other"  # another architecture's config.json
+    (_gpt2 if zoo_name != "gpt2" else _llama)().config.save_pretrained(config)
+    wrong = tmp_path / "wrong"
+    args = ["checkpoint", "convert", str(checkpoint), str(wrong), "--to", "hf"]
+    assert main([*args, "--config", str(config)]) != 0
+    assert not wrong.exists()
 
 
 def test_bf16_master_run_exports_bf16_weights(tmp_path, tokenizer):

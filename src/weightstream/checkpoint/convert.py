@@ -8,6 +8,7 @@ whole state in memory (see :mod:`.torchfile`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -19,11 +20,12 @@ from weightstream.checkpoint import lora_export
 from weightstream.checkpoint.lazy import load
 from weightstream.checkpoint.opener import open_source
 from weightstream.checkpoint.safetensors_io import write_safetensors
-from weightstream.checkpoint.source import Source
+from weightstream.checkpoint.source import LeafInfo, Source
 from weightstream.checkpoint.torchfile import write_torch
 from weightstream.checkpoint.tree import Branch, Leaf, Node, Subtree, TreeView, find_subtree
 from weightstream.checkpoint.writer import atomic_path, save
 from weightstream.common.hf_config import load_config, transformers_module
+from weightstream.common.hf_names import hf_config_fields, hf_name_map
 
 FORMATS = ("h5", "safetensors", "torch", "hf", "peft")
 
@@ -40,13 +42,20 @@ _SUFFIXES = {
 
 
 class SourceView(TreeView):
-    """A source (or the subtree at ``key``) as something :func:`save` can stream."""
+    """A source (or the subtree at ``key``) as something :func:`save` can stream;
+    ``names``: a top-level key -> the name to write it under; ``transposed``: the leaf
+    keys of matrices written transposed."""
 
     def __init__(
-        self, source: Source, key: str | None = None, names: dict[str, str] | None = None
+        self,
+        source: Source,
+        key: str | None = None,
+        names: dict[str, str] | None = None,
+        transposed: frozenset[str] = frozenset(),
     ) -> None:
         self.source = source
-        self.names = names or {}  # a top-level key -> the name to write it under
+        self.names = names or {}
+        self.transposed = transposed
         node = source.tree if not key else find_subtree(source.tree, key)
         if node is None:
             top = getattr(source.tree, "keys", [])
@@ -60,7 +69,19 @@ class SourceView(TreeView):
         if self.names and isinstance(node, Branch):
             keys = [self.names.get(k, k) if isinstance(k, str) else k for k in node.keys]
             node = Branch(node.kind, keys, node.children, node.metadata)
-        return node, self.source.read, self.source.tie, self.source.describe
+        if not self.transposed:
+            return node, self.source.read, self.source.tie, self.source.describe
+        flipped = self.transposed
+
+        def read(key: str):
+            value = self.source.read(key)
+            return value.t() if key in flipped else value  # written in slabs (no copy)
+
+        def describe(key: str) -> LeafInfo:
+            info = self.source.describe(key)
+            return dataclasses.replace(info, shape=info.shape[::-1]) if key in flipped else info
+
+        return node, read, self.source.tie, describe
 
 
 def _looks_like_a_directory(dst: str | os.PathLike) -> bool:
@@ -169,7 +190,12 @@ def convert(
 # configuration is ``config`` when given, else the one the run recorded (the
 # checkpoint's params: the ``hf_config`` file with the section's overrides
 # applied); ``use_cache``, turned off for training, is turned on again, as
-# transformers' default.
+# transformers' default. A zoo model's checkpoint (``gpt2``, ``llama``, ``gptj``)
+# exports to transformers' model of its architecture: its names and transposed
+# matrices and a config from the run's model section (common/hf_names.py). An
+# export whose names are not those of the configuration's model is refused,
+# before anything is written: ``from_pretrained`` would start the missing weights
+# at random and say so only in a log line.
 
 
 def _to_hf(
@@ -183,7 +209,13 @@ def _to_hf(
             raise ValueError("convert(): --base applies only to a LoRA run's checkpoint.")
         top = list(getattr(source.tree, "keys", []))
         key = "model" if "model" in top else None
-        cfg = _hf_config(source, config)
+        zoo = _recorded_model(source)
+        zoo = zoo if zoo is not None and hf_name_map(zoo.get("name")) is not None else None
+        if zoo is not None and record is None:
+            view = _zoo_view(source, key, zoo["name"])
+            cfg = load_config(config) if config is not None else _zoo_config(zoo, view)
+        else:
+            cfg = _hf_config(source, config)
         if record is not None:
             # The base's files, under their own names, with the adapters merged.
             with lora_export.open_merged(Path(src), record, cfg, base) as merged:
@@ -191,7 +223,9 @@ def _to_hf(
                 view = SourceView(merged)
                 written = write_safetensors(view, dst, max_shard_size=max_shard_size, fsync=fsync)
         else:
-            view = SourceView(source, key, _saved_names(cfg, SourceView(source, key)))
+            _check_names(cfg, view if zoo is not None else SourceView(source, key), source.path)
+            if zoo is None:
+                view = SourceView(source, key, _saved_names(cfg, SourceView(source, key)))
             dst.mkdir(parents=True, exist_ok=True)
             written = write_safetensors(view, dst, max_shard_size=max_shard_size, fsync=fsync)
         dtype = _written_dtype(written)
@@ -275,16 +309,75 @@ def _saved_names(cfg, view: SourceView) -> dict[str, str]:
     return {old: new for old, new in names.items() if old != new}
 
 
+def _recorded_model(source: Source) -> dict | None:
+    """The model section of the params a trainer checkpoint records, or None."""
+    if source.format != "h5":
+        return None
+    with load(source.path) as state:
+        metadata = state.get("metadata") if isinstance(state, dict) else None
+        params = metadata.get("params") if isinstance(metadata, dict) else None
+        model = params.get("model") if isinstance(params, dict) else None
+        return dict(model) if isinstance(model, dict) else None
+
+
+def _zoo_view(source: Source, key: str | None, name: str) -> SourceView:
+    """The weights of a zoo model under transformers' names (common/hf_names.py)."""
+    plain = SourceView(source, key)
+    node, to_hf = plain.node, hf_name_map(name)
+    if not isinstance(node, Branch):
+        raise ValueError(f"convert(): {source.path} holds no model state to export.")
+    names, transposed = {}, set()
+    for k, child in zip(node.keys, node.children):
+        names[k], flip = to_hf(k)
+        if flip and isinstance(child, Leaf):
+            transposed.add(child.key)
+    return SourceView(source, key, names, frozenset(transposed))
+
+
+def _zoo_config(zoo: dict, view: SourceView):
+    """The transformers config that computes what the zoo model ``zoo`` computes."""
+    leaf_of = dict(zip(view.node.keys, view.node.children))
+
+    def shape_of(name: str) -> tuple[int, ...]:
+        return tuple(view.source.describe(leaf_of[name].key).shape)
+
+    fields = hf_config_fields(zoo, shape_of)
+    return transformers_module().AutoConfig.for_model(**fields)
+
+
+def _check_names(cfg, view: SourceView, path) -> None:
+    """Refuse an export whose tensor names (under ``view``'s renames: the model's own
+    names, before those ``save_pretrained`` reverts) are not the configuration's model's:
+    its ``from_pretrained`` would initialise the missing weights at random."""
+    node = view.node
+    if not isinstance(node, Branch) or not all(isinstance(k, str) for k in node.keys):
+        return
+    written = {view.names.get(k, k) for k in node.keys}
+    with torch.device("meta"):
+        model = transformers_module().AutoModelForCausalLM.from_config(cfg)
+    groups: dict[int, list[str]] = {}  # tied weights: one tensor under several names
+    for name, t in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(t), []).append(name)
+    missing = [names[0] for names in groups.values() if not written & set(names)]
+    if not missing:
+        return
+    known = {n for names in groups.values() for n in names}
+    unexpected = sorted(written - known)
+    raise ValueError(
+        f"convert(): {path}'s weights are not those of the {type(model).__name__} its "
+        f"configuration builds: {len(missing)} of its tensors are missing (e.g. "
+        f"{missing[:3]}) and {len(unexpected)} names are unknown to it (e.g. "
+        f"{unexpected[:3]}); from_pretrained would start those weights at random. Fix: "
+        "give --config the configuration of the model that wrote the checkpoint."
+    )
+
+
 def _hf_config(source: Source, config):
     """The configuration to export (Note [export to hf])."""
     if config is not None:
         cfg = load_config(config)
     else:
-        with load(source.path) as state:
-            metadata = state.get("metadata") if isinstance(state, dict) else None
-            params = metadata.get("params") if isinstance(metadata, dict) else None
-            model = params.get("model") if isinstance(params, dict) else None
-            model = dict(model) if isinstance(model, dict) else None
+        model = _recorded_model(source)
         if not isinstance(model, dict) or model.get("name") != "hf":
             raise ValueError(
                 f"convert(): {source.path} does not record a Hugging Face configuration "

@@ -92,7 +92,7 @@ def load_weights(
     """Fill ``model``'s weights from the checkpoint at ``path`` (see the module doc).
 
     ``name_map(model_name) -> (checkpoint_name, transposed)`` translates names
-    (a zoo model read from a Hugging Face file, models/hf_names.py; a LoRA
+    (a zoo model read from a Hugging Face file, common/hf_names.py; a LoRA
     model's base tensors, common/lora.py); a name is looked up as it is first.
     ``only(model_name)``: the tensors to fill (default: all); the others keep
     their values (a LoRA model's adapters). ``renames_of``: the transformers

@@ -31,12 +31,12 @@ from weightstream.checkpoint.weights import load_weights
 from weightstream.cli.params import Params, save_params
 from weightstream.cli.run_args import build_run_parser, params_from_args
 from weightstream.common import lora
+from weightstream.common.hf_names import hf_name_map
 from weightstream.common.materialize import materialize, materialize_buffers
 from weightstream.common.scalars import NoScalarWriter, ScalarWriter
 from weightstream.context import run_configuration
 from weightstream.data.streaming import batch_size_of
 from weightstream.models import hf
-from weightstream.models.hf_names import hf_name_map
 from weightstream.models.tasks import attention_of, model_inputs, model_kwargs
 from weightstream.runtime import swarm
 from weightstream.runtime.config import StreamingConfig
@@ -400,7 +400,7 @@ class Run:
             log.info("Warm-started the base model from %s at global step 0", rc.checkpoint_path)
         elif warm:
             # A zoo model reads a Hugging Face checkpoint of its architecture by its
-            # transformers names (models/hf_names.py).
+            # transformers names (common/hf_names.py).
             names = hf_name_map(p.model.name)
             trainer.warm_start(Path(rc.checkpoint_path), warm, dataloader, name_map=names)
         if self.mode == "train_and_eval":

@@ -1,13 +1,15 @@
-"""The names of the zoo's parameters in Hugging Face checkpoints of the same architecture.
+"""The zoo's models as Hugging Face models of the same architecture: names and configs.
 
 A zoo model warm-starts from a Hugging Face folder of its architecture
-(``runconfig.load_checkpoint_states: model``): each zoo parameter name maps to
-the transformers name and whether the stored matrix is transposed. GPT-2's
+(``runconfig.load_checkpoint_states: model``), and its checkpoints export to
+one (``checkpoint convert --to hf``): each zoo parameter name maps to the
+transformers name and whether the stored matrix is transposed. GPT-2's
 transformers modules are ``Conv1D`` layers, which store ``[in, out]`` where
 ``nn.Linear`` stores ``[out, in]``. The zoo's Llama uses transformers' rotary
 layout (Note [rotary layout] in models/llama.py) and the zoo's GPT-J its
 adjacent-pair layout, so their matrices load as they are. A name the map does
-not know is looked up as it is.
+not know is looked up as it is. :func:`hf_config_fields` gives the transformers
+configuration that computes what the zoo model computes.
 """
 
 from __future__ import annotations
@@ -98,3 +100,59 @@ HF_NAMES: dict[str, NameMap] = {
 def hf_name_map(model_name: str) -> NameMap | None:
     """The map of a zoo model (its params-file name), or None for models without one."""
     return HF_NAMES.get(model_name)
+
+
+def hf_config_fields(model: dict, shape_of: Callable[[str], tuple[int, ...]]) -> dict:
+    """The transformers config (``model_type`` and its fields) of the zoo model whose
+    params-file section, with every field (as a checkpoint records it), is ``model``;
+    ``shape_of(zoo name)`` gives a stored tensor's shape (widths the section leaves to
+    a rule). A zoo setting transformers' architecture lacks is a ValueError."""
+    name = model.get("name")
+    if name not in HF_NAMES:
+        raise ValueError(f"no Hugging Face architecture for the zoo model {name!r}")
+    common = {
+        "vocab_size": model["vocab_size"],
+        "tie_word_embeddings": bool(model.get("tie_embeddings", False)),
+    }
+    if name == "llama":
+        heads = model["n_head"]
+        return {
+            "model_type": "llama",
+            **common,
+            "hidden_size": model["d_model"],
+            "intermediate_size": shape_of("blocks.0.mlp.gate_proj.weight")[0],
+            "num_hidden_layers": model["n_layer"],
+            "num_attention_heads": heads,
+            "num_key_value_heads": model.get("n_kv_head") or heads,
+            "max_position_embeddings": model["seq_len"],
+            "rms_norm_eps": model["norm_eps"],
+            "rope_theta": model["rope_theta"],
+            "attention_dropout": model.get("attention_dropout", 0.0),
+        }
+    dropout = model.get("dropout", 0.0)
+    gpt = {
+        **common,
+        "n_positions": model["seq_len"],
+        "n_embd": model["d_model"],
+        "n_layer": model["n_layer"],
+        "n_head": model["n_head"],
+        "activation_function": "gelu_new",  # GELU's tanh approximation, as the zoo's
+        **{f"{k}_pdrop": dropout for k in ("resid", "embd", "attn")},
+    }
+    if model["vocab_size"] <= 50256:  # their token 50256 is outside a smaller vocabulary
+        gpt.update(bos_token_id=None, eos_token_id=None)
+    if name == "gpt2":
+        if not model.get("bias", True):
+            raise ValueError(
+                "transformers' GPT-2 has biases in every layer; a zoo GPT-2 with "
+                "'bias: false' has no Hugging Face architecture to export to."
+            )
+        return {"model_type": "gpt2", **gpt, "layer_norm_epsilon": 1e-5}
+    return {
+        "model_type": "gptj",
+        **gpt,
+        "tie_word_embeddings": False,  # GPT-J's head has a bias of its own
+        "rotary_dim": model["rotary_dim"],
+        "n_inner": shape_of("blocks.0.mlp.fc_in.weight")[0],
+        "layer_norm_epsilon": model["norm_eps"],
+    }
