@@ -314,3 +314,26 @@ def test_run_gpu_without_cuda_names_the_command_to_run(tmp_path, run_log):
     assert main(["run", "GPU", "-p", str(params), "-o", str(tmp_path / "m")]) != 0
     assert "Fix: weightstream run CPU" in run_log.text
     assert not (tmp_path / "m").exists()
+
+
+def test_a_damaged_newest_checkpoint_is_named_as_damaged_not_as_another_runs(tmp_path, run_log):
+    """A flipped byte in the newest checkpoint: the resume names the checksum and the
+    earlier checkpoint to resume from, not a params file that does not fit."""
+    import h5py
+
+    model_dir = tmp_path / "m"
+    argv = ["run", "CPU", "-m", "train", "-o", str(model_dir)]
+    params = _params(tmp_path, max_steps=4, checkpoint_steps=2)
+    assert main([*argv, "-p", str(params)]) == 0
+    newest = model_dir / "checkpoint_4.mdl"
+    with h5py.File(newest, "r") as f:  # h5py's own offset of one tensor's bytes
+        offset = f["model.blocks.0.mlp.fc.weight"].id.get_offset()
+    with open(newest, "r+b") as f:
+        f.seek(offset + 100)
+        byte = f.read(1)[0]
+        f.seek(offset + 100)
+        f.write(bytes([byte ^ 0x10]))
+    assert main([*argv, "-p", str(_params(tmp_path, max_steps=6, checkpoint_steps=2))]) != 0
+    assert "does not match its checksum" in run_log.text
+    assert "--checkpoint_path " + str(model_dir / "checkpoint_2.mdl") in run_log.text
+    assert "another params file" not in run_log.text

@@ -22,8 +22,7 @@ from weightstream.common.pages import register_read_mapping
 
 DAMAGED_FIX = (
     "The file is damaged (truncated, overwritten, or corrupted in a copy). Load an "
-    "earlier checkpoint (weightstream.checkpoint.find_latest_checkpoint picks the newest "
-    "complete one) or copy the file again from a good source."
+    "earlier checkpoint or copy the file again from a good source."
 )
 
 

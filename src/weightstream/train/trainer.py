@@ -198,6 +198,8 @@ class Trainer:
             if "rng" in state:
                 restore_rng_state(_read(state["rng"]))
             self.global_step = int(state.get("global_step", 0))
+        except ckpt.CheckpointError:
+            raise  # the file itself is bad: its message names it and what to do
         except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as e:
             # torch's load_state_dict raises RuntimeError on missing keys and shape
             # mismatches; the others come from a state of another structure.
