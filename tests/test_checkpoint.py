@@ -1061,6 +1061,27 @@ def test_sharded_safetensors_output(tmp_path):
     assert_same(state["model"], load(out, "cpu"))
 
 
+def test_a_new_export_into_a_folder_replaces_the_earlier_layout(tmp_path):
+    """Shards over a single file and a single file over shards: only the new write
+    stays, so safetensors' own reader of model.safetensors, transformers' choice,
+    and this library's index reader see the same state."""
+    from safetensors.torch import load_file
+
+    state = conversion_state()
+    old = {k: v + 1 if v.is_floating_point() else v for k, v in state["model"].items()}
+    h5_old, h5_new = tmp_path / "old.mdl", tmp_path / "new.mdl"
+    save({"model": old}, h5_old)
+    save(state, h5_new)
+    out = tmp_path / "hf"
+    for first, then, shards in ((h5_old, h5_new, 100), (h5_new, h5_old, None)):
+        convert(first, out, key="model", max_shard_size=None if shards else 100)
+        written = convert(then, out, key="model", max_shard_size=shards)
+        assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in written)
+    assert not (out / "model.safetensors.index.json").exists()
+    assert_same(old, load_file(out / "model.safetensors"))
+    assert_same(old, load(out, "cpu"))
+
+
 def test_torch_file_round_trip(tmp_path):
     state = conversion_state()
     h5 = tmp_path / "state.mdl"

@@ -295,6 +295,8 @@ def write_safetensors(
     if single_file or len(shards) == 1:
         out = target if single_file else index.parent / SAFETENSORS_SINGLE
         _write_file(out, shards[0], {METADATA_KEY: record}, fsync)
+        if not single_file:
+            _remove_stale(index.parent, [out])
         return [out]
     written, weight_map = [], {}
     for i, shard in enumerate(shards):
@@ -306,7 +308,20 @@ def write_safetensors(
     doc = {"metadata": {"total_size": total, METADATA_KEY: record}, "weight_map": weight_map}
     with atomic_path(index, fsync=fsync) as tmp:
         tmp.write_text(json.dumps(doc, indent=2), encoding="utf-8")
+    _remove_stale(index.parent, [*written, index])
     return [*written, index]
+
+
+def _remove_stale(folder: Path, written: list[Path]) -> None:
+    """Remove an earlier write's weights from ``folder`` (as ``save_pretrained`` does):
+    left beside the new ones, transformers would read ``model.safetensors`` and this
+    library the index, each a different state."""
+    keep = {p.name for p in written}
+    stale = [folder / SAFETENSORS_SINGLE, folder / SAFETENSORS_INDEX]
+    stale += folder.glob("model-*-of-*.safetensors")
+    for path in stale:
+        if path.name not in keep:
+            path.unlink(missing_ok=True)
 
 
 def _shards(tensors: list, max_shard_size: int | None) -> list[list]:
