@@ -243,8 +243,11 @@ def test_export_to_hf_loads_with_from_pretrained_and_gives_the_runs_logits(
         assert torch.equal(exported(input_ids=x).logits, reference(input_ids=x).logits)
 
 
-def test_export_with_learning_rate_zero_is_the_pretrained_model(tmp_path, tokenizer):
-    folder = _save_pretrained(_gpt2, tmp_path / "pretrained", tokenizer)
+def test_export_with_learning_rate_zero_is_the_pretrained_model(tmp_path, tokenizer, monkeypatch):
+    """The run names its model folder relative to where it started; the export, started
+    elsewhere, still finds the configuration (the checkpoint records it absolute)."""
+    monkeypatch.chdir(tmp_path)
+    folder = _save_pretrained(_gpt2, Path("pretrained"), tokenizer)
     params = _params(tmp_path, folder, "ram")
     import yaml
 
@@ -253,6 +256,9 @@ def test_export_with_learning_rate_zero_is_the_pretrained_model(tmp_path, tokeni
     params.write_text(yaml.safe_dump(values))
     model_dir = tmp_path / "run"
     assert _run(tmp_path, params, model_dir) == 0
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    folder = tmp_path / folder
     out = tmp_path / "exported"
     ckpt_file = model_dir / f"checkpoint_{STEPS}.mdl"
     assert main(["checkpoint", "convert", str(ckpt_file), str(out), "--to", "hf"]) == 0

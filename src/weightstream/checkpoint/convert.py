@@ -389,6 +389,13 @@ def _hf_config(source: Source, config):
             for k, v in model.items()
             if k not in ("name", "hf_config", "mixed_precision", "fp16_type")
         }
+        if not Path(model["hf_config"]).exists():
+            raise ValueError(
+                f"convert(): {source.path} records the model's configuration at "
+                f"hf_config: {model['hf_config']}, which does not exist here (a relative "
+                "path is from the directory the run started in). Fix: pass --config with "
+                "that model's config.json (or its folder)."
+            )
         cfg = load_config(model["hf_config"], overrides)
     cfg.use_cache = True  # off for training (models/hf.py); transformers' default
     return cfg

@@ -363,7 +363,7 @@ class Run:
             metadata={
                 "version": cstorch.__version__,
                 "model": p.model.name,
-                "params": p.to_dict(),
+                "params": _recorded_params(p),
                 **({"peft": self._base_record()} if peft else {}),
             },
             model_keys=_trained_keys(model) if peft else None,
@@ -703,6 +703,16 @@ def _convert_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 def _zeros(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros(p.shape, dtype=p.dtype)
+
+
+def _recorded_params(p: Params) -> dict:
+    """The params a checkpoint records: ``model.hf_config`` made absolute, so that
+    ``checkpoint convert --to hf`` finds it from any directory."""
+    values = p.to_dict()
+    model = values.get("model")
+    if isinstance(model, dict) and model.get("hf_config"):
+        model["hf_config"] = os.path.abspath(model["hf_config"])
+    return values
 
 
 def _trained_keys(model) -> tuple[str, ...]:
