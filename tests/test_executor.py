@@ -99,3 +99,48 @@ def test_checkpoint_closure_inside_a_step_is_checked_after_it():
         step()
     step()
     assert saved == [2]
+
+
+def _loader(**steps):
+    data = [torch.full((1,), float(i)) for i in range(4)]
+    return cstorch.utils.data.DataLoader(lambda: data, **steps)
+
+
+def test_checkpoint_steps_count_on_from_a_restored_loader():
+    """A loader restored at step 6 counts on from there (Note [checkpoint steps]):
+    step 8 is a checkpoint step of checkpoint_steps=4, step 7 is not."""
+    cstorch.configure(checkpoint_steps=4)
+    step = cstorch.compile_step(lambda: None)
+    first = _loader(max_steps=6)
+    for _ in first:
+        step()
+    state = first.state_dict()
+    saved = []
+    save = cstorch.checkpoint_closure(lambda s: saved.append(s))
+    resumed = _loader(max_steps=10)  # 4 steps on from the restored 6
+    resumed.load_state_dict(state)
+    for global_step, _ in enumerate(resumed, start=7):
+        step()
+        if global_step in (7, 9):
+            with pytest.raises(RuntimeError, match=f"called at step {global_step}, which is"):
+                save(global_step)
+        else:
+            save(global_step)  # 8: every 4 steps; 10: the last
+    assert saved == [8, 10]
+
+
+def test_an_evaluation_loader_between_training_steps_keeps_the_training_count():
+    cstorch.configure(checkpoint_steps=4)
+    step = cstorch.compile_step(lambda: None)
+    save = cstorch.checkpoint_closure(lambda s: s)
+    for i, _ in enumerate(_loader(num_steps=8), start=1):
+        step()
+        if i == 2:
+            for _ in _loader(num_steps=3):  # three evaluation steps in between
+                step()
+        if i in (4, 8):
+            save(i)
+        elif i == 5:
+            with pytest.raises(RuntimeError, match="called at step 5"):
+                save(i)
+    assert step_context().step == 11

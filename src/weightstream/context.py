@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from weightstream.config import RunConfig, parse_configure_arguments
 
 __all__ = [
+    "LoaderSteps",
     "RunContext",
     "StepContext",
     "configure",
@@ -57,23 +58,58 @@ __all__ = [
 
 
 @dataclass
-class StepContext:
-    """Counts the steps run by ``compile_step`` functions in this run."""
+class LoaderSteps:
+    """The steps one iteration of a DataLoader drives (Note [checkpoint steps])."""
 
-    step: int = 0  # steps completed
-    last_step: int | None = None  # the final step, when a DataLoader announced it
+    first: int  # the loader's step when the iteration began (a resumed one's saved step)
+    count: int  # steps it drives
+    done: int = 0  # of which run so far
+
+    @property
+    def step(self) -> int:
+        return self.first + self.done
+
+
+@dataclass
+class StepContext:
+    """Counts the steps run by ``compile_step`` functions in this run.
+
+    Note [checkpoint steps]
+    -----------------------
+    A checkpoint closure may run before the first step, on the last step of the
+    DataLoader iteration in progress and on every ``checkpoint_steps``-th step.
+    Steps are those of the DataLoader whose batch the step took (the loader
+    that yielded last): a training loader and an evaluation loader interleaved
+    in one process each keep their own count, and a loader restored from a
+    checkpoint at step 6 counts on from 6, so step 8 is a checkpoint step of
+    ``checkpoint_steps=4`` (as is the 4th step of that iteration, the reference's
+    own count). Steps run without a DataLoader count in ``step``.
+    """
+
+    step: int = 0  # steps completed in this run
     in_step: bool = False
+    loader: LoaderSteps | None = None  # the DataLoader iteration steps take batches from
     _pending: list[tuple[Callable, tuple, dict]] = field(default_factory=list)
 
-    def expect_steps(self, count: int) -> None:
-        """A loader will drive ``count`` more steps: the last step is known."""
-        self.last_step = self.step + count
+    def step_done(self) -> None:
+        self.step += 1
+        if self.loader is not None:
+            self.loader.done += 1
+
+    def current_step(self) -> int:
+        """The step just run: the loader's (Note [checkpoint steps]), else the run's."""
+        return self.step if self.loader is None else self.loader.step
 
     def is_checkpoint_step(self) -> bool:
-        if self.step == 0 or (self.last_step is not None and self.step == self.last_step):
+        if self.step == 0:
             return True
         every = current_config().checkpoint_steps
-        return every > 0 and self.step % every == 0
+        if self.loader is None:
+            return every > 0 and self.step % every == 0
+        it = self.loader
+        if it.done in (0, it.count):
+            return True
+        return every > 0 and (it.step % every == 0 or it.done % every == 0)
 
     def after_step(self, fn: Callable, /, *args, **kwargs):
         """Call ``fn`` when the current step has finished, or now outside a step."""

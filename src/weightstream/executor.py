@@ -7,7 +7,8 @@ holds: a step closure called inside a step runs when the step has finished,
 with the tensors it was given as they are then (their last value); called
 outside a step it runs at once. A checkpoint closure may run only before the
 first step, on a checkpoint step (every ``checkpoint_steps``) and on the last
-step; anywhere else it is an error, as in the reference.
+step (Note [checkpoint steps] in weightstream/context.py); anywhere else it is
+an error, as in the reference.
 
 The step counter lives in the run's :class:`StepContext`, part of the run
 context (Note [run context] in weightstream/context.py).
@@ -51,7 +52,7 @@ def compile_step(fn: Callable) -> Callable:
             raise
         finally:
             ctx.in_step = False
-        ctx.step += 1
+        ctx.step_done()
         pending, ctx._pending = ctx._pending, []
         for closure, c_args, c_kwargs in pending:
             closure(*c_args, **c_kwargs)
@@ -86,9 +87,10 @@ def checkpoint_closure(fn: Callable) -> Callable:
             if not ctx.is_checkpoint_step():
                 every = current_config().checkpoint_steps
                 raise RuntimeError(
-                    f"checkpoint closure {fn.__name__!r} called at step {ctx.step}, which is not "
-                    f"a checkpoint step (checkpoint_steps={every}; allowed: before the first step, "
-                    "every checkpoint_steps steps and the last step). Call it only when "
+                    f"checkpoint closure {fn.__name__!r} called at step {ctx.current_step()}, "
+                    f"which is not a checkpoint step (checkpoint_steps={every}; allowed: before "
+                    "the first step, every checkpoint_steps steps and the last step of the "
+                    "DataLoader being iterated; Note [checkpoint steps]). Call it only when "
                     "step % checkpoint_steps == 0 or on the last step, or set checkpoint_steps "
                     "in configure()."
                 )

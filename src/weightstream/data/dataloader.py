@@ -193,15 +193,17 @@ class DataLoader:
     # -- iteration --------------------------------------------------------------------
 
     def __iter__(self) -> Iterator:
-        from weightstream.executor import step_context
-
-        # The step closures need to know which step is the last one.
-        step_context().expect_steps(len(self))
         self._started = True
         self._generation += 1
         return self._iterate(self._generation)
 
     def _iterate(self, generation: int) -> Iterator:
+        from weightstream.context import LoaderSteps
+        from weightstream.executor import step_context
+
+        # Checkpoint closures count this iteration's steps (Note [checkpoint steps]).
+        steps = LoaderSteps(self._initial_step + self._batches_run // self._grad_accum_steps,
+                            len(self))  # fmt: skip
         for _ in range(len(self)):
             if generation != self._generation:
                 raise RuntimeError(
@@ -216,6 +218,7 @@ class DataLoader:
             self._worker_step += 1
             self._batches_run += 1
             self._samples_streamed += streaming.batch_size_of(batch)
+            step_context().loader = steps  # the steps of this batch are this loader's
             yield batch
 
     def _next_batch(self) -> Any:
