@@ -338,6 +338,14 @@ def test_compressed_weights_are_never_much_larger_than_plain_ones(tmp_path, comp
         assert np.array_equal(f["big"][()], state["big"].numpy())  # h5py's own read
 
 
+def test_a_meta_tensor_is_refused_and_nothing_is_written(tmp_path):
+    with torch.device("meta"):
+        state = nn.Linear(4, 4).state_dict()
+    with pytest.raises(ValueError, match="'weight': it is a meta tensor"):
+        save(state, tmp_path / "m.mdl")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_special_root_keys_and_large_spec(tmp_path):
     state = {"": 1, ".": 2, "..": 3, "x": {f"{'k' * 60}{i}": i for i in range(1500)}}
     save(state, tmp_path / "k.mdl")

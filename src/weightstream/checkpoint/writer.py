@@ -326,6 +326,13 @@ class LeafWriter:
             self._first[tie] = name
 
     def _write_value(self, key: str, name: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor) and value.device.type == "meta":
+            raise ValueError(
+                f"cannot save {key!r}: it is a meta tensor, a shape without values (a model "
+                "built on the meta device and never given its weights). Fix: save the model "
+                "after its weights exist (loaded, or made by a store: cstorch.compile with "
+                "init_weights), or save its shapes as plain values."
+            )
         if is_plain_tensor(value):
             self._write_tensor(name, value)
         elif value is None:
