@@ -454,3 +454,31 @@ def test_bf16_master_run_exports_bf16_weights(tmp_path, tokenizer):
     assert dtypes == {"BF16"}
     exported = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype="auto")
     assert next(exported.parameters()).dtype == torch.bfloat16
+
+
+def test_a_tied_models_own_file_loads_without_an_unused_tensor_warning(tmp_path):
+    """Its head is stored under both names with the same values: both are used. An
+    untied file's head differs from the embedding the tied model keeps: not used, said."""
+    import warnings
+
+    from weightstream.checkpoint.weights import load_weights
+
+    def gpt2(tied: bool):
+        return transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(vocab_size=MODEL_VOCAB, n_positions=16, n_embd=32,
+                                    n_layer=1, n_head=2, tie_word_embeddings=tied)
+        )  # fmt: skip
+
+    torch.manual_seed(0)
+    for tied, unused in ((True, []), (False, ["'lm_head.weight'"])):
+        source = gpt2(tied)
+        ckpt.save({"model": source.state_dict()}, tmp_path / f"{tied}.mdl")
+        target = gpt2(True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            load_weights(target, tmp_path / f"{tied}.mdl")
+        said = [str(w.message) for w in caught if "not used by the model" in str(w.message)]
+        assert [u for u in unused if any(u in s for s in said)] == unused and len(said) == len(
+            unused
+        )
+        assert torch.equal(target.transformer.wte.weight, source.transformer.wte.weight)

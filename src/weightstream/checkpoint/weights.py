@@ -113,13 +113,18 @@ def load_weights(
         # (model name, file name, stored transposed, the model's tensor)
         plan: list[tuple[str, str, bool, torch.Tensor]] = []
         missing: list[str] = []
+        # A tied parameter's other names in the file: the same values stored again (a
+        # file of a tied model) are used too; other values are not (an untied file).
+        others: dict[str, list[tuple[str, bool]]] = {}
         for names in _targets(model):
             if only is not None and not any(only(n) for n, _ in names):
                 continue
-            found = next(
-                ((n, c, flip) for n, _ in names for c, flip in candidates(n) if c in available),
-                None,
-            )
+            present = [
+                (n, c, flip) for n, _ in names for c, flip in candidates(n) if c in available
+            ]
+            found = present[0] if present else None
+            if found is not None:
+                others[found[1]] = [(c, flip) for _, c, flip in present[1:] if c != found[1]]
             if found is None:
                 missing.append(candidates(names[0][0])[-1][0])
                 continue
@@ -161,6 +166,11 @@ def load_weights(
                     f"the file, {tuple(target.shape)} here. Fix: give a checkpoint of the same "
                     "model shape."
                 )
+            for other, other_flip in others.get(name, []):
+                again = weights[file_key[other]]
+                if torch.equal(again.t() if other_flip else again, value):
+                    used.add(file_key[other])
+                del again
             result = model.load_state_dict({model_name: value}, strict=False)
             assert not result.unexpected_keys, result.unexpected_keys
             release_pages([target])  # a disk store's file: written, its pages go back
