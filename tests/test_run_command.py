@@ -337,3 +337,16 @@ def test_a_damaged_newest_checkpoint_is_named_as_damaged_not_as_another_runs(tmp
     assert "does not match its checksum" in run_log.text
     assert "--checkpoint_path " + str(model_dir / "checkpoint_2.mdl") in run_log.text
     assert "another params file" not in run_log.text
+
+
+def test_eval_all_skips_an_incomplete_checkpoint_as_a_resume_does(tmp_path, run_log):
+    params = _params(tmp_path, eval_steps=1)
+    model_dir = tmp_path / "m"
+    base = ["run", "CPU", "-p", str(params), "-o", str(model_dir)]
+    assert main([*base, "-m", "train"]) == 0
+    newest = model_dir / "checkpoint_8.mdl"
+    with open(newest, "r+b") as f:  # cut short, as a crash in a copy leaves it
+        f.truncate(newest.stat().st_size // 2)
+    assert main([*base, "-m", "eval_all"]) == 0
+    assert [s for s, _ in _scalars(model_dir / "eval", "loss")] == [4]
+    assert f"eval_all: skipping {newest}: it is incomplete" in run_log.text
