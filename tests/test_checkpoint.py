@@ -1351,3 +1351,19 @@ def test_a_warm_start_from_a_non_tensor_names_the_key(tmp_path, value):
     with pytest.raises(ValueError, match=r"'weight' is a \w+ in the file, not a tensor"):
         load_weights(model, path)
     assert torch.equal(model.weight, before)  # nothing loaded
+
+
+def test_info_piped_into_a_reader_that_stops_early_is_not_an_error(tmp_path):
+    save({f"k{i}": torch.zeros(2) for i in range(3000)}, tmp_path / "many.mdl")  # 200 KB of info
+    command = [
+        sys.executable,
+        "-m",
+        "weightstream.checkpoint.cli",
+        "info",
+        str(tmp_path / "many.mdl"),
+    ]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == str(tmp_path / "many.mdl").encode()
+    proc.stdout.close()  # as `| head -1` does
+    _, err = proc.communicate(timeout=120)
+    assert (proc.returncode, err) == (0, b"")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -116,6 +117,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(format_diff(result, args.a, args.b))
         return 0 if result.identical else 1
+    except BrokenPipeError:
+        # The reader stopped early (``| head``): not an error of ours. Python's own
+        # flush at exit would fail again on the closed pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (CheckpointError, OSError, ValueError, TypeError, KeyError) as e:
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"error: {message}", file=sys.stderr)
