@@ -452,6 +452,13 @@ def test_compute_num_steps_unsized_loader():
     assert [int(x) for x in DataLoader(Unsized, num_steps=8)] == [0, 1, 2, 0, 1, 2, 0, 1]
 
 
+def test_an_epoch_of_a_cstorch_dataloader_is_a_pass_over_its_data():
+    """As ModelZoo code calls it: 12 batches of data in a loader asked for 3 steps."""
+    batches = lambda: TorchDataLoader(TensorDataset(torch.arange(48)), batch_size=4)  # noqa: E731
+    dl = DataLoader(batches, num_steps=3)
+    assert compute_num_steps(dl, num_epochs=2) == 2 * len(batches())
+
+
 # -- DistributedSampler -----------------------------------------------------------------
 
 

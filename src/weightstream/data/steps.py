@@ -52,8 +52,13 @@ def compute_num_steps(
       ``max_steps`` must be greater than ``initial_step``.
 
     The loader is iterated again when it runs out, so ``num_steps`` may exceed
-    ``len(dl)``.
+    ``len(dl)``. Of a ``cstorch.utils.data.DataLoader``, an epoch is a pass over
+    the loader its ``input_fn`` made, not the steps it was asked to run.
     """
+    from weightstream.data.dataloader import DataLoader
+
+    if isinstance(dl, DataLoader):
+        dl = dl.loader
     check_int("grad_accum_steps", grad_accum_steps, minimum=1)
     check_int("initial_step", initial_step, minimum=0)
     for name, value in (
