@@ -350,3 +350,19 @@ def test_eval_all_skips_an_incomplete_checkpoint_as_a_resume_does(tmp_path, run_
     assert main([*base, "-m", "eval_all"]) == 0
     assert [s for s, _ in _scalars(model_dir / "eval", "loss")] == [4]
     assert f"eval_all: skipping {newest}: it is incomplete" in run_log.text
+
+
+def test_a_run_that_does_not_resume_refuses_an_earlier_runs_checkpoints(tmp_path, run_log):
+    """autoload_last_checkpoint: false in a model_dir with checkpoints: the run would
+    replace some of them (and keep the others), so it stops first and changes nothing."""
+    model_dir = tmp_path / "m"
+    argv = ["run", "CPU", "-m", "train", "-o", str(model_dir)]
+    assert main([*argv, "-p", str(_params(tmp_path, max_steps=6, checkpoint_steps=4))]) == 0
+    before = {p.name: p.read_bytes() for p in model_dir.glob("checkpoint_*.mdl")}
+    assert sorted(before) == ["checkpoint_4.mdl", "checkpoint_6.mdl"]
+    again = _params(tmp_path, max_steps=4, checkpoint_steps=0, autoload_last_checkpoint=False)
+    assert main([*argv, "-p", str(again)]) != 0
+    assert "holds checkpoints of an earlier run (checkpoint_4.mdl, checkpoint_6.mdl)" in (
+        run_log.text
+    )
+    assert {p.name: p.read_bytes() for p in model_dir.glob("checkpoint_*.mdl")} == before

@@ -147,7 +147,9 @@ class RunConfigParams:
         None, doc="Keep at most this many checkpoints, deleting the oldest; null: keep all."
     )
     autoload_last_checkpoint: bool = setting(
-        True, doc="Resume from the newest checkpoint in model_dir when there is one."
+        True,
+        doc="Resume from the newest checkpoint in model_dir when there is one. false starts "
+        "at step 0, and refuses a model_dir that holds checkpoints (it would replace some).",
     )
     checkpoint_path: str | None = setting(
         None,

@@ -295,6 +295,23 @@ class Run:
                 self.evaluate(path)
         return 0
 
+    def _refuse_earlier_checkpoints(self) -> None:
+        """A run that does not resume starts at step 0: its checkpoints would take the
+        names of an earlier run's in model_dir, some overwritten, some not (invariant 3:
+        nothing lost, nothing mixed)."""
+        earlier = ckpt.list_checkpoints(self.model_dir)
+        if earlier:
+            names = ", ".join(p.name for _, p in earlier[:4]) + (
+                ", ..." if len(earlier) > 4 else ""
+            )
+            raise ValueError(
+                f"{self.model_dir} holds checkpoints of an earlier run ({names}), and "
+                "runconfig.autoload_last_checkpoint is false: this run would start at step 0 "
+                "and write checkpoints under the same names, replacing some of them. Fix: a "
+                "new model_dir (-o), move those checkpoints away, or "
+                "autoload_last_checkpoint: true to resume from the newest."
+            )
+
     def _latest_or_given(self) -> Path:
         # With load_checkpoint_states, checkpoint_path is where training started
         # from: evaluate the run's own newest checkpoint, else that start.
@@ -315,6 +332,8 @@ class Run:
         # A run resumes from its own newest checkpoint; only a run that has none
         # warm-starts (runconfig.load_checkpoint_states) from checkpoint_path.
         own = ckpt.find_latest_checkpoint(self.model_dir) if rc.autoload_last_checkpoint else None
+        if not rc.autoload_last_checkpoint and not (rc.validate_only or rc.compile_only):
+            self._refuse_earlier_checkpoints()
         warm = rc.warm_start_states if own is None else []
         self._check_vocabulary()
         peft = p.peft is not None
