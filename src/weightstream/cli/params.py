@@ -165,7 +165,11 @@ class RunConfigParams:
     log_steps: int = _positive(10, doc="Log the loss every this many steps.")
     seed: int = _natural(1, doc="The seed of every random generator of the run (< 2**64).")
     num_csx: int = _positive(1, doc="Compute systems: data-parallel ranks of the run.")
-    num_workers_per_csx: int = _natural(1, doc="Input worker processes per compute system.")
+    num_workers_per_csx: int = _natural(
+        1,
+        doc="The reference's input workers per system: recorded in the data loader's state "
+        "and checked on resume. Worker processes come from train_input.num_workers.",
+    )
     compile_dir: str | None = setting(
         None, doc="Where the compile directories (ws_<checksum>) go; null: model_dir."
     )

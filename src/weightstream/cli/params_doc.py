@@ -40,7 +40,7 @@ dataclasses; edit their `doc` strings, not this page. -->
 `train_input` and `eval_input` (the data), `model`, `optimizer`, `runconfig` and
 `peft` (LoRA adapters).
 Every key is checked when the file is read: a wrong type, a value out of range or
-an unknown key stops the run before anything is built, with the key, what was
+an unknown key stops the run before training starts, with the key, what was
 expected and the fix. Command-line flags (`--max_steps`, `--checkpoint_path`, ...)
 override the runconfig keys of the same name. The run writes the settings it used,
 every default filled in, to `model_dir` as its params file.

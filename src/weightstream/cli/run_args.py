@@ -131,7 +131,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "--num_workers_per_csx",
         type=non_negative_int,
         default=None,
-        help="input workers per system (>= 0, as in runconfig)",
+        help="the reference's input workers per system (>= 0, as in runconfig; worker "
+        "processes come from train_input.num_workers)",
     )
     parser.add_argument(
         "--execution_mode",

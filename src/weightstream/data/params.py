@@ -37,7 +37,9 @@ class InputParams:
         "its own keys, such as seq_len, go in the same section)."
     )
     batch_size: int = setting(
-        ge=1, fix="give the number of samples per step", doc="Samples per step."
+        ge=1,
+        fix="give the number of samples per batch",
+        doc="Samples per batch (a step takes optimizer.grad_accum_steps batches).",
     )
     data_dir: str | list[str] | None = setting(
         None, doc="The processor's data: a directory, a file or a list of them."

@@ -91,7 +91,10 @@ class OptimizerParams:
     min_loss_scale: float | None = setting(None, gt=0, doc="Dynamic loss scaling's floor.")
     max_loss_scale: float | None = setting(None, gt=0, doc="Dynamic loss scaling's ceiling.")
     grad_accum_steps: int = setting(
-        1, ge=1, doc="Micro-batches per step: each batch is split and their gradients summed."
+        1,
+        ge=1,
+        doc="Loader batches per step: each step takes this many batches of batch_size and "
+        "sums their gradients (the step's batch: batch_size x grad_accum_steps).",
     )
     adjust_learning_rate: dict[str, float] | None = setting(
         None,

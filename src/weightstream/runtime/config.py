@@ -91,7 +91,8 @@ class StreamingConfig:
         "p.grad is None right after step() in this mode, and a parameter holds its new "
         "value only once the next forward fetched it or optimizer.synchronize() returned: "
         "call that before reading or writing weights between steps (an in-place write "
-        "before it stops the step with an error).",
+        "before it stops the step with an error where the unit's update has not begun; "
+        "one racing an update under way is not caught).",
     )
     update_in_backward: bool = setting(
         False,

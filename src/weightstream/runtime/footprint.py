@@ -150,7 +150,9 @@ class HostFootprint:
             fixes.append(
                 f"a runconfig.store_dir on a disk with {format_bytes(self.disk_bytes)} free"
             )
-        fixes.append("a smaller model (fewer or narrower layers under model.preset)")
+        fixes.append(
+            "a smaller model (fewer or narrower layers: n_layer, d_model next to model.preset)"
+        )
         return "; or ".join(fixes) + "."
 
 

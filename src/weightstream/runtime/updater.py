@@ -36,7 +36,10 @@ would then step the written value. So each share compares its parameters'
 version counters with those at ``step()``: an in-place write in between (under
 ``torch.no_grad()``) stops the share before it updates anything, and the error
 surfaces at the next wait, naming the parameter and the fix. A write through
-``p.data`` does not count a version and is not seen.
+``p.data`` does not count a version and is not seen, nor is a write made while
+the share's update is under way (it races the update; measured by a new user:
+11 of 14 tries stopped, the others ended within 5e-7 of the step). The check
+catches the common mistake; ``synchronize()`` first is the rule.
 
 A parameter shared by several units (a tied embedding) is updated with the
 first unit that holds it; one worker runs the shares in order, so waiting for a
