@@ -420,6 +420,16 @@ def test_a_timed_kernel_is_priced_at_its_timing():
     assert (u.compute_s, u.memory_s) == pytest.approx((5e-3, 7e-3))
 
 
+def test_a_timing_taken_on_a_busy_machine_is_not_used():
+    """mm's roofline is 2 ms (2 MFLOP at 1 GFLOP/s): 250 ms is over 100 x that plus 5
+    ms, a timing no kernel gives on a quiet machine: priced by the roofline."""
+    unit = _unit(fwd_kernels=[("mm", 2_000_000, 1_000_000)])
+    costs = StepCosts([unit], UnitCost(-1, OUTSIDE_NAME))
+    for timed, priced in ((0.2, 0.2), (0.25, 2e-3)):
+        u = estimate(costs, _probe(kernel_s={"mm": timed}), EstimateSettings(1)).units[0]
+        assert u.compute_s == pytest.approx(priced)
+
+
 def test_layer_pipelined_has_no_link_and_updates_in_device_memory():
     unit = _unit(fwd_kernels=[("k0", 1_000_000, 0)], fwd_flops=1_000_000)
     settings = EstimateSettings(batch_size=1, weight_streaming=False, update_bytes=80)
@@ -657,6 +667,12 @@ def test_kernels_are_timed_once_and_cached(tmp_path, monkeypatch):
     assert (
         estimate(costs, untimed, EstimateSettings(1)).timed_kernels == f"0 / {len(costs.kernels)}"
     )
+    # a timing taken under load (far over the roofline) is not kept: timed again later
+    monkeypatch.undo()
+    monkeypatch.setenv("WEIGHTSTREAM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(probe_mod, "_seconds", lambda fn, run_s: 10.0)
+    probe_mod.time_kernels(untimed, costs.kernels)
+    assert untimed.kernel_s == {}
 
 
 @pytest.mark.parametrize(

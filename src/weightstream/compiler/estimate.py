@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weightstream.compiler.cost import StepCosts, UnitCost
-from weightstream.compiler.probe import Probe
+from weightstream.compiler.probe import Probe, timing
 
 # Bytes each trainable parameter moves in an update, by optimizer (fp32 state;
 # each foreach operator reads its operands and writes its result). AdamW: decay
@@ -140,8 +140,9 @@ def _work(e: UnitCost, probe: Probe, peak: float, recomputed: bool) -> UnitEstim
         memory += e.fresh_bytes / probe.fresh_bandwidth
     compute = 0.0
     for key, flops, nbytes in e.fwd_kernels * (1 + again) + e.bwd_kernels:
-        s = probe.kernel_s.get(key)
-        s = max(flops / peak, nbytes / bw) if s is None else s
+        roofline = max(flops / peak, nbytes / bw)
+        s = timing(probe, key, roofline)
+        s = roofline if s is None else s
         compute, memory = (compute + s, memory) if flops else (compute, memory + s)
     overhead = (e.fwd_ops * (1 + again) + e.bwd_ops) * probe.op_s
     return UnitEstimate(e.index, e.name, compute, memory, overhead)
@@ -216,7 +217,11 @@ def estimate(costs: StepCosts, probe: Probe, settings: EstimateSettings) -> Esti
         notes.append(f"backward FLOPs and operators are 2 x forward ({costs.backward_error})")
     if probe.quick:
         notes.append("the probe was measured with tiny sizes (quick=True)")
-    timed = sum(key in probe.kernel_s for key in costs.kernels)
+    bw = probe.memory_bandwidth
+    timed = sum(
+        timing(probe, key, max(k.flops / peak, k.nbytes / bw)) is not None
+        for key, k in costs.kernels.items()
+    )
     bound = max(terms, key=terms.__getitem__)
     return Estimate(settings, units, outside, step, bound, terms, link_bytes, host_bytes,
                     limit, limit_bound, f"{timed} / {len(costs.kernels)}", notes)  # fmt: skip
