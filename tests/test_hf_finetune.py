@@ -389,8 +389,14 @@ def test_zoo_model_warm_starts_from_a_hugging_face_folder_of_its_architecture(
 
 _ZOO_EXPORTS = {
     # Settings off their defaults where transformers has a field for them.
-    "llama": {"n_kv_head": 2, "d_ff": 48, "rope_theta": 5000.0, "norm_eps": 1e-6},
-    "gpt2": {"tie_embeddings": False},
+    "llama": {
+        "n_kv_head": 2,
+        "d_ff": 48,
+        "rope_theta": 5000.0,
+        "norm_eps": 1e-6,
+        "tie_embeddings": True,
+    },
+    "gpt2": {},  # tied head: one tensor in the checkpoint under two names
     "gptj": {"rotary_dim": 4, "d_ff": 80, "norm_eps": 1e-6},
 }
 
