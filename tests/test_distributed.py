@@ -107,6 +107,11 @@ def test_two_ranks_equal_one_rank_with_the_whole_batch(tmp_path, model, mode):
     per_rank = json.loads(plan.read_text())["est_samples_per_sec"]
     reported = json.loads((two / "performance" / "performance.json").read_text())
     assert reported["est_samples_per_sec"] == pytest.approx(2 * per_rank, rel=0.05)
+    # ... which the report says, with what it leaves out
+    (report,) = two.glob("ws_*/compile_report.txt")
+    assert "note: one rank's step x 2 ranks: their collectives are not priced" in (
+        report.read_text()
+    )
 
 
 @pytest.mark.parametrize(
