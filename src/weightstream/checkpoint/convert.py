@@ -223,9 +223,12 @@ def _to_hf(
                 view = SourceView(merged)
                 written = write_safetensors(view, dst, max_shard_size=max_shard_size, fsync=fsync)
         else:
-            _check_names(cfg, view if zoo is not None else SourceView(source, key), source.path)
+            with torch.device("meta"):  # the configuration's model, for its names
+                model = transformers_module().AutoModelForCausalLM.from_config(cfg)
+            own = view if zoo is not None else SourceView(source, key)
+            _check_names(model, own, source.path)
             if zoo is None:
-                view = SourceView(source, key, _saved_names(cfg, SourceView(source, key)))
+                view = SourceView(source, key, _saved_names(model, own))
             dst.mkdir(parents=True, exist_ok=True)
             written = write_safetensors(view, dst, max_shard_size=max_shard_size, fsync=fsync)
         dtype = _written_dtype(written)
@@ -279,12 +282,11 @@ def _to_peft(src, dst: Path, config, base) -> list[Path]:
     return lora_export.to_peft(Path(src), dst, record, cfg, base)
 
 
-def _saved_names(cfg, view: SourceView) -> dict[str, str]:
-    """The names ``save_pretrained`` gives the model's tensors, where they differ (Note
-    [export to hf]): transformers' own ``revert_weight_conversion``, on meta
+def _saved_names(model, view: SourceView) -> dict[str, str]:
+    """The names ``save_pretrained`` gives the tensors of ``model`` (on meta), where they
+    differ (Note [export to hf]): transformers' own ``revert_weight_conversion``, on meta
     placeholders of the tensors. A conversion that makes new tensors (merged
     experts) keeps the model's names, which transformers reads as well."""
-    transformers = transformers_module()
     from transformers.core_model_loading import revert_weight_conversion
 
     node = view.node
@@ -296,8 +298,6 @@ def _saved_names(cfg, view: SourceView) -> dict[str, str]:
         if not isinstance(k, str) or info is None or info.kind != "tensor":
             return {}
         placeholders[k] = torch.empty(info.shape, device="meta")
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
     name_of = {id(t): k for k, t in placeholders.items()}
     try:
         reverted = revert_weight_conversion(model, dict(placeholders))
@@ -345,16 +345,15 @@ def _zoo_config(zoo: dict, view: SourceView):
     return transformers_module().AutoConfig.for_model(**fields)
 
 
-def _check_names(cfg, view: SourceView, path) -> None:
+def _check_names(model, view: SourceView, path) -> None:
     """Refuse an export whose tensor names (under ``view``'s renames: the model's own
-    names, before those ``save_pretrained`` reverts) are not the configuration's model's:
-    its ``from_pretrained`` would initialise the missing weights at random."""
+    names, before those ``save_pretrained`` reverts) are not those of ``model``, the
+    configuration's (on meta): its ``from_pretrained`` would initialise the missing
+    weights at random."""
     node = view.node
     if not isinstance(node, Branch) or not all(isinstance(k, str) for k in node.keys):
         return
     written = {view.names.get(k, k) for k in node.keys}
-    with torch.device("meta"):
-        model = transformers_module().AutoModelForCausalLM.from_config(cfg)
     groups: dict[int, list[str]] = {}  # tied weights: one tensor under several names
     for name, t in model.state_dict(keep_vars=True).items():
         groups.setdefault(id(t), []).append(name)

@@ -122,12 +122,11 @@ def load_weights(
             present = [
                 (n, c, flip) for n, _ in names for c, flip in candidates(n) if c in available
             ]
-            found = present[0] if present else None
-            if found is not None:
-                others[found[1]] = [(c, flip) for _, c, flip in present[1:] if c != found[1]]
-            if found is None:
+            if not present:
                 missing.append(candidates(names[0][0])[-1][0])
                 continue
+            found = present[0]
+            others[found[1]] = [(c, flip) for _, c, flip in present[1:] if c != found[1]]
             plan.append((*found, names[0][1]))
         if missing:
             shown = ", ".join(map(repr, missing[:8]))

@@ -283,9 +283,12 @@ class Run:
                     f"eval_all found no checkpoint_*.mdl in {self.model_dir}; train first or "
                     "pass -o with a model directory that has checkpoints."
                 )
-            complete = [path for _, path in checkpoints if ckpt.is_complete_checkpoint(path)]
-            for path in sorted({p for _, p in checkpoints} - set(complete)):
-                log.warning("eval_all: skipping %s: it is incomplete or unreadable.", path)
+            complete = []
+            for _, path in checkpoints:
+                if ckpt.is_complete_checkpoint(path):
+                    complete.append(path)
+                else:
+                    log.warning("eval_all: skipping %s: it is incomplete or unreadable.", path)
             if not complete:
                 raise ValueError(
                     f"eval_all found no complete checkpoint in {self.model_dir}: every "
