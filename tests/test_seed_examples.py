@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import weightstream as cstorch
 from weightstream.context import start_run
@@ -48,3 +49,23 @@ def test_seed_training_then_evaluation_examples(backend, tmp_path, monkeypatch):
     acc = float(ev["accuracy"])
     assert acc > 0.8, acc  # 10 classes: chance is 0.1
     assert isinstance(cstorch.metrics.AccuracyMetric, type)
+
+
+def test_seed_training_example_with_compile_only_executes_nothing(tmp_path, monkeypatch):
+    """The seed's example with ``compile_only=True`` in its configure() call compiles
+    and runs no step: no loss printed, no checkpoint written, the weights as built."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(HERE))
+    sys.modules.pop("seed_support", None)
+    source = (HERE / "train.py").read_text()
+    call = "    checkpoint_steps=checkpoint_steps,\n"
+    assert source.count(call) == 1
+    source = source.replace(call, call + "    compile_only=True,\n")
+    ns = {"BACKEND": "wse_ws", "__name__": "__seed_example__"}
+    exec(compile(source, str(HERE / "train.py"), "exec"), ns)
+    assert ns["LOSSES"] == [] and ns["i"] == 0  # one batch, for the compile
+    assert list(tmp_path.glob("checkpoint_*.mdl")) == []
+    built = ns["make_model"]()
+    for name, value in ns["model"].state_dict().items():
+        torch.testing.assert_close(value, built.state_dict()[name], rtol=0, atol=0)
+    assert ns["compiled_model"].plan is not None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 import warnings
 
 import torch
@@ -23,11 +24,14 @@ from torch.utils import _pytree as pytree
 from weightstream.amp import step_helper
 from weightstream.amp.half import half_dtype_setting
 from weightstream.common.schema import MASTER_DTYPE_HINT
+from weightstream.executor import StepNotRun, only_compiling, step_context
 from weightstream.optim.binding import hosts
 from weightstream.runtime import swarm
 from weightstream.runtime.config import StreamingConfig
 from weightstream.runtime.engine import StreamingEngine
 from weightstream.runtime.recompute import UnitForward, checkpoint_units
+
+log = logging.getLogger("weightstream")
 
 
 class ExecutionMode(enum.Enum):
@@ -151,6 +155,8 @@ class CompiledModule(nn.Module):
         self._checkpointed = []
 
     def forward(self, *args, **kwargs):
+        if (mode := only_compiling()) is not None and step_context().in_step:
+            raise StepNotRun(mode, self._compile_without_running(*args, **kwargs))
         if self._engine is not None:
             return self._engine(*args, **kwargs)
         if self._on_meta:
@@ -164,6 +170,19 @@ class CompiledModule(nn.Module):
             torch.Tensor, lambda t: t.to(self.device, non_blocking=True), (args, kwargs)
         )
         return self._orig_mod(*args, **kwargs)
+
+    def _compile_without_running(self, *args, **kwargs) -> str:
+        """Plan the model for this batch, as a compile_only step does (Note [compile
+        only] in weightstream/executor.py); what was done, in words."""
+        if self._engine is None:
+            mode = self.mode.value.replace("_", " ")
+            return f"the model is compiled for {mode} execution (resident: nothing to plan)"
+        plan = self._engine.prepare(*args, **kwargs)
+        log.info("Streaming plan: %d units\n%s", len(plan.units), plan.describe())
+        return (
+            f"the model is planned for weight streaming in {len(plan.units)} units, the "
+            f"largest {plan.largest_unit_bytes / 2**20:,.1f} MiB of weights"
+        )
 
     # The original module's view of its own state, without the wrapper prefix.
     def state_dict(self, *args, **kwargs):

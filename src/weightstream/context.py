@@ -135,6 +135,9 @@ class RunContext:
     # Keys of the log lines said once a run, such as a data section's summary, which a
     # run builds more than once (the compile phase's example batch, then training).
     logged: set = field(default_factory=set)
+    # A compile_only or validate_only run's first step has planned the model
+    # (Note [compile only] in weightstream/executor.py): later steps return at once.
+    compiled_without_running: bool = False
 
 
 _run = RunContext()  # the current run: Note [run context]

@@ -12,16 +12,62 @@ an error, as in the reference.
 
 The step counter lives in the run's :class:`StepContext`, part of the run
 context (Note [run context] in weightstream/context.py).
+
+Note [compile only]
+-------------------
+``configure(compile_only=True)`` asks for a run that compiles the model and
+executes nothing; ``validate_only=True`` for one that only traces it. A script
+written for the reference runs as written: its first ``compile_step`` call
+runs the step function up to its first call of a compiled model, which fixes
+the weight-streaming plan for that batch (``StreamingEngine.prepare``: the
+trace and the units; a model on the meta device is planned too) and then ends
+the step without running the model (:class:`StepNotRun`, a ``BaseException``
+so that a user's ``except Exception`` does not swallow it; a compiled model
+called outside a step runs as usual). Nothing else runs:
+later ``compile_step`` calls return None at once, step and checkpoint closures
+are skipped (nothing was computed for them to see, and no checkpoint is
+written), and the DataLoader yields one batch, the one the compile needs. The
+``weightstream run`` command has its own compile_only and validate_only (the
+compile report, the footprint verdict) and drives no ``compile_step``.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 
 from weightstream.context import StepContext, current_config, current_run
 
-__all__ = ["StepContext", "checkpoint_closure", "compile_step", "step_closure", "step_context"]
+__all__ = [
+    "StepContext",
+    "StepNotRun",
+    "checkpoint_closure",
+    "compile_step",
+    "only_compiling",
+    "step_closure",
+    "step_context",
+]
+
+log = logging.getLogger("weightstream")
+
+
+class StepNotRun(BaseException):
+    """Ends a step of a compile_only or validate_only run at its first compiled-model
+    call, once the model is planned (Note [compile only])."""
+
+    def __init__(self, mode: str, what: str) -> None:
+        super().__init__(f"configure({mode}=True): {what}; the step ends here.")
+        self.mode, self.what = mode, what
+
+
+def only_compiling() -> str | None:
+    """ "compile_only" or "validate_only" when configure() asked for a run that
+    executes nothing (Note [compile only]), else None."""
+    config = current_config()
+    return (
+        "compile_only" if config.compile_only else "validate_only" if config.validate_only else None
+    )
 
 
 def step_context() -> StepContext:
@@ -44,6 +90,8 @@ def compile_step(fn: Callable) -> Callable:
                 f"compile_step function {fn.__name__!r} was called inside another step; a step "
                 "must contain the whole iteration and steps cannot be nested."
             )
+        if (mode := only_compiling()) is not None:
+            return _compile_without_running(fn, mode, ctx, args, kwargs)
         ctx.in_step = True
         try:
             result = fn(*args, **kwargs)
@@ -62,11 +110,39 @@ def compile_step(fn: Callable) -> Callable:
     return step
 
 
+def _compile_without_running(fn: Callable, mode: str, ctx: StepContext, args, kwargs):
+    """A step of a compile_only or validate_only run (Note [compile only])."""
+    run = current_run()
+    if run.compiled_without_running:
+        return None
+    run.compiled_without_running = True
+    ctx.in_step = True
+    try:
+        fn(*args, **kwargs)
+        what = f"step function {fn.__name__!r} called no compiled model"
+    except StepNotRun as stop:
+        what = stop.what
+    finally:
+        ctx.in_step = False
+        ctx._pending.clear()
+    log.warning(
+        "weightstream: configure(%s=True): %s. Nothing is executed: this and later steps "
+        "return None, step and checkpoint closures are skipped, and the DataLoader ends "
+        "after this batch. Leave %s False to train.",
+        mode,
+        what,
+        mode,
+    )
+    return None
+
+
 def step_closure(fn: Callable) -> Callable:
     """Run ``fn`` with materialised tensors: after the current step, or now outside one."""
 
     @functools.wraps(fn)
     def closure(*args, **kwargs):
+        if only_compiling() is not None:
+            return None  # nothing ran for it to see (Note [compile only])
         return step_context().after_step(fn, *args, **kwargs)
 
     return closure
@@ -81,6 +157,8 @@ def checkpoint_closure(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def closure(*args, **kwargs):
+        if only_compiling() is not None:
+            return None  # no checkpoint in a run that executes nothing (Note [compile only])
         ctx = step_context()
 
         def run():

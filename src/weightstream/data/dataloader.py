@@ -199,12 +199,15 @@ class DataLoader:
 
     def _iterate(self, generation: int) -> Iterator:
         from weightstream.context import LoaderSteps
-        from weightstream.executor import step_context
+        from weightstream.executor import only_compiling, step_context
 
+        # A run that executes nothing needs the batch its compile plans for, and no
+        # other (Note [compile only] in weightstream/executor.py).
+        count = 1 if only_compiling() is not None else len(self)
         # Checkpoint closures count this iteration's steps (Note [checkpoint steps]).
         steps = LoaderSteps(self._initial_step + self._batches_run // self._grad_accum_steps,
-                            len(self))  # fmt: skip
-        for _ in range(len(self)):
+                            count)  # fmt: skip
+        for _ in range(count):
             if generation != self._generation:
                 raise RuntimeError(
                     "This iteration of the DataLoader was superseded: a newer `for ... in "
