@@ -113,3 +113,4 @@ def test_validate_only_plans_a_model_too_large_to_build():
     plan = compiled.plan
     assert sum(u.numel for u in plan.units) == sum(p.numel() for p in model.parameters())
     assert len(plan.units) >= 32
+    assert "masters 25.1 GiB" in compiled.engine.describe_tiers()  # 6.74e9 x 4 bytes

@@ -179,6 +179,7 @@ class CompiledModule(nn.Module):
             return f"the model is compiled for {mode} execution (resident: nothing to plan)"
         plan = self._engine.prepare(*args, **kwargs)
         log.info("Streaming plan: %d units\n%s", len(plan.units), plan.describe())
+        log.info("Training state: %s", self._engine.describe_tiers())
         return (
             f"the model is planned for weight streaming in {len(plan.units)} units, the "
             f"largest {plan.largest_unit_bytes / 2**20:,.1f} MiB of weights"

@@ -126,7 +126,7 @@ def _compile_without_running(fn: Callable, mode: str, ctx: StepContext, args, kw
         ctx.in_step = False
         ctx._pending.clear()
     log.warning(
-        "weightstream: configure(%s=True): %s. Nothing is executed: this and later steps "
+        "configure(%s=True): %s. Nothing is executed: this and later steps "
         "return None, step and checkpoint closures are skipped, and the DataLoader ends "
         "after this batch. Leave %s False to train.",
         mode,
