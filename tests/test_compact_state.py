@@ -144,14 +144,6 @@ def test_checkpoint_round_trip_and_exact_resume(tmp_path, master_dtype, state_dt
     _assert_same(model, opt, resumed, opt2)
 
 
-def test_checkpoint_of_other_state_dtype_is_refused_with_fix(tmp_path):
-    model = _model(torch.float32)
-    opt = _optimizer(model, "float32")
-    other = _optimizer(_model(torch.float32), "int8")
-    with pytest.raises(ValueError, match="exp_avg_scale"):
-        other.load_state_dict(opt.state_dict())
-
-
 # ------------------------------------------------------------------ Kahan summation
 
 
@@ -406,9 +398,6 @@ def test_family_bad_state_format_is_refused_with_fix(name):
         cls([w], state_dtype=8)
     with pytest.raises(TypeError, match=f"{name}: kahan_summation must be True or False"):
         cls([w], kahan_summation="yes")
-    float32_state = cls([w]).state_dict()
-    with pytest.raises(ValueError, match="_scale"):
-        cls([w], state_dtype="int8").load_state_dict(float32_state)
 
 
 @pytest.mark.parametrize("name", OTHERS)
@@ -455,6 +444,37 @@ def test_run_with_bf16_masters_and_int8_state_resumes_exactly_and_exports_bf16(t
             assert torch.equal(value, b["optimizer"]["state"][i][key]), (i, key)
 
 
+def test_run_resumed_with_another_state_dtype_continues_from_the_converted_state(tmp_path):
+    """A run saved with int8 state and resumed without state_dtype (float32) trains on
+    from the decoded moments (Note [loading another state format]): over steps 5-8 its
+    weights move as the whole int8 run's do, to int8 state's rounding (measured: 12% of
+    how far they moved; the codes loaded as numbers missed by 100%), and its checkpoint
+    holds float32 state without the int8 scales."""
+    pytest.importorskip("tensorboard")
+    import params_files as pf
+    from test_run_command import _params
+
+    from weightstream import checkpoint as ckpt
+    from weightstream.cli.main import main
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    int8 = _params(tmp_path / "a", optimizer=pf.adamw(3e-3, weight_decay=0.01, state_dtype="int8"))
+    fp32 = _params(tmp_path / "b", optimizer=pf.adamw(3e-3, weight_decay=0.01))
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert main(["run", "CPU", "-p", str(int8), "-o", str(whole)]) == 0
+    assert main(["run", "CPU", "-p", str(int8), "-o", str(split), "--max_steps", "4"]) == 0
+    assert main(["run", "CPU", "-p", str(fp32), "-o", str(split)]) == 0  # resumes at 4
+    start = ckpt.load(whole / "checkpoint_4.mdl", map_location="cpu")["model"]
+    a = ckpt.load(whole / "checkpoint_8.mdl", map_location="cpu")
+    b = ckpt.load(split / "checkpoint_8.mdl", map_location="cpu")
+    for key, value in a["model"].items():
+        moved = (value - start[key]).abs().max()
+        assert (b["model"][key] - value).abs().max() <= 0.25 * moved, key
+    for st in b["optimizer"]["state"].values():
+        assert st["exp_avg"].dtype == torch.float32 and not any("scale" in k for k in st)
+
+
 def test_master_dtype_is_validated():
     from weightstream.cli.params import RunConfigParams
 
@@ -470,3 +490,62 @@ def test_params_state_dtype_is_validated():
         OptimizerParams.from_dict({"optimizer_type": "AdamW", "state_dtype": "int4"})
     given = OptimizerParams.from_dict({"optimizer_type": "AdamW", "state_dtype": "bfloat16"})
     assert given.optimizer_kwargs()["state_dtype"] == "bfloat16"
+
+
+# ------------------------------------------------------- loading another format
+
+FORMATS = ["float32", "bfloat16", "int8"]
+
+
+@pytest.mark.parametrize("name", ["AdamW", *OTHERS])
+@pytest.mark.parametrize("saved", FORMATS)
+@pytest.mark.parametrize("loaded", FORMATS)
+def test_state_of_another_format_loads_converted(name, saved, loaded):
+    """A resume with another state_dtype (Note [loading another state format]): 10 steps
+    in one format, its state loaded into the other, 10 more, land where float32 state
+    takes the parameters in 20 steps, to the few percent compact state costs. An int8
+    code loaded as a number (a moment 100x too large) misses by far more."""
+    init, grads = _small_problem(steps=20)
+    make = {
+        sd: lambda ps, sd=sd: getattr(cstorch.optim, name)(ps, state_dtype=sd, **FAMILY[name])
+        for sd in FORMATS
+    }
+    want, _ = _run_small(make["float32"], init, grads)
+    half, first = _run_small(make[saved], init, grads[:10])
+    params = [w.clone().requires_grad_(True) for w in half]
+    second = make[loaded](params)
+    second.load_state_dict(first.state_dict())
+    for state in second.state.values():  # no tensor of the saved format is left behind
+        assert {k for k, v in state.items() if torch.is_tensor(v) and k.endswith("_scale")} == (
+            {f"{k}_scale" for k in state if k.startswith("exp_") and "scale" not in k}
+            if loaded == "int8"
+            else set()
+        )
+    for g in grads[10:]:
+        for w, grad in zip(params, g):
+            w.grad = grad.clone()
+        second.step()
+    for w0, w, got in zip(init, want, params):
+        moved = (w - w0).abs().max()
+        assert (got.detach() - w).abs().max() < 0.05 * moved
+
+
+def test_float32_masters_state_loads_into_bf16_masters_with_a_zero_kahan_buffer():
+    """A checkpoint of fp32 masters has no Kahan buffer; bf16 masters resuming from it
+    start theirs at zero (no rounding residual known), for SGD and the Adam family."""
+    for make in (
+        lambda ps: cstorch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        lambda ps: cstorch.optim.AdamW(ps, lr=0.1),
+    ):
+        w32 = torch.nn.Parameter(torch.randn(300))
+        opt32 = make([w32])
+        w32.grad = torch.randn(300)
+        opt32.step()
+        w16 = torch.nn.Parameter(w32.detach().bfloat16())
+        opt16 = make([w16])
+        opt16.state[w16]["kahan_comp"].fill_(1.0)
+        opt16.load_state_dict(opt32.state_dict())
+        assert torch.equal(opt16.state[w16]["kahan_comp"], torch.zeros(300, dtype=torch.bfloat16))
+        w16.grad = torch.randn(300).bfloat16()
+        opt16.step()
+        assert torch.isfinite(w16).all()

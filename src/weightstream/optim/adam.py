@@ -27,10 +27,12 @@ from weightstream.optim._common import (
     zeros_like,
 )
 from weightstream.optim.compact import (
+    CODES,
     StepScalars,
     adam_step,
     adamax_step,
     check_kahan,
+    convert_moment,
     create_moment,
     is_compact,
     kahan_applies,
@@ -77,6 +79,21 @@ class _AdamFamily(_ZeroStateOptimizer):
             create_moment(state, p, key, self.state_dtype)
         if kahan_applies(p, self.kahan_summation):
             state["kahan_comp"] = zeros_like(p)
+
+    def _load_converts(self, saved: Any, key: str) -> bool:
+        # A moment coded in int8 on one side only (Note [loading another state format]).
+        moment = key.removesuffix("_scale")
+        if moment in CODES and moment in saved:
+            return (moment + "_scale" in saved) != (self.state_dtype == torch.int8)
+        return super()._load_converts(saved, key)
+
+    def _load_converted(self, state: dict[str, Any], saved: Any, key: str) -> None:
+        if key.endswith("_scale"):
+            return  # written with its moment
+        if key in CODES:
+            convert_moment(state, saved, key)
+        else:
+            super()._load_converted(state, saved, key)
 
     @torch.no_grad()
     def _update(self, groups: list[dict[str, Any]]) -> None:

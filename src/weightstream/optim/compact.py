@@ -268,6 +268,34 @@ class Moment:
         codes.copy_(magnitude.view(-1)[: end - start])
 
 
+def convert_moment(state: dict[str, Any], saved: Any, key: str) -> None:
+    """Moment ``key`` of ``saved`` (one parameter's state in any format: float, or
+    int8 codes with ``key + "_scale"``) into ``state``'s tensors in their format, a
+    chunk at a time through float32 (Note [loading another state format] in
+    optim/optimizer.py)."""
+    scale = key + "_scale"
+    source = Moment({key: saved[key], **({scale: saved[scale]} if scale in saved else {})}, key)
+    target = Moment(state, key)
+    n = target.codes.numel()
+    if source.codes.numel() != n:
+        raise ValueError(
+            f"load_state_dict: state {key!r} has {source.codes.numel()} values in the state "
+            f"dict but {n} here. Fix: load it into an optimizer over the same model."
+        )
+    with torch.no_grad():
+        for start in range(0, n, CHUNK):
+            end = min(start + CHUNK, n)
+            values = source.read(start, end)
+            if target.scale is None:
+                target.codes[start:end].copy_(values[: end - start])
+                continue
+            padded = torch.zeros(_ceil_div(end - start, BLOCK) * BLOCK, dtype=torch.float32)
+            padded[: end - start].copy_(values[: end - start])
+            if target.stores_root:
+                padded.sqrt_()
+            target.write(padded, start, end)
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 

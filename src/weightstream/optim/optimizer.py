@@ -277,7 +277,7 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
         for index, p in index_to_param.items():
             saved = saved_state.get(index, {})
             for key, current in self.state[p].items():
-                if not isinstance(current, Tensor):
+                if not isinstance(current, Tensor) or self._load_converts(saved, key):
                     continue
                 shape = _saved_shape(saved, key)
                 if shape is None:
@@ -306,7 +306,11 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
                 for key, tensor in preinitialized[p].items():
                     if not isinstance(tensor, Tensor):
                         continue
-                    if skip is None or not skip(p):
+                    if (skip is None or not skip(p)) and self._load_converts(
+                        saved_state.get(index, {}), key
+                    ):
+                        self._load_converted(preinitialized[p], saved_state[index], key)
+                    elif skip is None or not skip(p):
                         value = loaded.get(key)
                         if not (isinstance(value, Tensor) and value.dtype == tensor.dtype):
                             # torch cast it to another dtype: copy from the saved value.
@@ -316,6 +320,35 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
                         release_pages([tensor, value])
                         del value
                     loaded[key] = tensor
+                # Saved tensors of another state format (an int8 moment's scales, a
+                # Kahan buffer this optimizer does not keep) go: left in the state they
+                # would be saved again, and read as this format's by a later load.
+                for key in [k for k, v in loaded.items() if isinstance(v, Tensor)]:
+                    if key not in preinitialized[p]:
+                        del loaded[key]
+
+    # Note [loading another state format]
+    # -----------------------------------
+    # A checkpoint's optimizer state may be of another format than the optimizer
+    # loading it: the Adam family's moments in float32, bfloat16 or int8 codes with
+    # scales (Note [compact optimizer state] in optim/compact.py), a Kahan buffer kept
+    # or not (Note [Kahan summation]), as when a run resumes with another state_dtype
+    # or master_dtype. Floating formats load by a dtype cast, as torch's own load
+    # does; a state the optimizer keeps and the checkpoint has in no castable form
+    # is converted here (``_load_converts`` says which, ``_load_converted`` does it):
+    # a Kahan buffer the checkpoint lacks starts at zero (no rounding residual
+    # known), and the Adam family decodes and re-encodes moments into or out of int8
+    # codes. An int8 code copied as a number would be a moment 100x too large.
+
+    def _load_converts(self, saved: Any, key: str) -> bool:
+        """Whether state ``key`` loads by conversion from ``saved`` (one parameter's
+        saved state), not by a copy (Note [loading another state format])."""
+        return key == "kahan_comp" and key not in saved
+
+    def _load_converted(self, state: dict[str, Any], saved: Any, key: str) -> None:
+        """Set ``state[key]`` (preinitialized tensors) from ``saved`` in its format."""
+        assert key == "kahan_comp", key
+        state[key].zero_()
 
     def _map_saved_indices(self, state_dict: dict[str, Any]) -> dict[Any, Tensor]:
         saved_groups = state_dict.get("param_groups")

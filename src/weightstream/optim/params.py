@@ -71,7 +71,8 @@ class OptimizerParams:
         doc="The Adam family (Adam, AdamW, NAdam, RAdam, Adamax): the dtype of the two "
         "moments. float32 (8 bytes a parameter), bfloat16 (4), int8 (2, with one float32 "
         "scale per block of 256: Note [compact optimizer state] in optim/compact.py); "
-        "null: float32.",
+        "null: float32. A run may resume from a checkpoint of another state_dtype: its "
+        "moments load converted (Note [loading another state format]).",
     )
     max_gradient_norm: float | None = setting(
         None, ge=0, doc="Clip the gradients' global norm to this (excludes max_gradient_value)."
