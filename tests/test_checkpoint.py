@@ -1217,6 +1217,7 @@ def test_trainer_checkpoint_helpers(tmp_path):
     messages = [str(w.message) for w in warned]
     assert len(messages) == 2 and "checkpoint_300.mdl (step 300)" in messages[0]
     assert "checkpoint_200.mdl (step 200): it is incomplete or unreadable" in messages[1]
+    assert all("the newest complete one is checkpoint_100.mdl" in m for m in messages)
     assert latest == checkpoint_path(model_dir, 100)
     assert load(latest, "cpu")["step"] == 100
 

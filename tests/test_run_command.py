@@ -352,6 +352,52 @@ def test_eval_all_skips_an_incomplete_checkpoint_as_a_resume_does(tmp_path, run_
     assert f"eval_all: skipping {newest}: it is incomplete" in run_log.text
 
 
+def test_a_run_from_checkpoint_path_evaluates_what_it_trained_and_keeps_newer_checkpoints(
+    tmp_path, run_log
+):
+    """train_and_eval resuming from checkpoint_path (step 4 of another run) evaluates its
+    own newest checkpoint, as -m eval of its model_dir does; the same command again would
+    replace that run's checkpoints after step 4, so it stops and changes nothing."""
+    params = _params(tmp_path, eval_steps=1)
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert main(["run", "CPU", "-p", str(params), "-o", str(first), "--max_steps", "4"]) == 0
+    start = first / "checkpoint_4.mdl"
+    argv = ["run", "CPU", "-p", str(params), "-o", str(second), "--checkpoint_path", str(start)]
+    assert main([*argv, "-m", "train_and_eval"]) == 0
+    assert [s for s, _ in _scalars(second / "eval", "loss")] == [8]
+    assert main(["run", "CPU", "-p", str(params), "-o", str(second), "-m", "eval"]) == 0
+    losses = [v for _, v in _scalars(second / "eval", "loss")]
+    assert len(losses) == 2 and losses[0] == losses[1]
+    before = {p.name: p.read_bytes() for p in second.glob("checkpoint_*.mdl")}
+    assert sorted(before) == ["checkpoint_8.mdl"]
+    run_log.clear()
+    assert main([*argv, "-m", "train"]) != 0
+    text = run_log.text
+    assert "holds checkpoints after global step 4" in text and "(checkpoint_8.mdl)" in text
+    assert "leave checkpoint_path out" in text and "global_step =" not in text
+    assert {p.name: p.read_bytes() for p in second.glob("checkpoint_*.mdl")} == before
+
+
+def test_a_model_dir_whose_only_checkpoint_is_damaged_is_not_trained_over(tmp_path, run_log):
+    """No complete checkpoint to resume from: a run from step 0 would replace the damaged
+    one (the evidence), so it stops and changes nothing; moved away, training starts."""
+    params = _params(tmp_path, max_steps=4, checkpoint_steps=4)
+    model_dir = tmp_path / "m"
+    argv = ["run", "CPU", "-p", str(params), "-o", str(model_dir)]
+    assert main(argv) == 0
+    damaged = model_dir / "checkpoint_4.mdl"
+    with open(damaged, "r+b") as f:
+        f.truncate(damaged.stat().st_size // 2)
+    before = damaged.read_bytes()
+    run_log.clear()
+    with pytest.warns(UserWarning, match="no complete one is left"):
+        assert main(argv) != 0
+    assert "none is complete and readable" in run_log.text and "global_step =" not in run_log.text
+    assert damaged.read_bytes() == before
+    damaged.rename(tmp_path / "kept.mdl")
+    assert main(argv) == 0 and (model_dir / "checkpoint_4.mdl").exists()
+
+
 def test_a_run_that_does_not_resume_refuses_an_earlier_runs_checkpoints(tmp_path, run_log):
     """autoload_last_checkpoint: false in a model_dir with checkpoints: the run would
     replace some of them (and keep the others), so it stops first and changes nothing."""

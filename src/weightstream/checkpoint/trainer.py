@@ -70,15 +70,21 @@ def find_latest_checkpoint(model_dir: str | os.PathLike) -> Path | None:
 
     Incomplete or unreadable ``checkpoint_*.mdl`` files are skipped with a warning.
     """
+    skipped = []
+    found = None
     for step, path in reversed(list_checkpoints(model_dir)):
         if is_complete_checkpoint(path):
-            return path
+            found = path
+            break
+        skipped.append((step, path))
+    for step, path in skipped:
+        newest = f"the newest complete one is {found.name}" if found else "no complete one is left"
         warnings.warn(
-            f"skipping {path} (step {step}): it is incomplete or unreadable; resuming from "
-            "an earlier checkpoint. Delete it once you no longer need it for inspection.",
+            f"skipping {path} (step {step}): it is incomplete or unreadable; {newest}. It is "
+            f"kept for inspection until a run trains past step {step} and replaces it.",
             stacklevel=2,
         )
-    return None
+    return found
 
 
 def prune_checkpoints(model_dir: str | os.PathLike, max_checkpoints: int | None) -> list[Path]:

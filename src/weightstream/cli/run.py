@@ -273,7 +273,10 @@ class Run:
             if self.mode == "train_and_eval" and not (
                 self.rc.compile_only or self.rc.validate_only
             ):
-                self.evaluate(self._latest_or_given())
+                # What this run trained: its newest checkpoint, never the one it
+                # started from (checkpoint_path).
+                latest = ckpt.find_latest_checkpoint(self.model_dir)
+                self.evaluate(latest or self._latest_or_given())
         elif self.mode == "eval":
             self.evaluate(self._latest_or_given())
         elif self.mode == "eval_all":
@@ -315,6 +318,41 @@ class Run:
                 "autoload_last_checkpoint: true to resume from the newest."
             )
 
+    def _refuse_unreadable_checkpoints(self) -> None:
+        """model_dir's checkpoints are all incomplete or unreadable: starting over at step
+        0 would replace them one by one, the evidence of what went wrong with them."""
+        bad = ckpt.list_checkpoints(self.model_dir)
+        if bad:
+            names = ", ".join(path.name for _, path in bad[:4]) + (", ..." if len(bad) > 4 else "")
+            raise ValueError(
+                f"{self.model_dir} holds checkpoints ({names}), but none is complete and "
+                "readable, so there is nothing to resume from; training from step 0 would "
+                "replace them. Fix: move them away (or delete them) to train from the start, "
+                "or resume from a good copy with --checkpoint_path."
+            )
+
+    def _refuse_newer_checkpoints(self, start: Path) -> None:
+        """A run resuming from checkpoint_path at step N writes checkpoints after N under
+        their names: model_dir's own checkpoints after N would be replaced (invariant 3),
+        as when the command that trained them is run again."""
+        try:
+            with ckpt.load(start) as state:  # lazy: reads the one value
+                step = state.get("global_step")
+        except (ckpt.CheckpointError, OSError, AttributeError, TypeError):
+            return  # resuming reports what is wrong with it
+        if not isinstance(step, int):
+            return
+        newer = [path for s, path in ckpt.list_checkpoints(self.model_dir) if s > step]
+        if newer:
+            names = ", ".join(path.name for path in newer[:4]) + (", ..." if len(newer) > 4 else "")
+            raise ValueError(
+                f"{self.model_dir} holds checkpoints after global step {step}, where "
+                f"checkpoint_path {start} starts ({names}): training from there would replace "
+                "them. Fix: to continue this model_dir's run, leave checkpoint_path out (it "
+                f"resumes from its newest, {newer[-1].name}); to train again from step {step}, "
+                "use a new model_dir (-o)."
+            )
+
     def _latest_or_given(self) -> Path:
         # With load_checkpoint_states, checkpoint_path is where training started
         # from: evaluate the run's own newest checkpoint, else that start.
@@ -337,6 +375,11 @@ class Run:
         own = ckpt.find_latest_checkpoint(self.model_dir) if rc.autoload_last_checkpoint else None
         if not rc.autoload_last_checkpoint and not (rc.validate_only or rc.compile_only):
             self._refuse_earlier_checkpoints()
+        if not (rc.validate_only or rc.compile_only):
+            if rc.checkpoint_path and not rc.warm_start_states:
+                self._refuse_newer_checkpoints(Path(rc.checkpoint_path))
+            elif own is None and rc.autoload_last_checkpoint:
+                self._refuse_unreadable_checkpoints()
         warm = rc.warm_start_states if own is None else []
         self._check_vocabulary()
         peft = p.peft is not None
