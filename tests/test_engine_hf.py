@@ -4,6 +4,7 @@ weights equal to eager PyTorch."""
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -132,3 +133,90 @@ def test_the_compile_costs_of_a_llama_without_its_cache_match_a_real_step():
     )
     assert real <= counted <= 1.07 * real
     del loss
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma", "opt", "falcon"])
+def test_a_model_built_on_meta_gets_the_initialization_from_config_gives(arch):
+    """A transformers model materialized from the meta device (the run command's
+    ``model: {name: hf}``, the disk store) starts as transformers' own ``from_config``
+    builds it: each tensor's spread is the library's (initializer_range normals, unit
+    norms, each architecture's overrides), not torch's layer defaults (std 1
+    embeddings: a first loss of 50 on a tied vocabulary of 256)."""
+    transformers = pytest.importorskip("transformers")
+    from weightstream.models import hf
+
+    small = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=4,
+    )  # fmt: skip
+    configs = {
+        "llama": lambda: transformers.LlamaConfig(num_hidden_layers=2, **small),
+        "gemma": lambda: transformers.GemmaConfig(num_hidden_layers=2, head_dim=16, **small),
+        "opt": lambda: transformers.OPTConfig(
+            vocab_size=256, hidden_size=64, ffn_dim=128, num_attention_heads=4,
+            num_hidden_layers=2, word_embed_proj_dim=64,
+        ),
+        "falcon": lambda: transformers.FalconConfig(
+            vocab_size=256, hidden_size=64, num_attention_heads=4, num_hidden_layers=2
+        ),
+    }  # fmt: skip
+    config = configs[arch]()
+    torch.manual_seed(0)
+    theirs = transformers.AutoModelForCausalLM.from_config(config)
+    torch.manual_seed(0)
+    ours = hf.build(config, "cpu")
+    mine = dict(ours.named_parameters())
+    for name, want in theirs.named_parameters():
+        got = mine[name]
+        if want.numel() < 64 or want.std() == 0:  # constants (norms, biases) exactly
+            assert torch.equal(got, want), name
+        else:
+            assert abs(got.std().item() / want.std().item() - 1) < 0.15, name
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        loss = ours(input_ids=ids, labels=ids).loss.item()
+    assert abs(loss - math.log(256)) < 0.5, loss
+
+
+def _falcon():
+    cfg = transformers.FalconConfig(
+        vocab_size=300, hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.FalconForCausalLM(cfg)  # parallel attention, one fused qkv
+
+
+@pytest.mark.parametrize("make", [_llama, _falcon], ids=["llama", "falcon"])
+@pytest.mark.parametrize("backend", ["wse_ws", "wse_lp"])
+def test_activation_checkpointing_of_a_transformers_model_trains_like_eager(make, backend):
+    """Checkpointed decoder layers recompute their forward; transformers' key/value
+    cache (on by default) would take each position twice, so training calls run
+    with use_cache=False (Note [activation checkpointing]), and a padded batch's
+    mask trains bit for bit as eager."""
+    torch.manual_seed(0)
+    ref = make()
+    torch.manual_seed(0)
+    model = make()
+    layer = type(model.model.layers[0] if hasattr(model, "model") else model.transformer.h[0])
+    kwargs = {"unit_classes": [layer]} if backend == "wse_ws" else {}
+    runner = cstorch.compile(model, backend=backend, activation_checkpointing=True, **kwargs)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, :5] = 0  # a left-padded row
+    for step in range(3):
+        x = torch.randint(0, 300, (2, 16), generator=g)
+        expected = ref(input_ids=x, attention_mask=mask, labels=x).loss
+        expected.backward()
+        loss = runner(input_ids=x, attention_mask=mask, labels=x).loss
+        loss.backward()
+        assert torch.equal(loss, expected), step
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad()
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b), name
+    assert runner.recomputed_modules if backend == "wse_lp" else runner.engine._recompute
+    with pytest.warns(UserWarning, match="use_cache=True is ignored"):
+        runner(input_ids=x, attention_mask=mask, labels=x, use_cache=True).loss.backward()

@@ -29,7 +29,7 @@ from weightstream.optim.binding import hosts
 from weightstream.runtime import swarm
 from weightstream.runtime.config import StreamingConfig
 from weightstream.runtime.engine import StreamingEngine
-from weightstream.runtime.recompute import UnitForward, checkpoint_units
+from weightstream.runtime.recompute import UnitForward, checkpoint_units, without_cache
 
 log = logging.getLogger("weightstream")
 
@@ -169,6 +169,8 @@ class CompiledModule(nn.Module):
         args, kwargs = pytree.tree_map_only(
             torch.Tensor, lambda t: t.to(self.device, non_blocking=True), (args, kwargs)
         )
+        if self._checkpointed:
+            kwargs = without_cache(self._orig_mod, kwargs)
         return self._orig_mod(*args, **kwargs)
 
     def _compile_without_running(self, *args, **kwargs) -> str:

@@ -10,9 +10,12 @@ bit: the random numbers are drawn in the same order, by the same rules.
 
 The rule for a module is the root model's ``init_module(name, module)`` when
 the model defines one (the zoo's models do: their normal(0.02) matrices, scaled
-residual projections, zero biases), else the module's own
-``reset_parameters()`` (every ``torch.nn`` layer with parameters has one), else,
-for a transformers model, the library's ``_init_weights(module)``. Parameters a
+residual projections, zero biases); for a transformers model, the library's
+``_init_weights(module)`` (its ``initializer_range`` normals, unit norms, each
+architecture's own overrides: what ``from_config`` gives), after the module's
+``reset_parameters()`` where it has one, for what the library's rule leaves
+alone; else ``reset_parameters()`` (every ``torch.nn`` layer with parameters has
+one). Parameters a
 checkpoint will provide can be left undrawn (``skip``); so can those of modules
 without any rule, for a load to fill (``without_rule="leave"``).
 
@@ -35,12 +38,15 @@ Allocate = Callable[[nn.Parameter], torch.Tensor]
 def _initialize(model: nn.Module, name: str, module: nn.Module) -> bool:
     """Initialize ``module``'s own parameters by ``model``'s rule (see the module doc);
     False when there is no rule for it."""
+    hf_init = getattr(model, "_init_weights", None)  # a transformers PreTrainedModel
     if getattr(model, "init_module", None) is not None:
         model.init_module(name, module)
     elif hasattr(module, "reset_parameters"):
         module.reset_parameters()
-    elif getattr(model, "_init_weights", None) is not None:  # a transformers PreTrainedModel
-        model._init_weights(module)  # the library's own rule (config.initializer_range)
+        if hf_init is not None:
+            hf_init(module)  # torch's defaults are not the library's (std 1 embeddings)
+    elif hf_init is not None:
+        hf_init(module)
     else:
         return False
     return True

@@ -54,7 +54,10 @@ class OptimizerParams:
         None,
         ge=0,
         doc="The optimizer's weight decay (null: its default, 0 for Adam and AdamW, where "
-        "torch.optim.AdamW takes 0.01).",
+        "torch.optim.AdamW takes 0.01). The run command applies it to every parameter "
+        "but biases and norm layers' weights (cstorch.optim.param_groups_with_weight_decay), "
+        "as the reference's model zoo does; to compare with torch.optim over "
+        "model.parameters(), use those groups there too.",
     )
     betas: tuple[float, float] | None = setting(
         None, doc="The Adam family's two moment decays, each in [0, 1)."

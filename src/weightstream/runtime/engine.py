@@ -23,7 +23,7 @@ from weightstream.runtime.memoryx import MemoryX, RamTier
 from weightstream.runtime.offload import ActivationOffload
 from weightstream.runtime.partition import Plan, build_plan
 from weightstream.runtime.placement import Placement, PlacementPlan, default_budget, device_tier
-from weightstream.runtime.recompute import recomputed_units
+from weightstream.runtime.recompute import recomputed_units, without_cache
 from weightstream.runtime.sharding import ShardedStore, unit_group_params, unit_groups
 from weightstream.runtime.store import DiskStore
 from weightstream.runtime.streamer import Streamer
@@ -810,6 +810,8 @@ class StreamingEngine:
             self._compile(args, kwargs)
         if self._auto_tier == "due":
             self._place_auto_tier()
+        if self._recompute:
+            kwargs = without_cache(self.module, kwargs)
         streamer = self.streamer
         streamer.begin_forward()
         try:

@@ -56,8 +56,11 @@ streamer (Note [streaming and autograd] in streamer.py):
   from the changed value (BatchNorm in training mode normalizes by the batch's
   statistics, so its recompute is exact). Other side effects of a forward
   happen again in its recompute: a transformers layer appends to the key/value
-  cache it is given, so train with ``use_cache=False`` (as transformers' own
-  gradient checkpointing requires; the run command does).
+  cache it is given, which then holds every position twice (the attention's
+  shapes no longer match). So a call with grad enabled of a model with
+  checkpointed units gets ``use_cache=False`` (:func:`without_cache`), as
+  transformers' own gradient checkpointing sets it in training, with a warning
+  where the caller asked for the cache.
 * Which units. A unit whose window encloses other units (pinned) is not
   checkpointed: recomputing it would re-run every unit inside it, a second
   streaming forward inside the backward; the units inside are checkpointed
@@ -80,6 +83,7 @@ the same settings give, built from the module structure (:func:`checkpoint_units
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -204,6 +208,24 @@ def recomputed_units(plan: Plan, trace: Trace | None) -> set[int]:
             for stack in stacks:
                 reads_outside.update(m for m in stack if m in own and pid not in own[m])
     return {u.index for mid, u in held.items() if mid not in reads_outside}
+
+
+def without_cache(module: nn.Module, kwargs: dict) -> dict:
+    """``kwargs`` for a call with grad enabled of ``module`` whose units are recomputed:
+    a transformers model's key/value cache off (Note [activation checkpointing])."""
+    config = getattr(module, "config", None)
+    asked = kwargs.get("use_cache")
+    if not torch.is_grad_enabled() or not (asked or getattr(config, "use_cache", False)):
+        return kwargs
+    if asked:
+        warnings.warn(
+            "weightstream: use_cache=True is ignored while activation checkpointing "
+            "recomputes the model's layers (a recompute would append to the key/value "
+            "cache again); this call runs with use_cache=False, as transformers' gradient "
+            "checkpointing does. Fix: leave use_cache out of training calls.",
+            stacklevel=3,
+        )
+    return {**kwargs, "use_cache": False}
 
 
 def checkpoint_units(module: nn.Module, config: StreamingConfig) -> list[UnitForward]:
