@@ -285,7 +285,7 @@ def test_checkpoint_of_another_model_is_refused(tmp_path, error_log):
     assert _run(params, model_dir, "--max_steps", "6") == 2
     message = _errors(error_log)
     assert f"cannot resume from {ckpt.checkpoint_path(model_dir, 3)}" in message
-    assert "size mismatch" in message and "another params file" in message
+    assert "size mismatch" in message and "other model settings (model.d_model: " in message
     assert _snapshot(model_dir) == before
 
 

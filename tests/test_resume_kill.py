@@ -355,6 +355,48 @@ def test_twenty_kills_resume_bit_for_bit(tmp_path):
     print("\n".join(result["plan"]))
 
 
+def _stopped_at(launch: Launch) -> None:
+    while not launch.stopped():
+        if launch.proc.poll() is not None or launch.overdue():
+            launch.kill()
+            pytest.fail(f"the run did not reach its crash point:\n{launch.output()}")
+        time.sleep(0.005)
+
+
+def test_sigterm_mid_save_removes_the_temporary_and_sigkill_leaves_one_for_the_next_run(
+    tmp_path,
+):
+    """SIGTERM (a scheduler's stop) in the middle of writing a checkpoint ends the run as
+    Ctrl-C does: the temporary file goes, the exit code is 143 and the log says how to
+    resume. SIGKILL cannot clean up; the next run removes what it left (its process is
+    gone) and trains on to the end."""
+    params, model_dir = _params(tmp_path / "p.yaml", max_steps=6), tmp_path / "m"
+    temporaries = lambda: sorted(p.name for p in model_dir.glob(".checkpoint_*.tmp"))  # noqa: E731
+
+    term = Launch(params, model_dir, tmp_path / "term.log", crash_point="save.leaf:3")
+    _stopped_at(term)
+    assert len(temporaries()) == 1  # the first save, half written
+    term.proc.send_signal(signal.SIGTERM)
+    term.proc.send_signal(signal.SIGCONT)
+    assert term.wait() == 128 + signal.SIGTERM
+    assert temporaries() == [] and not list(model_dir.glob("checkpoint_*.mdl"))
+    assert "the run stopped: SIGTERM" in term.output() and "rerun the same command" in (
+        term.output()
+    )
+
+    kill = Launch(params, model_dir, tmp_path / "kill.log", crash_point="save.leaf:3")
+    _stopped_at(kill)
+    kill.kill()
+    kill.wait()
+    left = temporaries()
+    assert len(left) == 1
+
+    rerun = Launch(params, model_dir, tmp_path / "rerun.log")
+    assert rerun.wait() == 0
+    assert f"Removed {left[0]}" in rerun.output() and temporaries() == []
+    assert _latest_step(model_dir) == 6
+
+
 def test_loss_log_is_cut_back_to_the_step_a_run_starts_from(tmp_path):
     path = tmp_path / "train" / "losses.jsonl"
     path.parent.mkdir()

@@ -398,6 +398,26 @@ def test_a_model_dir_whose_only_checkpoint_is_damaged_is_not_trained_over(tmp_pa
     assert main(argv) == 0 and (model_dir / "checkpoint_4.mdl").exists()
 
 
+def test_a_checkpoint_of_another_model_is_refused_naming_the_settings_that_differ(
+    tmp_path, run_log
+):
+    """Resuming (or evaluating) a checkpoint of a GPT-2 of width 32 with a params file of
+    width 64 says which model settings differ, not only torch's list of every tensor."""
+    model_dir = tmp_path / "m"
+    assert (
+        main(["run", "CPU", "-p", str(_params(tmp_path, max_steps=4)), "-o", str(model_dir)]) == 0
+    )
+    raw = yaml.safe_load(_params(tmp_path, max_steps=8).read_text())
+    raw["model"]["d_model"] = 64
+    wider = pf.write(tmp_path / "wider.yaml", raw)
+    for mode in ("train", "eval"):
+        run_log.clear()
+        assert main(["run", "CPU", "-p", str(wider), "-m", mode, "-o", str(model_dir)]) == 2
+        (error,) = {r.getMessage() for r in run_log.records if r.levelname == "ERROR"}
+        assert "other model settings (model.d_model: 32 in the checkpoint, 64 here)" in error
+        assert "size mismatch" in error and "more lines" in error and error.count("\n") == 0
+
+
 def test_a_run_that_does_not_resume_refuses_an_earlier_runs_checkpoints(tmp_path, run_log):
     """autoload_last_checkpoint: false in a model_dir with checkpoints: the run would
     replace some of them (and keep the others), so it stops first and changes nothing."""

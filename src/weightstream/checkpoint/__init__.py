@@ -35,6 +35,7 @@ from weightstream.checkpoint.trainer import (
     is_trainer_checkpoint,
     list_checkpoints,
     prune_checkpoints,
+    remove_stale_temporaries,
 )
 from weightstream.checkpoint.writer import save
 
@@ -57,6 +58,7 @@ __all__ = [
     "list_checkpoints",
     "load",
     "prune_checkpoints",
+    "remove_stale_temporaries",
     "save",
     "write_safetensors",
     "write_torch",

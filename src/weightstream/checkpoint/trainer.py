@@ -9,6 +9,7 @@ so pruning cannot delete the last good checkpoint because a newer one is bad.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import warnings
@@ -63,6 +64,35 @@ def is_trainer_checkpoint(path: str | os.PathLike) -> bool:
             return isinstance(state, dict) and isinstance(state.get("model"), dict)
     except Exception:  # unreadable: the caller's own load reports what is wrong
         return False
+
+
+_TEMPORARY = re.compile(r"^\.checkpoint_\d+\.mdl\.(\d+)-[0-9a-f]+\.tmp$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_temporaries(model_dir: str | os.PathLike) -> list[tuple[Path, int]]:
+    """Delete the temporary files of checkpoint saves whose process is gone (killed
+    with SIGKILL mid-save: Note [atomic save] in checkpoint/writer.py); a live
+    process's, a save under way, stay. Returns (path, size in bytes) of each."""
+    directory = Path(os.fspath(model_dir))
+    removed = []
+    for entry in directory.iterdir() if directory.is_dir() else ():
+        match = _TEMPORARY.match(entry.name)
+        if match and entry.is_file() and not _alive(int(match.group(1))):
+            size = entry.stat().st_size
+            with contextlib.suppress(FileNotFoundError):
+                entry.unlink()
+                removed.append((entry, size))
+    return removed
 
 
 def find_latest_checkpoint(model_dir: str | os.PathLike) -> Path | None:

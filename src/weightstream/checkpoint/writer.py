@@ -9,9 +9,11 @@ target and fsyncs the directory. Until that rename the target is untouched, so
 a crash or a kill at any moment leaves the previous checkpoint intact; the
 temporary file is hidden (``.{name}.{pid}-{token}.tmp``), never matches
 ``checkpoint_{step}.mdl`` and has no ``__SUCCESS__``. On any exception
-(KeyboardInterrupt included) it is deleted before the exception propagates. A
-process killed with SIGKILL cannot clean up: its temporary file stays behind,
-harmless, until someone deletes it.
+(KeyboardInterrupt included) it is deleted before the exception propagates; the
+run command turns SIGTERM (a job scheduler's stop, torchrun's) into such an
+exception. A process killed with SIGKILL cannot clean up: its temporary file
+stays behind, harmless, until the next run in that model_dir deletes it
+(``remove_stale_temporaries``: the files of processes that are gone).
 
 # Note [save memory]
 

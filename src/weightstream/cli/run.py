@@ -16,8 +16,10 @@ import dataclasses
 import logging
 import os
 import random
+import signal
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -491,6 +493,10 @@ class Run:
             if swarm.is_main()
             else NoScalarWriter()
         )
+        if swarm.is_main():
+            for path, size in ckpt.remove_stale_temporaries(self.model_dir):
+                log.info("Removed %s (%d bytes): the temporary file of a save killed midway.",
+                         path.name, size)  # fmt: skip
         steps = dataloader.num_steps
         log.info("Training %d steps from global step %d", steps, trainer.global_step)
         try:
@@ -655,6 +661,7 @@ class Run:
                 task=self.task,
                 model_dir=self.model_dir,
                 model_keys=_trained_keys(model) if peft else None,
+                metadata={"params": _recorded_params(p)},  # to name a mismatched checkpoint's
             ),
             model,
             _Autocast(compiled, self._autocast),
@@ -818,6 +825,31 @@ class _Autocast:
         return self.compiled.no_sync()
 
 
+class Stopped(BaseException):
+    """SIGTERM asked the run to stop: raised where the main thread is, so that what it
+    was doing ends as on Ctrl-C (a save in progress removes its temporary file)."""
+
+
+@contextlib.contextmanager
+def _stopped_by_sigterm():
+    # Signal handlers belong to the main thread. Under data parallel the default stays:
+    # torchrun stops the other ranks with SIGTERM when one fails, and a rank blocked in
+    # a collective with the failed one would see the exception only when it times out.
+    single = int(os.environ.get("WORLD_SIZE", "1")) == 1
+    if not single or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Stopped()
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``weightstream run``; returns the exit code."""
     _setup_logging()
@@ -848,7 +880,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:
-        return Run(params, args.mode, args.target).execute()
+        with _stopped_by_sigterm():
+            return Run(params, args.mode, args.target).execute()
+    except (KeyboardInterrupt, Stopped) as exc:
+        if os.environ.get("RANK", "0") == "0":  # one line for the run, not one a rank
+            cause = "interrupted (Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else "SIGTERM"
+            log.error(
+                "the run stopped: %s. A checkpoint being saved was discarded; the newest "
+                "complete one in %s is intact: rerun the same command to resume from it.",
+                cause,
+                model_dir,
+            )
+        return 130 if isinstance(exc, KeyboardInterrupt) else 128 + signal.SIGTERM
     except (ValueError, TypeError, OSError, FloatingPointError, ImportError) as exc:
         message = str(exc)
         if (

@@ -199,7 +199,9 @@ def run(run, compiled, args: tuple, batch_size: int, kwargs: dict | None = None)
     costs, est, probe = found
     if ranks > 1:  # gloo on one host: gpt2_tiny_ws on 2 ranks measured 0.73 x the estimate
         est.notes.append(f"one rank's step x {ranks} ranks: their collectives are not priced")
-    path = write_compile_dir(root, checksum, plan, costs, est, probe, settings=settings)
+    path = root / f"ws_{checksum}"
+    if swarm.is_main():  # one writer: rank 0's estimate is the one the run reports
+        path = write_compile_dir(root, checksum, plan, costs, est, probe, settings=settings)
     rate, bound = est.est_samples_per_sec * ranks, est.bound
     log.info("Compiled into %s: estimated %.3g samples/sec (bound by %s)", path, rate, bound)
     return {"est_samples_per_sec": rate, "cache_hit": False}

@@ -204,12 +204,18 @@ class Trainer:
             # torch's load_state_dict raises RuntimeError on missing keys and shape
             # mismatches; the others come from a state of another structure.
             what = "load the weights of" if weights_only else "resume from"
+            differ = _settings_differ(state, self.s.metadata)
+            cause = (
+                f"it was written with other model settings ({'; '.join(differ)})"
+                if differ
+                else "it was probably written with another params file (model, optimizer or "
+                "data settings)"
+            )
             raise ValueError(
-                f"cannot {what} {path}: {type(e).__name__}: {e} The checkpoint does not "
-                "fit this run: it was probably written with another params file (model, "
-                "optimizer or data settings). Resume with the params file it was written with "
-                "(a run keeps it in model_dir/train/params_train.yaml), pass --checkpoint_path "
-                "with another checkpoint, or train in a new model_dir."
+                f"cannot {what} {path}: {cause}. {type(e).__name__}: {_first_lines(e)} "
+                "Fix: resume with the params file it was written with (a run keeps it in "
+                "model_dir/train/params_train.yaml), pass --checkpoint_path with another "
+                "checkpoint, or train in a new model_dir."
             ) from e
         log.info("Resumed from %s at global step %d", path, self.global_step)
 
@@ -570,6 +576,32 @@ class ProgressBar:
 
     def close(self) -> None:
         self._bar.close()
+
+
+def _settings_differ(state, metadata: dict | None, most: int = 6) -> list[str]:
+    """The model settings of the params the checkpoint recorded that differ from this
+    run's, in words ("d_model: 128 in the checkpoint, 64 here"); [] where either is
+    unknown."""
+    try:
+        saved = _read(_read(state.get("metadata") or {}).get("params") or {}).get("model")
+    except (ckpt.CheckpointError, AttributeError, KeyError, TypeError, ValueError):
+        return []
+    ours = ((metadata or {}).get("params") or {}).get("model")
+    if not isinstance(saved, dict) or not isinstance(ours, dict):
+        return []
+    differ = [
+        f"model.{key}: {saved.get(key)!r} in the checkpoint, {ours.get(key)!r} here"
+        for key in sorted(set(saved) | set(ours), key=str)
+        if saved.get(key) != ours.get(key)
+    ]
+    return differ[:most] + ([f"{len(differ) - most} more"] if len(differ) > most else [])
+
+
+def _first_lines(error: BaseException, most: int = 4) -> str:
+    """An error's text, its first lines only (torch lists every mismatched tensor)."""
+    lines = str(error).splitlines()
+    more = f" ... ({len(lines) - most} more lines)" if len(lines) > most else ""
+    return " ".join(line.strip() for line in lines[:most]) + more
 
 
 def _read(value):
