@@ -19,6 +19,7 @@ tolerances hold.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -296,3 +297,22 @@ def test_device_tensors_go_through_host_copies_where_gloo_serves_the_device(
     from weightstream.runtime import swarm
 
     assert swarm.device_native(backend, device_type) is native
+
+
+def test_a_batch_the_ranks_cannot_share_is_refused_once_before_any_rank_starts(tmp_path, caplog):
+    """--num_csx 3 with a global batch of 8: one error from the parent, exit code 2 as
+    for any bad setting, no rank started (each rank said it before, then the launcher
+    blamed a rank and suggested a rerun)."""
+    params = _params(tmp_path, "gpt2")
+    logger = logging.getLogger("weightstream")
+    logger.addHandler(caplog.handler)
+    try:
+        argv = ["run", "CPU", "-p", str(params), "-o", str(tmp_path / "m"), "--num_csx", "3"]
+        assert main(argv) == 2
+    finally:
+        logger.removeHandler(caplog.handler)
+    errors = {r.getMessage() for r in caplog.records if r.levelname == "ERROR"}
+    assert len(errors) == 1
+    (error,) = errors
+    assert "train_input.batch_size = 8 (the global batch) does not divide by the 3" in error
+    assert not (tmp_path / "m").exists()

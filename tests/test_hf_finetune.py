@@ -286,6 +286,21 @@ def test_convert_to_a_directory_never_writes_an_h5_file_named_like_it(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_convert_to_a_suffix_of_no_format_asks_for_the_format(tmp_path, capsys):
+    """A misspelt suffix (.safetensor) is not written as another format silently."""
+    src = tmp_path / "c.mdl"
+    ckpt.save({"model": {"w": torch.ones(2)}}, src)
+    assert main(["checkpoint", "convert", str(src), str(tmp_path / "w.safetensor")]) != 0
+    assert "its suffix '.safetensor' is none of" in capsys.readouterr().err
+    assert not (tmp_path / "w.safetensor").exists()
+    dst = tmp_path / "w.safetensor"
+    assert main(["checkpoint", "convert", str(src), str(dst), "--to", "safetensors"]) == 0
+    from safetensors import safe_open
+
+    with safe_open(dst / "model.safetensors", "pt") as f:  # a folder, as --to says
+        assert torch.equal(f.get_tensor("model.w"), torch.ones(2))
+
+
 def test_api_meta_model_on_the_disk_store_is_filled_by_load_state_dict(tmp_path):
     """No init hook: a transformers Llama built on meta (rotary tables, RMSNorm) is given
     storage by the disk store and its values by load_state_dict, then trains like eager."""

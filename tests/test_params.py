@@ -811,7 +811,7 @@ def test_command_line_overrides_the_file(flags, key, value):
         eval_steps=9,
         checkpoint_path="file.mdl",
         compile_dir="file_cache",
-        num_csx=3,
+        num_csx=4,  # shares the batch of 8
         num_wgt_servers=8,
         num_workers_per_csx=5,
         execution_mode="weight_streaming",

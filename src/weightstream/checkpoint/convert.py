@@ -94,7 +94,8 @@ def _looks_like_a_directory(dst: str | os.PathLike) -> bool:
 
 def output_format(path: str | os.PathLike, to: str | None) -> str:
     """The format to write: ``to`` if given, else from the path's suffix: a directory-like
-    destination is a safetensors folder, a file without a known suffix H5."""
+    destination is a safetensors folder; a suffix of none of the formats is an error
+    (a misspelt ``.safetensor`` would otherwise get another format silently)."""
     if to is not None:
         aliases = {"pt": "torch", "pth": "torch", "hdf5": "h5", "mdl": "h5"}
         fmt = aliases.get(to.lower(), to.lower())
@@ -109,7 +110,14 @@ def output_format(path: str | os.PathLike, to: str | None) -> str:
         return fmt
     if _looks_like_a_directory(path):
         return "safetensors"
-    return _SUFFIXES.get(Path(os.fspath(path)).suffix.lower(), "h5")
+    suffix = Path(os.fspath(path)).suffix.lower()
+    if suffix not in _SUFFIXES:
+        raise ValueError(
+            f"convert(): the format of {os.fspath(path)} is unknown: its suffix {suffix!r} is "
+            f"none of {' '.join(sorted(_SUFFIXES))}. Fix: name the format with --to (one of "
+            f"{', '.join(FORMATS)}), or give the file one of those suffixes."
+        )
+    return _SUFFIXES[suffix]
 
 
 def convert(
@@ -131,8 +139,9 @@ def convert(
         src: any checkpoint :func:`load` reads.
         dst: the output. Its format is ``to`` ("h5", "safetensors" or
             "torch") or follows the suffix: .safetensors, .index.json or an
-            existing directory -> safetensors; .pt/.pth/.bin -> torch; anything
-            else -> H5.
+            existing directory or a new name without a suffix -> safetensors;
+            .pt/.pth/.bin -> torch; .mdl/.h5/.hdf5 -> H5; any other suffix is an
+            error that asks for ``to``.
         key: convert only this subtree (e.g. "model" for the weights of a
             trainer checkpoint); its keys lose the prefix.
         allow_pickle: needed to read a torch file (or pickled values).

@@ -44,6 +44,7 @@ from weightstream.common.schema import (
     unknown_keys_error,
 )
 from weightstream.data.params import InputParams
+from weightstream.data.section import check_batch_share
 from weightstream.models.params import ModelParams, PeftParams
 from weightstream.optim.params import OptimizerParams
 from weightstream.runtime.config import StreamingConfig
@@ -332,6 +333,10 @@ class Params:
         missing = [s for s in _REQUIRED_SECTIONS[mode] if getattr(self, s, None) is None]
         if missing:
             raise _missing_sections_error(mode, missing)
+        for name in _REQUIRED_SECTIONS[mode]:  # before any rank starts: said once
+            if name.endswith("_input") and self.runconfig.num_csx > 1:
+                section = getattr(self, name)
+                check_batch_share(f"{name}.batch_size", section.batch_size, self.runconfig.num_csx)
         if mode in ("train", "train_and_eval") and not self.runconfig.has_train_steps:
             raise ValueError(
                 f"mode {mode!r} needs the number of training steps: set runconfig.max_steps, "

@@ -141,15 +141,20 @@ class LoaderSettings:
         return kwargs
 
 
-def loader_settings(s: Section, is_training: bool, rank: int, num_ranks: int) -> LoaderSettings:
-    """The common keys of ``s``, checked, for this rank of ``num_ranks``."""
-    batch_size = s.int_("batch_size", None, minimum=1)
+def check_batch_share(where: str, batch_size: int, num_ranks: int) -> None:
+    """Each of ``num_ranks`` data-parallel ranks takes the same share of a global batch."""
     if batch_size % num_ranks:
         raise ValueError(
-            f"{s.where('batch_size')} = {batch_size} (the global batch) does not divide by the "
+            f"{where} = {batch_size} (the global batch) does not divide by the "
             f"{num_ranks} data-parallel ranks, and each rank must get the same share. Use a "
             f"multiple of {num_ranks}, e.g. {(batch_size // num_ranks + 1) * num_ranks}."
         )
+
+
+def loader_settings(s: Section, is_training: bool, rank: int, num_ranks: int) -> LoaderSettings:
+    """The common keys of ``s``, checked, for this rank of ``num_ranks``."""
+    batch_size = s.int_("batch_size", None, minimum=1)
+    check_batch_share(s.where("batch_size"), batch_size, num_ranks)
     num_workers = s.int_("num_workers", 0, minimum=0)
     prefetch = s.int_("prefetch_factor", None, minimum=1) if s.has("prefetch_factor") else None
     persistent = s.bool_("persistent_workers", False)
