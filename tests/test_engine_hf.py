@@ -43,6 +43,29 @@ def _llama():
     return transformers.LlamaForCausalLM(cfg)  # RMSNorm, rotary, SwiGLU, grouped-query attention
 
 
+def _train_side_by_side(ref, model, runner, steps: int, **inputs) -> torch.Tensor:
+    """``steps`` AdamW steps of the eager ``ref`` and of ``runner`` (compiled ``model``),
+    each step's loss and the final weights bit for bit; the last batch."""
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x = torch.randint(0, 300, (2, 16), generator=g)
+        torch.manual_seed(step)  # dropout draws the same numbers in both
+        expected = ref(input_ids=x, labels=x, **inputs).loss
+        expected.backward()
+        torch.manual_seed(step)
+        loss = runner(input_ids=x, labels=x, **inputs).loss
+        loss.backward()
+        assert torch.equal(loss, expected), step
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad()
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b), name
+    return x
+
+
 @pytest.mark.parametrize("make", [_gpt2, _llama], ids=["gpt2", "llama"])
 @pytest.mark.parametrize("granularity", ["module", "auto"])
 def test_hf_causal_lm_trains_like_eager(make, granularity):
@@ -51,23 +74,7 @@ def test_hf_causal_lm_trains_like_eager(make, granularity):
     torch.manual_seed(0)
     model = make()
     runner = cstorch.compile(model, backend="ws", granularity=granularity, unit_size_target=100_000)
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(1)
-    for step in range(8):
-        x = torch.randint(0, 300, (2, 16), generator=g)
-        torch.manual_seed(step)
-        expected = ref(input_ids=x, labels=x).loss
-        expected.backward()
-        torch.manual_seed(step)
-        loss = runner(input_ids=x, labels=x).loss
-        loss.backward()
-        assert torch.equal(loss, expected), step
-        for o in (opt_ref, opt):
-            o.step()
-            o.zero_grad()
-    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
-        assert torch.equal(a, b), name
+    _train_side_by_side(ref, model, runner, steps=8)
     assert runner.plan.traced
     assert len(runner.plan.units) > 4  # really streamed layer by layer
     assert runner.engine.streamer.resident_bytes() == 0
@@ -200,23 +207,9 @@ def test_activation_checkpointing_of_a_transformers_model_trains_like_eager(make
     layer = type(model.model.layers[0] if hasattr(model, "model") else model.transformer.h[0])
     kwargs = {"unit_classes": [layer]} if backend == "wse_ws" else {}
     runner = cstorch.compile(model, backend=backend, activation_checkpointing=True, **kwargs)
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(1)
     mask = torch.ones(2, 16, dtype=torch.long)
     mask[1, :5] = 0  # a left-padded row
-    for step in range(3):
-        x = torch.randint(0, 300, (2, 16), generator=g)
-        expected = ref(input_ids=x, attention_mask=mask, labels=x).loss
-        expected.backward()
-        loss = runner(input_ids=x, attention_mask=mask, labels=x).loss
-        loss.backward()
-        assert torch.equal(loss, expected), step
-        for o in (opt_ref, opt):
-            o.step()
-            o.zero_grad()
-    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
-        assert torch.equal(a, b), name
+    x = _train_side_by_side(ref, model, runner, steps=3, attention_mask=mask)
     assert runner.recomputed_modules if backend == "wse_lp" else runner.engine._recompute
     with pytest.warns(UserWarning, match="use_cache=True is ignored"):
         runner(input_ids=x, attention_mask=mask, labels=x, use_cache=True).loss.backward()
