@@ -9,12 +9,14 @@ import weakref
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
 from weightstream.common.materialize import materialize_buffers
 from weightstream.common.units import format_bytes
 from weightstream.context import current_config
 from weightstream.optim.binding import hosts
+from weightstream.optim.optimizer import Optimizer as WeightstreamOptimizer
 from weightstream.runtime import swarm
 from weightstream.runtime.config import StreamingConfig
 from weightstream.runtime.device import DeviceOps
@@ -265,6 +267,14 @@ class StreamingEngine:
             for m in module.modules()
             if holds_tensors(m)
         ]
+        if self.store.sharded:
+            # torch.optim's step does not come through apply_step: checked before it
+            # (Note [changed after the reduce] in runtime/swarm.py).
+            self._state_hooks.append(
+                register_optimizer_step_pre_hook(
+                    lambda optimizer, args, kwargs: self._before_foreign_step(optimizer)
+                )
+            )
         self._skipped_on_load: list[str] = []
         self._warned_update_in_backward = False
         self._warned_unchecked_step = False
@@ -434,6 +444,14 @@ class StreamingEngine:
             "max_gradient_norm=...), which use the whole model's norm; or compile with "
             "store_sharding='replicated' (Note [changed after the reduce] in runtime/swarm.py)."
         )
+
+    def _before_foreign_step(self, optimizer) -> None:
+        """The check of ``apply_step`` before the step of an optimizer that does not come
+        through the engine (torch.optim's own) over this store's masters."""
+        if isinstance(optimizer, WeightstreamOptimizer) or self.reducer is None:
+            return
+        if any(id(q) in self._params for g in optimizer.param_groups for q in g["params"]):
+            self._check_gradients_unchanged()
 
     def _warn_unchecked_step(self) -> None:
         if self.reducer.stepped_elsewhere():

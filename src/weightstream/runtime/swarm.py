@@ -322,10 +322,12 @@ def shutdown() -> None:
 # every gradient, so torch's functions see the whole model there, and nothing
 # is checked.
 #
-# A torch.optim optimizer's ``step()`` does not come through the engine, so the
-# check cannot run before its update. The next forward sees that an owned
-# master changed after its gradient landed and warns once that nothing was
-# checked: use weightstream's optimizers (``cstorch.optim``) on a sharded store.
+# A torch.optim optimizer's ``step()`` does not come through the engine: the
+# same check runs before it, from torch's global optimizer step pre-hook (the
+# engine's, for optimizers over its masters). An update that still escapes it
+# (a parameter written in place by hand) is seen by the next forward, an owned
+# master changed after its gradient landed, which warns once that nothing was
+# checked.
 
 
 def before_accumulate_hook(
