@@ -831,6 +831,23 @@ def test_state_without_global_position_stays_on_its_rank_count(monkeypatch):
         DataLoader(ordered_fn, max_steps=20).load_state_dict(old)
 
 
+def test_rank_0s_state_of_shared_global_batches_resumes_every_rank(monkeypatch):
+    """An input_fn that does not shard by rank: every rank iterates the same global
+    batches and takes its share, so rank 0's state (what a script saves with
+    cstorch.save on rank 0, as examples/train_gpt_ws.py does) is every rank's position.
+    Rank 1 loads it and continues with its own share, as uninterrupted."""
+    fn = lambda: shuffled_fn(batch_size=4)  # noqa: E731
+    uninterrupted, _ = run_ranks(monkeypatch, 2, fn, max_steps=8)
+    real = streaming.dist
+    monkeypatch.setattr(streaming, "dist", FakeDist(2, 0))
+    _, rank0_state = run(fn, stop_after=3, max_steps=8)
+    for rank in (0, 1):
+        monkeypatch.setattr(streaming, "dist", FakeDist(2, rank))
+        tail, _ = run(fn, state=rank0_state, max_steps=8)
+        assert tail == uninterrupted[rank][3:], rank
+    monkeypatch.setattr(streaming, "dist", real)
+
+
 class WorkerShards(torch.utils.data.IterableDataset):
     """Deals samples out to the input workers itself: its order depends on their number."""
 

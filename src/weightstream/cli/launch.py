@@ -55,8 +55,10 @@ def launch(command: list[str], num_ranks: int) -> int:
         else:
             how = f"exited with code {code}"
         log.error(
-            "rank %d of %d %s; the run was stopped. The newest complete checkpoint is intact: "
-            "rerun the same command to resume from it.",
+            "rank %d of %d %s, and the other ranks were stopped: its output above says why "
+            "(a rank that ended early, having run fewer steps than the others, leaves them "
+            "failing in a collective instead). A checkpoint is never left half-written: once "
+            "the cause is fixed, the run command resumes from its newest complete one.",
             rank,
             num_ranks,
             how,

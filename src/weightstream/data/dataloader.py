@@ -421,8 +421,11 @@ class DataLoader:
             )
         else:
             state = resume.own_worker_state(workers) if is_aggregated(state_dict) else workers[0]
-            resume.check_same_streamer(self._loader, state, strict)
             target = self._global_order()
+            shared = self._share is not None or (
+                state["global_position"] is not None and target is not None
+            )
+            resume.check_same_streamer(self._loader, state, strict, shared)
             if state["global_position"] is not None and target is not None:
                 # Here too: a per-rank batch of another size is another global batch.
                 resume.check_order(state["global_position"], target)

@@ -71,10 +71,13 @@ def saved_layout(state: dict) -> tuple[int | None, int | None]:
     return values[0], values[1]
 
 
-def check_same_streamer(loader: Any, state: dict, strict: bool) -> None:
-    """Checks of a state loaded by the number of streamers that saved it."""
+def check_same_streamer(loader: Any, state: dict, strict: bool, serves_every_rank: bool) -> None:
+    """Checks of a state loaded by the number of streamers that saved it.
+    ``serves_every_rank``: another streamer's position is this one's too (every rank
+    iterates the same global batches and takes its share, or one global order decides
+    them: Note [another number of ranks]), as when rank 0 alone saved it."""
     rank = get_streaming_rank()
-    if state["wse_id"] != rank:
+    if state["wse_id"] != rank and not serves_every_rank:
         mismatch(
             strict,
             f"the state was saved by streamer {state['wse_id']} but this process is streamer "
