@@ -261,6 +261,21 @@ def test_messages_label_exactly_the_assistants_tokens(tmp_path, tokenizer_dirs, 
         assert labels == _expected_labels(ids, trained)
 
 
+def test_messages_with_keys_of_their_own_are_read_as_messages(tmp_path, tokenizer_dirs):
+    """A message with a key the others lack (``name``): datasets reads the column as its
+    Json type, JSON text in Arrow, decoded here to the dicts, so the document is the
+    chat template's tokens of the messages as written."""
+    rows = _examples("messages")
+    rows[1]["messages"][0]["name"] = "visitor"
+    path = _write(tmp_path / "chat.jsonl", rows)
+    tok = _load_tokenizer(tokenizer_dirs["plain"])
+    for row, example in zip(
+        _rows(_section(tmp_path, path, tokenizer_dirs["plain"], seq_len=96)), rows
+    ):
+        ids, _ = _real(row)
+        assert ids == [*tok.apply_chat_template(example["messages"])["input_ids"], tok.eos_token_id]
+
+
 def test_without_completion_only_loss_every_token_is_a_target(tmp_path, tokenizer_dirs):
     path = _write(tmp_path / "chat.jsonl", _examples("messages"))
     section = _section(

@@ -151,6 +151,22 @@ def test_a_row_without_the_formats_column_names_file_line_and_keys(tmp_path, tok
         _rows(_section(tmp_path, path, tokenizer_dirs["plain"], format="prompt_completion"))
 
 
+def test_an_empty_file_or_a_line_that_is_not_json_is_named_with_its_place(tmp_path, tokenizer_dirs):
+    rows = [{"text": _sentence(i, 5)} for i in range(4)]
+    good = _write_lines(tmp_path / "good.jsonl", rows)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match=rf"{re.escape(repr(str(empty)))} is empty \(0 bytes\)"):
+        _rows(_section(tmp_path, [str(good), str(empty)], tokenizer_dirs["plain"]))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(good.read_text().replace('"}', '"', 1) + "[1, 2]\n")
+    with pytest.raises(ValueError, match=r"broken.jsonl' line 1 is not valid JSON \(.* column"):
+        _rows(_section(tmp_path, broken, tokenizer_dirs["plain"]))
+    broken.write_text(good.read_text() + "[1, 2]\n")
+    with pytest.raises(ValueError, match=r"broken.jsonl' line 5 is a JSON list, not an object"):
+        _rows(_section(tmp_path, broken, tokenizer_dirs["plain"]))
+
+
 def test_first_targets_are_each_documents_first_label():
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 9, 50)

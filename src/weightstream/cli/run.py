@@ -885,12 +885,15 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, Stopped) as exc:
         if os.environ.get("RANK", "0") == "0":  # one line for the run, not one a rank
             cause = "interrupted (Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else "SIGTERM"
-            log.error(
-                "the run stopped: %s. A checkpoint being saved was discarded; the newest "
-                "complete one in %s is intact: rerun the same command to resume from it.",
-                cause,
-                model_dir,
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a damaged file is named by the rerun
+                latest = ckpt.find_latest_checkpoint(model_dir)
+            where = (
+                f"its newest complete checkpoint is {latest}, from which the same command resumes"
+                if latest is not None
+                else f"{model_dir} holds no complete checkpoint yet"
             )
+            log.error("the run stopped: %s. Nothing is left half-written; %s.", cause, where)
         return 130 if isinstance(exc, KeyboardInterrupt) else 128 + signal.SIGTERM
     except (ValueError, TypeError, OSError, FloatingPointError, ImportError) as exc:
         message = str(exc)

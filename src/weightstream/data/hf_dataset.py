@@ -146,8 +146,10 @@ too (``Dataset.from_file`` reads it).
 from __future__ import annotations
 
 import glob
+import gzip
 import hashlib
 import itertools
+import json
 import logging
 import os
 import re
@@ -738,6 +740,17 @@ class HFRows(Dataset):
 # -- reading the data --------------------------------------------------------------------
 
 
+def _python_columns(table: pa.Table, names) -> dict[str, list]:
+    """``names`` of ``table`` as Python values, decoded by the table's datasets features
+    where it has them: datasets 5 reads messages of different keys (one with a
+    ``name``) as its ``Json`` type, JSON text in Arrow, which decodes to the dicts."""
+    columns = {c: table.column(c).to_pylist() for c in names}
+    if b"huggingface" in (table.schema.metadata or {}):
+        features = _import_datasets().Features.from_arrow_schema(table.schema)
+        columns = {c: features.decode_column(v, c) for c, v in columns.items()}
+    return columns
+
+
 def _import_datasets():
     try:
         import datasets
@@ -847,21 +860,48 @@ def _batches(source: _Source, where: str, cache_dir: str | None) -> Iterator[pa.
     datasets = _import_datasets()
     files = source.files
     what = f"{files[0]!r}{f' (and {len(files) - 1} more)' if len(files) > 1 else ''}"
+    empty = [f for f in files if os.path.getsize(f) == 0]
+    if empty:
+        raise ValueError(
+            f"{where}: {empty[0]!r} is empty (0 bytes){f', and {len(empty) - 1} more' if len(empty) > 1 else ''}: "
+            "it has no rows. Fix: remove it from data_dir, or write its rows."
+        )
     try:
         # streaming: read a chunk at a time (datasets' own parsers), no Arrow copy made.
         stream = datasets.load_dataset(
             source.kind, data_files=files, split="train", streaming=True, cache_dir=cache_dir
         )
         yield from stream.with_format("arrow").iter(batch_size=TOKENIZE_BATCH)
-    except (ValueError, TypeError, OSError) as e:
-        raise ValueError(
-            f"{where}: cannot read {what} as {source.kind}: {type(e).__name__}: {e}"
-        ) from e
     except Exception as e:  # datasets' own errors (DatasetGenerationError) have no common base
+        bad = _first_bad_json_line(files) if source.kind == "json" else None
+        if bad is not None:
+            raise ValueError(
+                f"{where}: {bad}. Fix: make each line of a .jsonl file one JSON object."
+            ) from e
         raise ValueError(
-            f"{where}: cannot read the {source.kind} data ({type(e).__name__}: {e}). "
+            f"{where}: cannot read {what} as {source.kind} ({type(e).__name__}: {e}). "
             "Fix: check that every file is valid and that all have the same columns."
         ) from e
+
+
+def _first_bad_json_line(files: list[str]) -> str | None:
+    """Where the first line of JSON Lines ``files`` that is not a JSON object is, and why
+    (None: every line parses; a .json file holding one document is not read by lines)."""
+    for name in files:
+        if not name.endswith((".jsonl", ".jsonl.gz")) and not name.endswith(".ndjson"):
+            continue
+        opener = gzip.open if name.endswith(".gz") else open
+        with opener(name, "rt", encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    value = json.loads(line)
+                except json.JSONDecodeError as e:
+                    return f"{name!r} line {number} is not valid JSON ({e.msg} at column {e.colno})"
+                if not isinstance(value, dict):
+                    return f"{name!r} line {number} is a JSON {type(value).__name__}, not an object"
+    return None
 
 
 def _digest(*parts: object) -> str:
@@ -906,7 +946,7 @@ def _write_docs(path: Path, source: _Source, s: Section, settings: HFDataSetting
             if table.num_rows == 0:
                 continue
             _check_columns(table, fmt, row, source, s, settings)
-            columns = {c: table.column(c).to_pylist() for c in _FORMAT_COLUMNS[fmt]}
+            columns = _python_columns(table, _FORMAT_COLUMNS[fmt])
             docs = encoder(columns)
             arrays = [
                 _list_array(docs.ids, docs.lengths),
