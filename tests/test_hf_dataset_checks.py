@@ -74,6 +74,29 @@ def test_truncation_that_leaves_no_target_is_an_error(tmp_path, tokenizer_dirs, 
     assert _rows({**section, "overflow": "split"}, is_training)
 
 
+def test_split_pieces_cut_before_the_first_target_are_counted_and_warned(
+    tmp_path, tokenizer_dirs, caplog
+):
+    """overflow: split cuts a prompt longer than seq_len into pieces without a target; the
+    warning counts them (each document's first target // seq_len), and the rows agree."""
+    rows = [
+        {"prompt": _sentence(i, 6 + i % 3), "completion": " " + _sentence(i, 2)} for i in range(6)
+    ]
+    path = _write(tmp_path / "pc.jsonl", rows)
+    tok = _load_tokenizer(tokenizer_dirs["plain"])
+    seq = min(len(tok(r["prompt"])["input_ids"]) for r in rows) // 2
+    section = _section(tmp_path, path, tokenizer_dirs["plain"], seq_len=seq)
+    with caplog.at_level("WARNING", logger="weightstream"):
+        got = _rows(section)
+    firsts = [len(tok(r["prompt"])["input_ids"]) - 1 for r in rows]  # the first label
+    pieces = sum(f // seq for f in firsts)
+    assert pieces > 0
+    # ... and a row of a document's last token alone (eos: nothing after it to predict)
+    assert sum(1 for row in got if int((row["labels"] != -100).sum()) == 0) >= pieces
+    assert f"cuts {pieces} piece(s) from before their document's first target" in caplog.text
+    assert f"{path} line 1" in caplog.text
+
+
 def test_conversations_without_any_assistant_turn_are_an_error(tmp_path, tokenizer_dirs):
     rows = [
         {"messages": [m for m in _conversation(i) if m["role"] != "assistant"]} for i in range(6)

@@ -1192,6 +1192,9 @@ class _Counts:
     cut_off: int  # documents with targets, none of them kept by truncation
     first_min: int  # the earliest first target of the cut-off documents
     first_max: int  # and the latest
+    # overflow: split: the pieces cut before a document's first target (its prompt longer
+    # than seq_len), which hold no target
+    untargeted_pieces: int
     issues: dict[int, int]  # ISSUE_* bit -> documents with it
     untrained_issues: dict[int, int]  # ISSUE_* bit -> documents with it and no target
 
@@ -1207,10 +1210,12 @@ def _count(settings: HFDataSettings, docs: MappedFile, head: tuple[int, int], ro
     )
     long = pc.greater(lengths, settings.seq_len)
     over = pc.subtract(pc.filter(lengths, long), settings.seq_len)
+    late = pc.filter(first, pc.greater_equal(first, settings.seq_len))
     if settings.overflow == "truncate":
-        cut_first = pc.filter(first, pc.greater_equal(first, settings.seq_len))
-    else:  # split keeps every token, targets included
+        cut_first, untargeted = late, 0
+    else:  # split keeps every token, targets included; the pieces before the first have none
         cut_first = pa.array([], pa.int64())
+        untargeted = sum(f // settings.seq_len for f in late.to_pylist())
     none = pc.equal(first, -1)
     has = {
         bit: pc.not_equal(pc.bit_wise_and(issues, bit), 0)
@@ -1229,6 +1234,7 @@ def _count(settings: HFDataSettings, docs: MappedFile, head: tuple[int, int], ro
         cut_off=len(cut_first),
         first_min=int(pc.min(cut_first).as_py() or 0),
         first_max=int(pc.max(cut_first).as_py() or 0),
+        untargeted_pieces=untargeted,
         issues={bit: _sum(has[bit]) for bit in has},
         untrained_issues={bit: _sum(pc.and_(has[bit], none)) for bit in has},
     )
@@ -1338,6 +1344,18 @@ def _summarize(
             c.first_max,
             _where(source, docs, head, "first_target", lambda v: v >= seq),
             c.first_max + 1,
+        )
+    if c.untargeted_pieces:
+        log.warning(
+            "%s: splitting at seq_len = %d (overflow: split) cuts %d piece(s) from before "
+            "their document's first target (prompts longer than seq_len%s): they hold no "
+            "target and train nothing, and a batch of only such rows steps at loss 0 (AdamW "
+            "still applies its weight decay and momentum). Fix: raise seq_len past the "
+            "prompts, shorten them, or drop those documents.",
+            s.section,
+            seq,
+            c.untargeted_pieces,
+            _where(source, docs, head, "first_target", lambda v: v >= seq),
         )
     for bit, effect in (
         (ISSUE_ROLE, "the template renders it like any role (its header) and trains none of it"),
