@@ -659,6 +659,12 @@ class FakeDist:
     def get_rank(self):
         return self.rank
 
+    def all_gather(self, out, tensor):
+        # Ranks are simulated one after another: every other rank is taken to agree
+        # (the comparison itself runs on real ranks: test_data_parallel_api.py).
+        for t in out:
+            t.copy_(tensor)
+
 
 def test_streaming_helpers(monkeypatch):
     assert (num_streamers(), get_streaming_rank(), is_streamer()) == (1, 0, True)

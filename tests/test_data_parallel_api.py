@@ -181,3 +181,74 @@ def test_a_process_group_the_api_joined_is_left_before_the_interpreter_shuts_dow
     mp.spawn(_join_and_exit, args=(port, str(tmp_path)), nprocs=2, start_method="spawn")
     for rank in range(2):
         assert json.loads((tmp_path / f"{rank}.json").read_text()) == [True, False], rank
+
+
+def _first_batches(rank: int, port: int, out: str) -> None:
+    """Each kind of input_fn on 2 ranks: what the DataLoader yields, or the error."""
+    import warnings
+
+    import torch.distributed as dist
+
+    import weightstream as cstorch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    data = torch.arange(32).view(16, 2)
+    plain = torch.utils.data.TensorDataset(data)
+    input_fns = {
+        # one device's script: global batches of 4, shared out (2 rows a rank)
+        "global": lambda: torch.utils.data.DataLoader(plain, batch_size=4),
+        # its own half of the data, by torch's rank: not one of weightstream's helpers
+        "own-slice": lambda: torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(data[dist.get_rank() :: 2]), batch_size=2
+        ),
+        # a rank's own batches, of different sizes
+        "uneven": lambda: torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(data[: 8 + cstorch.utils.data.get_streaming_rank()]),
+            batch_size=3 - cstorch.utils.data.get_streaming_rank(),
+        ),
+    }
+    record = {}
+    try:
+        for name, fn in input_fns.items():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    batches = [
+                        b[0].tolist() for b in cstorch.utils.data.DataLoader(fn, num_steps=2)
+                    ]
+                    record[name] = {"batches": batches}
+                except ValueError as e:
+                    record[name] = {"error": str(e)}
+            record[name]["warnings"] = [
+                str(w.message) for w in caught if "ranks'" in str(w.message)
+            ]
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"{rank}.json").write_text(json.dumps(record))
+
+
+def test_the_first_batch_is_compared_over_the_ranks(tmp_path):
+    """Note [rank share]: global batches are shared out; an input_fn that takes its own
+    slice by torch's rank (so the DataLoader cannot tell) is stopped on every rank, not
+    cut to half its data; ranks' own batches of different sizes are warned of."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_first_batches, args=(port, str(tmp_path)), nprocs=2, start_method="spawn")
+    records = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    for rank, record in enumerate(records):
+        rows = [
+            [[2 * i, 2 * i + 1] for i in range(4 * s + 2 * rank, 4 * s + 2 * rank + 2)]
+            for s in range(2)
+        ]
+        assert record["global"] == {"batches": rows, "warnings": []}, rank
+        assert "first batch differs between the data-parallel ranks" in record["own-slice"]["error"]
+        assert "get_streaming_rank() inside" in record["own-slice"]["error"]
+        assert "batches" in record["uneven"]
+        (warning,) = record["uneven"]["warnings"]
+        assert "first batches have [3, 2] samples" in warning

@@ -207,6 +207,7 @@ class DataLoader:
         # Checkpoint closures count this iteration's steps (Note [checkpoint steps]).
         steps = LoaderSteps(self._initial_step + self._batches_run // self._grad_accum_steps,
                             count)  # fmt: skip
+        first = True  # compared over the ranks (Note [rank share])
         for _ in range(count):
             if generation != self._generation:
                 raise RuntimeError(
@@ -215,6 +216,9 @@ class DataLoader:
                     "the old iterator."
                 )
             batch = self._next_batch()
+            if first and num_streamers() > 1:
+                streaming.check_first_batch(batch, shared=self._share is not None)
+            first = False
             if self._share is not None:
                 batch = streaming.rank_share(batch, *self._share)
             # Count before yielding: a state_dict() taken in the loop body includes this batch.

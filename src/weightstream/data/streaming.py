@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -149,6 +151,60 @@ def batch_size_of(batch: Any) -> int:
 # then gives each rank its share: the contiguous 1/N of every batch's rows at
 # the rank's place (rank r of N takes rows r*B/N .. (r+1)*B/N - 1), so N ranks
 # together train on exactly the global batch a single device would.
+#
+# Both rest on what the DataLoader cannot see: which batches input_fn makes on
+# each rank. An input_fn that shards by rank some other way (its own slice of
+# the data by torch.distributed.get_rank(), a rank read outside input_fn) would
+# be taken for global batches and cut again: half the data, silently; ranks
+# whose shares differ in size would be averaged as equal shares (a mean of the
+# ranks' means, not the global batch's). So the first batch of each iteration
+# is compared over the ranks (:func:`check_first_batch`, one small all_gather):
+# shared batches must be the same on every rank (a fingerprint of their bytes),
+# a rank's own batches of the same size on every rank (else a warning: an
+# evaluation may have them of any size); the error says which and how to fix it.
+
+
+def _fingerprint(batch: Any) -> int:
+    """64 bits of a hash of every leaf of ``batch`` (tensors by their bytes)."""
+    digest = hashlib.blake2b(digest_size=8)
+    for leaf in pytree.tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor):
+            t = leaf.detach().cpu().contiguous().view(-1)
+            digest.update(str((t.dtype, tuple(leaf.shape))).encode())
+            digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        else:
+            digest.update(repr(leaf).encode())
+    return int.from_bytes(digest.digest(), "little", signed=True)
+
+
+def check_first_batch(batch: Any, shared: bool) -> None:
+    """Compare an iteration's first batch over the ranks (Note [rank share]): the same
+    batch on every rank where ``shared`` (global batches, each rank takes its share),
+    else the same number of samples. Collective: every rank calls it."""
+    mine = torch.tensor([_fingerprint(batch) if shared else 0, batch_size_of(batch)])
+    every = [torch.empty_like(mine) for _ in range(num_streamers())]
+    dist.all_gather(every, mine)
+    sizes = [int(t[1]) for t in every]
+    if shared and len({int(t[0]) for t in every}) > 1:
+        raise ValueError(
+            "the DataLoader's first batch differs between the data-parallel ranks (batch "
+            f"sizes by rank: {sizes}), but its input_fn asked no rank (get_streaming_rank(), "
+            "num_streamers() or get_streaming_batch_size() inside input_fn, or a "
+            "DistributedSampler), so each batch was taken for a global batch to share out: "
+            "each rank would train on a share of its own batch, and lose the rest. Fix: if "
+            "input_fn shards by rank, ask cstorch.utils.data.get_streaming_rank() inside "
+            "it; if it does not, make its batches the same on every rank (seed its shuffle)."
+        )
+    if not shared and len(set(sizes)) > 1:
+        # A warning: an evaluation's metrics add up any sizes; training's gradients do not.
+        warnings.warn(
+            f"weightstream: the data-parallel ranks' first batches have {sizes} samples (by "
+            "rank). In training their gradients are averaged as equal shares, so a sample "
+            "weighs more on one rank than on another (the mean of the ranks' means, not the "
+            "global batch's mean). Fix: give every rank batches of "
+            "get_streaming_batch_size(global_batch) samples (drop_last=True for the last).",
+            stacklevel=4,
+        )
 
 
 def rank_share(batch: Any, rank: int, world: int) -> Any:
