@@ -75,12 +75,29 @@ def test_checkpoint_closure_only_on_checkpoint_steps():
     loader = cstorch.utils.data.DataLoader(lambda: [torch.zeros(1)] * 4, num_steps=7)
     for i, _ in enumerate(loader, start=1):
         step()
-        if i in (3, 6, 7):  # checkpoint steps and the last step
+        save(i)  # after every step, as the reference allows: skipped but on
+    assert saved == [0, 3, 6, 7]  # checkpoint steps and the last step
+
+
+def test_checkpoint_closure_without_checkpoint_steps_warns_once_that_it_is_skipped(caplog):
+    saved = []
+
+    @cstorch.checkpoint_closure
+    def save(step):
+        saved.append(step)
+
+    @cstorch.compile_step
+    def step():
+        return None
+
+    loader = cstorch.utils.data.DataLoader(lambda: [torch.zeros(1)] * 4, num_steps=5)
+    with caplog.at_level("WARNING", logger="weightstream"):
+        for i, _ in enumerate(loader, start=1):
+            step()
             save(i)
-        elif i == 4:
-            with pytest.raises(RuntimeError, match="not a checkpoint step"):
-                save(i)
-    assert saved == [0, 3, 6, 7]
+    assert saved == [5]  # the last step only
+    (record,) = [r for r in caplog.records if "skipped" in r.getMessage()]
+    assert "configure(checkpoint_steps=0)" in record.getMessage()
 
 
 def test_checkpoint_closure_inside_a_step_is_checked_after_it():
@@ -95,8 +112,7 @@ def test_checkpoint_closure_inside_a_step_is_checked_after_it():
     def step():
         save()
 
-    with pytest.raises(RuntimeError, match="step 1"):
-        step()
+    step()  # step 1: not a checkpoint step, skipped once the step ended
     step()
     assert saved == [2]
 
@@ -121,26 +137,21 @@ def test_checkpoint_steps_count_on_from_a_restored_loader():
     resumed.load_state_dict(state)
     for global_step, _ in enumerate(resumed, start=7):
         step()
-        if global_step in (7, 9):
-            with pytest.raises(RuntimeError, match=f"called at step {global_step}, which is"):
-                save(global_step)
-        else:
-            save(global_step)  # 8: every 4 steps; 10: the last
-    assert saved == [8, 10]
+        save(global_step)  # skipped on 7 and 9
+    assert saved == [8, 10]  # 8: every 4 steps; 10: the last
 
 
 def test_an_evaluation_loader_between_training_steps_keeps_the_training_count():
     cstorch.configure(checkpoint_steps=4)
     step = cstorch.compile_step(lambda: None)
-    save = cstorch.checkpoint_closure(lambda s: s)
+    saved = []
+    save = cstorch.checkpoint_closure(lambda s: saved.append(s))
     for i, _ in enumerate(_loader(num_steps=8), start=1):
         step()
         if i == 2:
             for _ in _loader(num_steps=3):  # three evaluation steps in between
                 step()
-        if i in (4, 8):
+        else:  # (after them, the loader that yielded last is at its last step)
             save(i)
-        elif i == 5:
-            with pytest.raises(RuntimeError, match="called at step 5"):
-                save(i)
+    assert saved == [4, 8]  # the training loader's count, not the 11 steps run
     assert step_context().step == 11

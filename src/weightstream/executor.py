@@ -5,10 +5,10 @@ tensor's value is available only after the step, in a step closure. Here a
 step runs eagerly (data-dependent Python is allowed), and the same contract
 holds: a step closure called inside a step runs when the step has finished,
 with the tensors it was given as they are then (their last value); called
-outside a step it runs at once. A checkpoint closure may run only before the
+outside a step it runs at once. A checkpoint closure runs only before the
 first step, on a checkpoint step (every ``checkpoint_steps``) and on the last
-step (Note [checkpoint steps] in weightstream/context.py); anywhere else it is
-an error, as in the reference.
+step (Note [checkpoint steps] in weightstream/context.py); called anywhere else
+it is skipped, as in the reference, whose closure "may be called at any time".
 
 The step counter lives in the run's :class:`StepContext`, part of the run
 context (Note [run context] in weightstream/context.py).
@@ -149,10 +149,12 @@ def step_closure(fn: Callable) -> Callable:
 
 
 def checkpoint_closure(fn: Callable) -> Callable:
-    """A step closure that may only run where a checkpoint can be taken.
+    """A step closure that runs only where a checkpoint can be taken.
 
-    Allowed before the first step, on every ``checkpoint_steps``-th step and on
-    the last step of the run (as announced by the DataLoader being iterated).
+    It may be called after any step, as the reference allows; it runs before the
+    first step, on every ``checkpoint_steps``-th step and on the last step of the
+    run (as announced by the DataLoader being iterated), and is skipped on the
+    others (Note [checkpoint steps] in weightstream/context.py).
     """
 
     @functools.wraps(fn)
@@ -162,17 +164,25 @@ def checkpoint_closure(fn: Callable) -> Callable:
         ctx = step_context()
 
         def run():
-            if not ctx.is_checkpoint_step():
-                every = current_config().checkpoint_steps
-                raise RuntimeError(
-                    f"checkpoint closure {fn.__name__!r} called at step {ctx.current_step()}, "
-                    f"which is not a checkpoint step (checkpoint_steps={every}; allowed: before "
-                    "the first step, every checkpoint_steps steps and the last step of the "
-                    "DataLoader being iterated; Note [checkpoint steps]). Call it only when "
-                    "step % checkpoint_steps == 0 or on the last step, or set checkpoint_steps "
-                    "in configure()."
+            if ctx.is_checkpoint_step():
+                return fn(*args, **kwargs)
+            every = current_config().checkpoint_steps
+            said, key = current_run().logged, ("checkpoint closure skipped", fn.__name__)
+            if every == 0 and key not in said:
+                said.add(key)
+                log.warning(
+                    "checkpoint closure %r skipped at step %d: configure(checkpoint_steps=0) "
+                    "(the default) makes only the step before the first and the last step "
+                    "checkpoint steps. Fix: configure(checkpoint_steps=N) to save every N "
+                    "steps.",
+                    fn.__name__,
+                    ctx.current_step(),
                 )
-            return fn(*args, **kwargs)
+            else:
+                log.debug(
+                    "checkpoint closure %r skipped at step %d", fn.__name__, ctx.current_step()
+                )
+            return None
 
         return ctx.after_step(run)
 
