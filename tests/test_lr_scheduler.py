@@ -285,12 +285,14 @@ TORCH_CASES = [
         0.0,
     ),
     # Ours takes initial_learning_rate = torch's max_lr / div_factor and cycles no
-    # momentum. torch raises once stepped past total_steps; ours holds the value
-    # (test_one_cycle_holds_after_total_steps), so 1,000 steps with total_steps=1000.
+    # momentum. torch's cycle ends at step total_steps - 1 (it raises past total_steps,
+    # and step total_steps itself extrapolates back up the last phase); ours holds the
+    # end from there (test_one_cycle_holds_after_total_steps): total_steps = 1001, so
+    # the 1,000 steps compared are the cycle's.
     (
         "OneCycleLR-cos",
-        lambda o: wls.OneCycleLR(o, LR / 25, LR, total_steps=STEPS),
-        lambda o: tls.OneCycleLR(o, LR, total_steps=STEPS, cycle_momentum=False),
+        lambda o: wls.OneCycleLR(o, LR / 25, LR, total_steps=STEPS + 1),
+        lambda o: tls.OneCycleLR(o, LR, total_steps=STEPS + 1, cycle_momentum=False),
         0.0,
     ),
     (
@@ -299,7 +301,7 @@ TORCH_CASES = [
             o,
             LR / 10,
             LR,
-            total_steps=STEPS,
+            total_steps=STEPS + 1,
             pct_start=0.25,
             final_div_factor=100,
             three_phase=True,
@@ -308,7 +310,7 @@ TORCH_CASES = [
         lambda o: tls.OneCycleLR(
             o,
             LR,
-            total_steps=STEPS,
+            total_steps=STEPS + 1,
             pct_start=0.25,
             div_factor=10,
             final_div_factor=100,
@@ -477,9 +479,10 @@ def test_cosine_decay_holds_the_end():
 def test_one_cycle_holds_after_total_steps():
     optimizer = make_optimizer()
     got = trace(wls.OneCycleLR(optimizer, 0.004, 0.1, total_steps=600), optimizer, 900)
-    # torch would raise from step 601 on; the value of step 600 is held instead.
-    assert got[601:] == [got[600]] * 300
+    # torch's last step is 599 (the minimum) and it raises from step 600 on; the
+    # minimum is held instead (it went back up the cosine).
     assert got[599] == pytest.approx(0.004 / 1e4, rel=1e-12)
+    assert got[600:] == [got[599]] * 301
 
 
 def test_construction_performs_one_step():

@@ -170,8 +170,9 @@ class OneCycleScheduler(Scheduler):
     ``initial_val`` is torch's ``max_lr / div_factor``. Phases end at
     ``pct_start * total_steps - 1`` and ``total_steps - 1`` (with ``three_phase``, a
     middle phase back to ``initial`` ends at ``2 * pct_start * total_steps - 2``).
-    Torch raises once stepped past ``total_steps``; here the value holds from
-    ``total_steps`` on (the reference extrapolates the last phase instead).
+    The cycle ends at step ``total_steps - 1``, whose value holds from there on.
+    Torch's step ``total_steps`` extrapolates the last phase back up (for 20 steps:
+    from 4e-6 to 1.25e-3), and it raises after; the reference extrapolates on.
     """
 
     _initial_attr = "initial_val"
@@ -233,7 +234,7 @@ class OneCycleScheduler(Scheduler):
         return (end - start) * pct + start
 
     def _get_closed_form(self) -> torch.Tensor:
-        t = torch.clamp(self._step_as_float(), max=self.total_steps)
+        t = torch.clamp(self._step_as_float(), max=self.total_steps - 1)  # holds its end
         value = None
         start_step = 0.0
         for end_step, start_val, end_val in self._phases():
