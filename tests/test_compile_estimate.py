@@ -10,6 +10,7 @@ and writes; the estimate against a hand-made probe with the numbers written out
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -645,6 +646,34 @@ def test_the_probe_is_measured_once_and_cached(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="ignoring the probe"):
         load_or_measure("cpu", quick=True)
     assert len(calls) == 1
+
+
+def test_the_disk_probe_takes_at_most_a_quarter_of_the_free_space(tmp_path, monkeypatch, caplog):
+    """The probe's file must not take the room the store's state was planned into (a
+    20 MiB disk holding 12 MiB of state failed on a 256 MiB probe file); a disk too
+    small to probe is left unpriced, with a warning, and the run goes on."""
+    import shutil as shutil_mod
+
+    monkeypatch.setenv("WEIGHTSTREAM_CACHE_DIR", str(tmp_path))
+    written = []
+    real = probe_mod.disk_bandwidths
+    monkeypatch.setattr(probe_mod, "disk_bandwidths", lambda d, n: written.append(n) or real(d, n))
+    free = {"bytes": 40 << 20}
+    usage = shutil_mod.disk_usage(tmp_path)
+    monkeypatch.setattr(
+        probe_mod.shutil, "disk_usage", lambda p: usage._replace(free=free["bytes"])
+    )
+    # The quick profile's sizes, with the full profile's 256 MiB disk file.
+    monkeypatch.setattr(
+        probe_mod, "_QUICK", dataclasses.replace(probe_mod._QUICK, disk_bytes=256 << 20)
+    )
+    probe = load_or_measure("cpu", quick=True, disk_dir=tmp_path / "a")
+    assert written == [10 << 20] and str(tmp_path / "a") in probe.disk
+    free["bytes"] = 2 << 20
+    with caplog.at_level("WARNING", logger="weightstream"):
+        probe = load_or_measure("cpu", quick=True, disk_dir=tmp_path / "b")
+    assert written == [10 << 20] and str(tmp_path / "b") not in probe.disk
+    assert "rates are not measured" in caplog.text and "2,097,152 bytes free" in caplog.text
 
 
 def test_kernels_are_timed_once_and_cached(tmp_path, monkeypatch):

@@ -96,6 +96,26 @@ def test_disk_store_holds_masters_gradients_and_optimizer_state(tmp_path):
     assert list(tmp_path.iterdir()) == []
     runner.engine.close()
     assert not store.holds(next(model.parameters()))
+    assert tmp_path.is_dir()  # a store_dir that was there before stays
+
+
+def test_a_store_directory_the_store_made_goes_with_it(tmp_path, monkeypatch):
+    """store_dir made by the store (a new path, or the default temporary one) is
+    removed when the store closes, empty as its unlinked files leave it; a second run
+    sharing it makes it again if the first removed it meanwhile."""
+    made = tmp_path / "new" / "store"
+    _, runner, _, _ = _train("ws", steps=1, clip=False, store="disk", store_dir=str(made))
+    _, other, _, _ = _train("ws", steps=1, clip=False, store="disk", store_dir=str(made))
+    runner.engine.close()
+    assert not made.exists() and (tmp_path / "new").is_dir()
+    other.engine.store.tier.scratch((4,), torch.float32, "gather")  # a file after the removal
+    other.engine.close()
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    _, runner, _, _ = _train("ws", steps=1, clip=False, store="disk")
+    assert len(list((tmp_path / "tmp").iterdir())) == 1
+    runner.engine.close()
+    assert list((tmp_path / "tmp").iterdir()) == []
 
 
 def test_optimizer_built_before_compile_moves_its_state_into_the_store(tmp_path):

@@ -139,7 +139,7 @@ def test_disk_store_run_and_resume_equal_the_ram_store_run(tmp_path):
     la = [v for _, v in _scalars(ram / "train", "loss")]
     lb = [v for _, v in _scalars(disk / "train", "loss")]
     assert la == lb
-    assert (disk / "store").is_dir() and not any((disk / "store").iterdir())
+    assert not (disk / "store").exists()  # made by the store, empty, removed with it
 
 
 def test_compile_prices_the_disk_stores_file_traffic(tmp_path):
@@ -432,3 +432,19 @@ def test_a_run_that_does_not_resume_refuses_an_earlier_runs_checkpoints(tmp_path
         run_log.text
     )
     assert {p.name: p.read_bytes() for p in model_dir.glob("checkpoint_*.mdl")} == before
+
+
+def test_a_failed_write_names_the_store_dir_too(tmp_path, run_log, monkeypatch):
+    """A write that fails with the disk store on (a full or read-only disk) may be the
+    store's: the hint names store_dir beside model_dir, not model_dir alone."""
+    import errno
+
+    from weightstream.cli import run as run_module
+
+    def full(self):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(run_module.Run, "execute", full)
+    params = _params(tmp_path, store="disk", store_dir=str(tmp_path / "st"))
+    assert main(["run", "CPU", "-p", str(params), "-o", str(tmp_path / "m")]) == 2
+    assert f"{tmp_path / 'm'} and store_dir {tmp_path / 'st'} are writable" in run_log.text

@@ -902,11 +902,16 @@ def main(argv: list[str] | None = None) -> int:
             and not isinstance(exc, (FileNotFoundError, ckpt.CheckpointWriteError))
             and "writable" not in message
         ):
-            # A write failed (full disk, file size limit, read-only model_dir) or a
-            # file could not be read; the other two errors say what to do themselves.
+            # A write failed (full disk, file size limit, read-only model_dir or
+            # store_dir) or a file could not be read; the other two errors say what to
+            # do themselves.
+            places = [str(model_dir)]
+            streaming = params.runconfig.streaming
+            if streaming.store == "disk":
+                places.append(f"store_dir {streaming.store_dir or model_dir / 'store'}")
             message += (
-                f" (Check that {model_dir} is writable and its disk has free space, and "
-                "that the input files are readable.)"
+                f" (Check that {' and '.join(places)} are writable and their disks have "
+                "free space, and that the input files are readable.)"
             )
         log.error("%s", message)
         if created:

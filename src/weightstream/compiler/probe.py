@@ -30,6 +30,7 @@ import json
 import logging
 import mmap
 import os
+import shutil
 import tempfile
 import time
 import warnings
@@ -353,6 +354,15 @@ def load_or_measure(
         _save(probe, path)
     if disk_dir is not None and str(disk_dir) not in probe.disk:
         where = existing_dir(disk_dir)
-        probe.disk[str(disk_dir)] = disk_bandwidths(where, (_QUICK if quick else _FULL).disk_bytes)
-        _save(probe, path)
+        # A quarter of the free space at most: the probe must not take the room the
+        # store's state was planned into. A disk it cannot write is left unpriced
+        # (the estimate says so); the run reports the disk's own error, if any.
+        nbytes = min((_QUICK if quick else _FULL).disk_bytes, shutil.disk_usage(where).free // 4)
+        try:
+            if nbytes < 1 << 20:
+                raise OSError(f"{shutil.disk_usage(where).free:,} bytes free")
+            probe.disk[str(disk_dir)] = disk_bandwidths(where, nbytes)
+            _save(probe, path)
+        except OSError as exc:
+            log.warning("The disk store's rates are not measured in %s (%s).", where, exc)
     return probe

@@ -146,7 +146,9 @@ class StreamingConfig:
         None,
         doc="The directory of the disk store's files (the Python API's default: a new "
         "temporary directory; the run command's: model_dir/store). The files are "
-        "unlinked once open.",
+        "unlinked once open, and a directory the store made is removed when it closes. "
+        "The first run on a disk also writes a file of up to 256 MiB there, a quarter of "
+        "the free space at most, to measure the disk for the compile estimate.",
     )
     host_memory_budget: int | None = setting(
         None,

@@ -45,6 +45,7 @@ tensor by tensor from the mappings (``release_pages`` after each tensor).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import itertools
@@ -108,6 +109,9 @@ class DiskStore:
     ):
         if directory is None:
             directory = tempfile.mkdtemp(prefix="weightstream-store-")
+            self._made_directory = True
+        else:
+            self._made_directory = not Path(directory).exists()
         self.directory = Path(directory)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -207,7 +211,11 @@ class DiskStore:
         # The suffix marks a store file for release_pages (common/pages.py).
         # The process id keeps the names of ranks sharing one store_dir apart.
         path = self.directory / f"{os.getpid()}-{next(self._ids):07d}.{kind}{STORE_SUFFIX}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileNotFoundError:  # another run sharing store_dir ended and removed it
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         file = None
         try:
             try:
@@ -536,6 +544,13 @@ class DiskStore:
             self._files.clear()
             self._maps.clear()
             self._ram.clear()
+        if self._made_directory:
+            # The files are unlinked when made (nothing is left behind), so the
+            # directory this store made is empty: it goes too. One holding anything
+            # else stays.
+            with contextlib.suppress(OSError):
+                self.directory.rmdir()
+            self._made_directory = False
 
 
 class Paged:
