@@ -199,3 +199,20 @@ def test_shapes_only_runs_refuse_a_host_budget_training_would_refuse(tmp_path, m
     assert main(["run", "CPU", "-p", str(params), "-o", str(out), mode]) != 0
     assert main(["run", "CPU", "-p", str(params), "-o", str(tmp_path / "t")]) != 0
     assert not (out / "train").exists()
+
+
+@pytest.mark.parametrize("mode", ["--validate_only", "--compile_only"])
+def test_shapes_only_runs_refuse_a_store_dir_training_could_not_write(tmp_path, mode, caplog):
+    """A store_dir through a file: validate says what the training run would meet at
+    its first store file, instead of "The state goes to: RAM + disk" and exit 0."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("not a directory")
+    params = _tiny_params(tmp_path, store="disk", store_dir=str(blocker / "store"))
+    logger = logging.getLogger("weightstream")
+    logger.addHandler(caplog.handler)
+    try:
+        assert main(["run", "CPU", "-p", str(params), "-o", str(tmp_path / "m"), mode]) == 2
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert f"{blocker} is a file, so the disk store cannot make its directory" in caplog.text
+    assert main(["run", "CPU", "-p", str(params), "-o", str(tmp_path / "t")]) == 2

@@ -46,6 +46,7 @@ from weightstream.runtime.engine import check_budget
 from weightstream.runtime.footprint import HostFootprint, host_footprint
 from weightstream.runtime.performance import PerformanceTracker
 from weightstream.runtime.rng import capture_rng_state, restore_rng_state
+from weightstream.runtime.store import check_store_dir
 from weightstream.train.trainer import Trainer, TrainerSettings
 
 log = logging.getLogger("weightstream")
@@ -223,6 +224,8 @@ class Run:
                 # Planned in RAM, as shapes: check the plan against the streaming settings
                 # as training will have them, a disk store's host_memory_budget too.
                 check_budget(plan, self._streaming(), self.device)
+                if self.rc.streaming.store == "disk":
+                    check_store_dir(self.rc.streaming.store_dir or self.model_dir / "store")
             log.info("Streaming plan: %d units\n%s", len(plan.units), plan.describe())
             log.info("Training state: %s", compiled.engine.describe_tiers())
             predicted = compiled.engine.store.predicted_placement()

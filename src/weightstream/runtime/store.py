@@ -91,6 +91,27 @@ def _return_large_frees_to_the_os() -> None:
         mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
 
+def check_store_dir(directory: str | os.PathLike) -> None:
+    """Raise, before anything is made, the error a disk store in ``directory`` would meet
+    at its first file: a path through a file, or a directory it cannot write (a
+    read-only file system, no permission). ``--validate_only`` checks it."""
+    path = Path(directory)
+    where = path
+    while not where.exists() and where.parent != where:
+        where = where.parent
+    if not where.is_dir():
+        raise ValueError(
+            f"store_dir {path}: {where} is a file, so the disk store cannot make its "
+            "directory there. Fix: give a store_dir that is a directory, or one to create."
+        )
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"store_dir {path}: {where} cannot be written (a read-only file system, or no "
+            "permission), so the disk store cannot make its files. Fix: give a writable "
+            "store_dir."
+        )
+
+
 class DiskStore:
     """Allocates host tensors in memory-mapped files under ``directory`` (Note [disk tier])."""
 
