@@ -118,7 +118,7 @@ def test_reduced_size_trains_through_the_disk_store(tmp_path, name):
     assert all(torch.isfinite(t).all() for t in weights.values())
     vocab = raw["train_input"]["vocab_size"]
     assert weights["wte.weight"].shape == (vocab, 64)
-    assert (model_dir / "store").is_dir() and not any((model_dir / "store").iterdir())
+    assert not (model_dir / "store").exists()  # the store made it, empty, and removed it
 
 
 def test_layer_pipelined_model_on_meta_refuses_to_run():
