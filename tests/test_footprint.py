@@ -156,6 +156,8 @@ def test_a_ram_store_that_does_not_fit_names_the_fixes(tmp_path, capsys, caplog,
     for setting in ("state_dtype: int8", "master_dtype: bfloat16", "runconfig.store: disk"):
         assert setting in fix, fix
     assert "its files 578.6 KiB" in fix  # all of it: the budget holds none
+    assert "(a RAM store: it exceeds the budget, and there is no disk tier)" in text
+    assert "fits not this host's RAM budget (a RAM store)" in text
 
 
 @pytest.mark.parametrize("free, where", [(0, "neither"), (2**50, "RAM + disk")])
@@ -173,6 +175,10 @@ def test_a_disk_store_splits_the_state_between_ram_and_the_free_disk(
     )
     assert ram + disk == total and ram > 0 and disk > 0
     assert ("store_dir on a disk with" in text) == (where == "neither")
+    # the budget set below the default: raising it moves state from the disk to RAM
+    assert ("a larger runconfig.host_memory_budget (without one: " in text) == (
+        where == "neither"
+    )
 
 
 def test_llama2_13b_and_20b_on_this_machine(tmp_path, capsys, caplog):

@@ -407,11 +407,17 @@ class Run:
             if fits:
                 log.info("%s: done without training.", mode)
             else:
+                room = (
+                    "neither this host's RAM nor the store's disk"
+                    if footprint.store == "disk"
+                    else "not this host's RAM budget (a RAM store)"
+                )
                 log.warning(
                     "%s: done without training. The model compiles, but its training state "
-                    "fits neither this host's RAM nor the store's disk: trained here as set "
-                    "up, it would run out of host memory or disk (the fixes are above).",
+                    "fits %s: trained here as set up, it would run out of host memory or "
+                    "disk (the fixes are above).",
                     mode,
+                    room,
                 )
             return
         # Everything that can be wrong with the input (data settings and files,

@@ -128,6 +128,8 @@ class HostFootprint:
                 f" (RAM {format_bytes(self.ram_bytes)}, {self.ram_bytes:,} bytes; "
                 f"disk {format_bytes(self.disk_bytes)}, {self.disk_bytes:,} bytes)"
             )
+        if where == "neither" and self.store == "ram":
+            split = " (a RAM store: it exceeds the budget, and there is no disk tier)"
         lines.append(f"The state goes to: {where}{split if where != 'RAM' else ''}")
         if where == "neither":
             lines.append("Fix: " + self.fixes())
@@ -149,6 +151,12 @@ class HostFootprint:
         else:
             fixes.append(
                 f"a runconfig.store_dir on a disk with {format_bytes(self.disk_bytes)} free"
+            )
+        default = places.default_budget()
+        if self.budget < default:
+            fixes.append(
+                f"a larger runconfig.host_memory_budget (without one: {format_bytes(default)}, "
+                "the available RAM less 2 GiB and 10% of the machine's memory)"
             )
         fixes.append(
             "a smaller model (fewer or narrower layers: n_layer, d_model next to model.preset)"
