@@ -176,9 +176,7 @@ def test_a_disk_store_splits_the_state_between_ram_and_the_free_disk(
     assert ram + disk == total and ram > 0 and disk > 0
     assert ("store_dir on a disk with" in text) == (where == "neither")
     # the budget set below the default: raising it moves state from the disk to RAM
-    assert ("a larger runconfig.host_memory_budget (without one: " in text) == (
-        where == "neither"
-    )
+    assert ("a larger runconfig.host_memory_budget (without one: " in text) == (where == "neither")
 
 
 def test_llama2_13b_and_20b_on_this_machine(tmp_path, capsys, caplog):
