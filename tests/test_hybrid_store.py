@@ -190,3 +190,30 @@ def test_compact_state_is_placed_by_its_own_size(tmp_path, state_dtype):
     got = model.state_dict()
     for k, v in ram_model.state_dict().items():
         assert torch.equal(got[k], v), k
+
+
+def test_state_tensors_of_several_sizes_take_the_ram_the_plan_granted(tmp_path):
+    """bf16 masters with int8 state: each master's state is codes (n bytes each moment),
+    small block scales and a Kahan buffer (2n). With room for part of it, the RAM tier
+    holds exactly the state the plan granted. Before, a grant was a byte count per
+    master: the codes and scales used up a Kahan buffer's grant, which then went to the
+    files with the rest, and RAM the plan had granted stayed empty."""
+    import torch
+
+    import weightstream as cstorch
+    from weightstream.models import GPT
+
+    def build(directory, budget):
+        torch.manual_seed(0)
+        model = GPT(CFG).to(torch.bfloat16)
+        store = {"store": "disk", "store_dir": str(tmp_path / directory)}
+        runner = cstorch.compile(model, backend="ws", **store, host_memory_budget=budget)
+        cstorch.optim.AdamW(model.parameters(), lr=3e-3, state_dtype=torch.int8)
+        return runner.engine.store.tier.places
+
+    roomy = build("roomy", 10**8)  # everything in RAM: the kinds' sizes, and the margin
+    margin, ram = 10**8 - roomy.capacity, roomy.predicted.ram
+    places = build("tight", margin + ram["master"] + ram["state"] // 2)
+    assert places.predicted.disk.get("state", 0) > 0 < places.predicted.ram.get("state", 0)
+    for where in ("ram", "disk"):
+        assert getattr(places.actual, where)["state"] == getattr(places.predicted, where)["state"]

@@ -197,7 +197,10 @@ class PlacementPlan:
         self.predicted = Placement(self.capacity)
         left = self.capacity
         self._grad: dict[Hashable, bool] = {}
-        self._state_left: dict[Hashable, int] = {}  # bytes of state granted, not yet taken
+        # The sizes of the state tensors granted RAM, not yet made, by master: a
+        # tensor takes a grant of its own size, so a small one (an int8 moment's
+        # codes or scales) never uses up the grant of a larger one (a Kahan buffer).
+        self._state_left: dict[Hashable, list[int]] = {}
 
         def place(kind: str, items: list[tuple[Hashable, int]]) -> list[bool]:
             nonlocal left
@@ -221,9 +224,10 @@ class PlacementPlan:
                 [n] * self._states if self._state_bytes is None else self._state_bytes.get(k, ())
             )
         ]
-        self._state_left = dict.fromkeys(self._sizes, 0)
+        self._state_left = {k: [] for k in self._sizes}
         for (key, n), fits in zip(states, place("state", states)):
-            self._state_left[key] += n if fits else 0
+            if fits:
+                self._state_left[key].append(n)
         grads = list(self._sizes.items()) if self._grads_placed else []
         self._grad = dict.fromkeys(self._sizes, False)
         self._grad.update(zip((k for k, _ in grads), place("grad", grads)))
@@ -250,9 +254,10 @@ class PlacementPlan:
         """Whether a new ``kind`` tensor of master ``key`` goes to RAM (then counted)."""
         with self._lock:
             if kind == "state":
-                fits = nbytes <= self._state_left.get(key, 0)
+                granted = self._state_left.get(key, [])
+                fits = nbytes in granted
                 if fits:
-                    self._state_left[key] -= nbytes
+                    granted.remove(nbytes)
             else:
                 table = self._master if kind == "master" else self._grad
                 # A second tensor of the kind (never made by the store) goes to the files.
