@@ -59,43 +59,28 @@ def test_steps_cannot_nest_and_a_failed_step_drops_its_closures():
     assert seen == [] and step_context().step == 0
 
 
-def test_checkpoint_closure_only_on_checkpoint_steps():
-    cstorch.configure(checkpoint_steps=3)
+def _save_after_every_step(num_steps: int) -> list[int]:
+    """A reference-style loop: a checkpoint closure called after every step; the steps
+    it ran on."""
     saved = []
-
-    @cstorch.checkpoint_closure
-    def save(step):
-        saved.append(step)
-
-    @cstorch.compile_step
-    def step():
-        return None
-
+    save = cstorch.checkpoint_closure(lambda s: saved.append(s))
+    step = cstorch.compile_step(lambda: None)
     save(0)  # before the first step: allowed
-    loader = cstorch.utils.data.DataLoader(lambda: [torch.zeros(1)] * 4, num_steps=7)
+    loader = cstorch.utils.data.DataLoader(lambda: [torch.zeros(1)] * 4, num_steps=num_steps)
     for i, _ in enumerate(loader, start=1):
         step()
-        save(i)  # after every step, as the reference allows: skipped but on
-    assert saved == [0, 3, 6, 7]  # checkpoint steps and the last step
+        save(i)  # after every step, as the reference allows: skipped but on checkpoint steps
+    return saved
+
+
+def test_checkpoint_closure_only_on_checkpoint_steps():
+    cstorch.configure(checkpoint_steps=3)
+    assert _save_after_every_step(7) == [0, 3, 6, 7]  # checkpoint steps and the last step
 
 
 def test_checkpoint_closure_without_checkpoint_steps_warns_once_that_it_is_skipped(caplog):
-    saved = []
-
-    @cstorch.checkpoint_closure
-    def save(step):
-        saved.append(step)
-
-    @cstorch.compile_step
-    def step():
-        return None
-
-    loader = cstorch.utils.data.DataLoader(lambda: [torch.zeros(1)] * 4, num_steps=5)
     with caplog.at_level("WARNING", logger="weightstream"):
-        for i, _ in enumerate(loader, start=1):
-            step()
-            save(i)
-    assert saved == [5]  # the last step only
+        assert _save_after_every_step(5) == [0, 5]  # before the first step, and the last
     (record,) = [r for r in caplog.records if "skipped" in r.getMessage()]
     assert "configure(checkpoint_steps=0)" in record.getMessage()
 
