@@ -1192,6 +1192,30 @@ def test_command_line(tmp_path, capsys):
     assert err.startswith("error: safetensors holds only tensors") and "'blob' is a bytes" in err
 
 
+def test_command_line_copy_keeps_the_sources_format(tmp_path, capsys):
+    """``checkpoint copy`` (the reference converter's third verb): the source's format
+    whatever the destination's name, read back by h5py and safetensors themselves."""
+    from safetensors import safe_open
+
+    state = conversion_state()
+    a = tmp_path / "a.mdl"
+    save(state, a)
+    bak = tmp_path / "a.bak"  # a suffix of no format: copy needs none
+    assert cli_main(["copy", str(a), str(bak), "--compression", "gzip"]) == 0
+    assert capsys.readouterr().out.strip() == str(bak)
+    with h5py.File(bak, "r") as f:
+        assert f.attrs["__SUCCESS__"] and f["model.embed.weight"].compression == "gzip"
+    assert cli_main(["diff", str(a), str(bak)]) == 0
+    st = tmp_path / "w.safetensors"
+    assert cli_main(["convert", str(a), str(st), "--key", "model"]) == 0
+    capsys.readouterr()
+    assert cli_main(["copy", str(st), str(tmp_path / "copy.safetensors")]) == 0
+    with safe_open(st, "pt") as want, safe_open(tmp_path / "copy.safetensors", "pt") as got:
+        assert set(want.keys()) == set(got.keys())
+        for k in want.keys():
+            assert torch.equal(want.get_tensor(k), got.get_tensor(k)), k
+
+
 # ---------------------------------------------------------------------------
 # Trainer checkpoints
 # ---------------------------------------------------------------------------

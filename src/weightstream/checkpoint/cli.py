@@ -13,10 +13,12 @@ import re
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
+from pathlib import Path
 
 from weightstream.checkpoint.convert import convert
 from weightstream.checkpoint.errors import CheckpointError
 from weightstream.checkpoint.report import diff, format_diff, format_info, info
+from weightstream.checkpoint.source import sniff_format
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -75,6 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-pickle", action="store_true", help="read torch.save files")
     p.add_argument("--no-fsync", action="store_true", help="do not fsync the output")
 
+    p = sub.add_parser(
+        "copy",
+        help="copy a checkpoint to DST in its own format, a tensor at a time (a safetensors "
+        "folder stays a folder; --compression re-compresses an H5 file)",
+    )
+    p.add_argument("src", help="checkpoint to read")
+    p.add_argument("dst", help="where the copy goes (its format: the source's)")
+    p.add_argument("--compression", choices=["none", "gzip", "lz4"], help="H5 compression")
+    p.add_argument("--allow-pickle", action="store_true", help="read torch.save files")
+    p.add_argument("--no-fsync", action="store_true", help="do not fsync the output")
+
     p = sub.add_parser("diff", help="keys only in one, shape/dtype/value differences")
     p.add_argument("a")
     p.add_argument("b")
@@ -95,6 +108,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(json.dumps(result, indent=2))
             else:
                 print(format_info(result))
+            return 0
+        if args.command == "copy":
+            # The source's own format whatever DST's name says ("safetensors-sharded":
+            # a folder, shards kept by convert's default shard size).
+            fmt = sniff_format(Path(args.src)).removesuffix("-sharded")
+            written = convert(
+                args.src,
+                args.dst,
+                to=fmt,
+                allow_pickle=args.allow_pickle,
+                compression=None if args.compression in (None, "none") else args.compression,
+                fsync=not args.no_fsync,
+            )
+            for path in written:
+                print(path)
             return 0
         if args.command == "convert":
             written = convert(
