@@ -312,11 +312,9 @@ class Run:
         nothing lost, nothing mixed)."""
         earlier = ckpt.list_checkpoints(self.model_dir)
         if earlier:
-            names = ", ".join(p.name for _, p in earlier[:4]) + (
-                ", ..." if len(earlier) > 4 else ""
-            )
             raise ValueError(
-                f"{self.model_dir} holds checkpoints of an earlier run ({names}), and "
+                f"{self.model_dir} holds checkpoints of an earlier run "
+                f"({_names(p for _, p in earlier)}), and "
                 "runconfig.autoload_last_checkpoint is false: this run would start at step 0 "
                 "and write checkpoints under the same names, replacing some of them. Fix: a "
                 "new model_dir (-o), move those checkpoints away, or "
@@ -328,9 +326,9 @@ class Run:
         0 would replace them one by one, the evidence of what went wrong with them."""
         bad = ckpt.list_checkpoints(self.model_dir)
         if bad:
-            names = ", ".join(path.name for _, path in bad[:4]) + (", ..." if len(bad) > 4 else "")
             raise ValueError(
-                f"{self.model_dir} holds checkpoints ({names}), but none is complete and "
+                f"{self.model_dir} holds checkpoints ({_names(p for _, p in bad)}), but none is "
+                "complete and "
                 "readable, so there is nothing to resume from; training from step 0 would "
                 "replace them. Fix: move them away (or delete them) to train from the start, "
                 "or resume from a good copy with --checkpoint_path."
@@ -340,19 +338,14 @@ class Run:
         """A run resuming from checkpoint_path at step N writes checkpoints after N under
         their names: model_dir's own checkpoints after N would be replaced (invariant 3),
         as when the command that trained them is run again."""
-        try:
-            with ckpt.load(start) as state:  # lazy: reads the one value
-                step = state.get("global_step")
-        except (ckpt.CheckpointError, OSError, AttributeError, TypeError):
+        step = _saved_step(start)
+        if step is None:
             return  # resuming reports what is wrong with it
-        if not isinstance(step, int):
-            return
         newer = [path for s, path in ckpt.list_checkpoints(self.model_dir) if s > step]
         if newer:
-            names = ", ".join(path.name for path in newer[:4]) + (", ..." if len(newer) > 4 else "")
             raise ValueError(
                 f"{self.model_dir} holds checkpoints after global step {step}, where "
-                f"checkpoint_path {start} starts ({names}): training from there would replace "
+                f"checkpoint_path {start} starts ({_names(newer)}): training from there would replace "
                 "them. Fix: to continue this model_dir's run, leave checkpoint_path out (it "
                 f"resumes from its newest, {newer[-1].name}); to train again from step {step}, "
                 "use a new model_dir (-o)."
@@ -623,12 +616,8 @@ class Run:
         """
         if self.rc.max_steps is None:
             return False
-        try:
-            with ckpt.load(path) as state:  # lazy: reads the one value
-                step = state.get("global_step")
-        except (ckpt.CheckpointError, OSError, AttributeError, TypeError):
-            return False  # resuming reports what is wrong with it
-        if not isinstance(step, int) or step < self.rc.max_steps:
+        step = _saved_step(path)  # None: resuming reports what is wrong with it
+        if step is None or step < self.rc.max_steps:
             return False
         log.info(
             "%s is at global step %d and max_steps is %d: training is complete, nothing to do.",
@@ -792,6 +781,23 @@ def _convert_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 def _zeros(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros(p.shape, dtype=p.dtype)
+
+
+def _saved_step(path: Path) -> int | None:
+    """The global step a trainer checkpoint recorded (read lazily: the one value), or
+    None where it cannot be read."""
+    try:
+        with ckpt.load(path) as state:
+            step = state.get("global_step")
+    except (ckpt.CheckpointError, OSError, AttributeError, TypeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+def _names(paths, most: int = 4) -> str:
+    """The first few file names of ``paths``, for a message."""
+    paths = list(paths)
+    return ", ".join(p.name for p in paths[:most]) + (", ..." if len(paths) > most else "")
 
 
 def _recorded_params(p: Params) -> dict:

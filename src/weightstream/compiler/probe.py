@@ -357,10 +357,11 @@ def load_or_measure(
         # A quarter of the free space at most: the probe must not take the room the
         # store's state was planned into. A disk it cannot write is left unpriced
         # (the estimate says so); the run reports the disk's own error, if any.
-        nbytes = min((_QUICK if quick else _FULL).disk_bytes, shutil.disk_usage(where).free // 4)
+        free = shutil.disk_usage(where).free
+        nbytes = min((_QUICK if quick else _FULL).disk_bytes, free // 4)
         try:
             if nbytes < 1 << 20:
-                raise OSError(f"{shutil.disk_usage(where).free:,} bytes free")
+                raise OSError(f"{free:,} bytes free")
             probe.disk[str(disk_dir)] = disk_bandwidths(where, nbytes)
             _save(probe, path)
         except OSError as exc:
