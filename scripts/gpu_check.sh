@@ -12,6 +12,10 @@
 #   BENCH="--sizes 5b --peers '' --state bf16 --checkpoint /tmp/ws_ckpt" ...  # save (vs the disk's rate), resume exactly
 #   BENCH="--sizes 13b --peers '' --state bf16-int8 --activation-checkpointing" ...  # the 13B in RAM
 #   BENCH="--sizes 20b --peers '' --state bf16-int8 --store disk --store-dir /tmp/ws_store --activation-checkpointing" ...
+#   RSS="--size 1b" bash scripts/gpu_check.sh  # then benchmarks/sharded_rss.py: host RSS, 2 ranks vs 1
+#
+# Each part has its own limit (TEST_S, BENCH_S, BENCH2_S, RSS_S seconds) so that one
+# part running long leaves the next its time; what each printed is in $OUT.
 #
 # Uses the machine's own python3 with PYTHONPATH=src (no set-up: the GPU machine
 # has torch, h5py, safetensors, transformers, tensorboard, tqdm and pytest).
@@ -33,6 +37,7 @@ BENCH_S=${BENCH_S:-300}
 } 2>&1 | tee "$OUT/env.txt"
 
 if [ "$TESTS" = 1 ]; then
+  echo "== CUDA tests at ${SECONDS} s"
   # A per-test limit where pytest-timeout is installed (nothing here installs it; the
   # outer timeout bounds the whole run either way).
   per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 120")
@@ -40,9 +45,17 @@ if [ "$TESTS" = 1 ]; then
     -p no:cacheprovider -o addopts="" -ra $per_test 2>&1 | tee "$OUT/cuda_tests.txt"
 fi
 
+echo "== gpu_stream.py $BENCH at ${SECONDS} s"
 eval "set -- $BENCH"  # quoted arguments (an empty --peers '') survive
 timeout "$BENCH_S" python3 benchmarks/gpu_stream.py "$@" 2>&1 | tee "$OUT/gpu_stream.txt"
 if [ -n "${BENCH2:-}" ]; then
+  echo "== gpu_stream.py $BENCH2 at ${SECONDS} s"
   eval "set -- $BENCH2"
   timeout "${BENCH2_S:-$BENCH_S}" python3 benchmarks/gpu_stream.py "$@" 2>&1 | tee "$OUT/gpu_stream2.txt"
 fi
+if [ -n "${RSS:-}" ]; then
+  echo "== sharded_rss.py $RSS at ${SECONDS} s"
+  eval "set -- $RSS"
+  timeout "${RSS_S:-120}" python3 benchmarks/sharded_rss.py "$@" 2>&1 | tee "$OUT/sharded_rss.txt"
+fi
+echo "== done at ${SECONDS} s"
