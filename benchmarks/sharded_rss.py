@@ -146,18 +146,19 @@ def main() -> None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.batch % args.ranks:
         ap.error(f"--batch {args.batch} is not a multiple of --ranks {args.ranks}")
+    print(
+        f"{args.size}, batch {args.batch} x seq {args.seq}, {args.steps} steps on {args.device}",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as out:
         one = launch(args, 1, out)[0]
+        print(
+            f"  1 rank (whole state, {one['params'] / 1e9:.3f}B params): RSS "
+            f"{one['rss_bytes'] / GiB:.2f} GiB, peak {one['peak_rss_bytes'] / GiB:.2f} GiB, "
+            f"built in {one['build_s']:.1f} s, losses {one['losses']}",
+            flush=True,
+        )
         many = launch(args, args.ranks, out)
-    print(
-        f"{args.size} ({one['params'] / 1e9:.3f}B params), batch {args.batch} x seq "
-        f"{args.seq}, {args.steps} steps on {args.device}"
-    )
-    print(
-        f"  1 rank (whole state): RSS {one['rss_bytes'] / GiB:.2f} GiB, peak "
-        f"{one['peak_rss_bytes'] / GiB:.2f} GiB, built in {one['build_s']:.1f} s, "
-        f"losses {one['losses']}"
-    )
     for r in many:
         print(
             f"  rank {r['rank']} of {args.ranks} (sharded, {r['backend']}): RSS "

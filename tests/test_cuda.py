@@ -73,9 +73,8 @@ def _reference(make, cfg, steps: int, make_opt=None, on_device: frozenset[str] =
     named = dict(resident.named_parameters())  # a tied weight once
     pairs = [(h, named[n]) for n, h in host.named_parameters() if n not in on_device]
     make_opt = make_opt or _adamw
-    opts = [make_opt([h for h, _ in pairs])]
-    if on_device:
-        opts.append(make_opt([p for n, p in named.items() if n in on_device]))
+    parts = [[h for h, _ in pairs], [p for n, p in named.items() if n in on_device]]
+    opts = [make_opt(part) for part in parts if part]  # a whole-model tier leaves no host part
     losses = []
     for step in range(steps):
         with torch.no_grad():

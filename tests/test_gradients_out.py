@@ -36,6 +36,20 @@ def test_a_unit_s_gradients_share_one_storage_and_missing_ones_stay_missing():
     assert out[2].data_ptr() % 64 == 0
 
 
+def test_a_write_to_one_gradient_of_a_unit_leaves_the_others_versions():
+    """Autograd's version counter is shared by views: the unit's gradients are tensors of
+    their own over the one storage, so the sharded store's check (Note [changed after the
+    reduce]) sees a write to one gradient as that gradient's alone. On CUDA two ranks were
+    stopped at every step, each unit's gradients but the last written "changed"."""
+    pool = StoragePool(per_key=2)
+    out = _arrived(pool, 0, torch.randn(4, 3), torch.randn(5), torch.randn(2)).take()
+    versions = [g._version for g in out]
+    out[1].copy_(torch.ones(5))  # as the reducer puts a mean into one .grad
+    assert [g._version for g in out] == [versions[0], versions[1] + 1, versions[2]]
+    assert torch.equal(out[1], torch.ones(5))
+    assert len({g.untyped_storage().data_ptr() for g in out}) == 1
+
+
 def test_memory_is_handed_out_again_only_when_nothing_shares_it():
     pool = StoragePool(per_key=2)
     first = pool.empty("unit", 1024, torch.uint8)

@@ -353,15 +353,23 @@ def _packed_bytes(like: Sequence[tuple[torch.Size, torch.dtype] | None]) -> int:
 
 
 def _packed_views(buf, like: Sequence[tuple[torch.Size, torch.dtype] | None]) -> list:
-    """Views of the uint8 tensor ``buf`` laid out as ``_packed_bytes`` counts (None stays)."""
-    views, offset = [], 0
+    """Tensors over the uint8 tensor ``buf``'s memory laid out as ``_packed_bytes`` counts
+    (None stays).
+
+    Each is a tensor of its own over the shared storage, not a view of ``buf``: views
+    share one version counter, so a write to one gradient would count as a write to
+    every other gradient of the unit, and the sharded store's check of gradients
+    changed after their reduction (Note [changed after the reduce] in
+    runtime/swarm.py) would stop a correct step."""
+    storage, views, offset = buf.untyped_storage(), [], buf.storage_offset()
     for t in like:
         if t is None:
             views.append(None)
             continue
         shape, dtype = t
         n = shape.numel() * dtype.itemsize
-        views.append(buf[offset : offset + n].view(dtype).view(shape))
+        # 64-byte aligned offsets: whole elements of every dtype.
+        views.append(torch.empty(0, dtype=dtype).set_(storage, offset // dtype.itemsize, shape))
         offset += _aligned(n)
     return views
 

@@ -578,7 +578,7 @@ class StreamingEngine:
             self._postprocess(),
             before_fetch=self.updater.wait_unit,
             note=self.events,
-            recompute=self._recompute - self.resident,  # a unit on the device keeps its own
+            recompute=self._recompute,  # the device tier's units too
             mirror=mirror,
             mirror_by_update=self.updater.apart,
             offload=self._activation_offload(),

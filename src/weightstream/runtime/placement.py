@@ -307,7 +307,12 @@ def predict(master_bytes: Sequence[int], capacity: int, states_per_master: int =
 # that: it computes on its masters as layer pipelined mode does, autograd leaves
 # its gradients in its masters' ``.grad`` on the device, and the updater runs its
 # share there, with the same kernels on the same values (eager PyTorch's bits).
-# On the CPU the device is host memory: such a unit only skips its copies.
+# Under ``activation_checkpointing`` it is recomputed as a streamed unit is (its
+# casts to the compute dtype made again inside the checkpointed call): the room
+# "auto" measures is that of a step with every unit recomputed, and a 4.9B
+# Llama's tier of 26 blocks that kept their activations at batch 16 ran an H200
+# out of memory. On the CPU the device is host memory: such a unit only skips
+# its copies.
 #
 # ``device_tier_budget`` bytes of the device hold whole unit groups (units that
 # share a parameter, a tied embedding and head, go together: a master is on one

@@ -305,6 +305,11 @@ class Streamer:
     def install(self) -> None:
         for unit in self.units:
             m = unit.spec.module
+            if unit.index in self.resident and unit.index in self.recompute:
+                # Recomputed as the streamed units are: the room the device tier took
+                # was measured with their activations recomputed.
+                self._hooks.append(UnitForward(m, self._make_resident_run(unit)))
+                continue
             if unit.index in self.resident:
                 self._hooks.append(m.register_forward_pre_hook(self._make_resident_pre(unit)))
                 self._hooks.append(
@@ -357,6 +362,30 @@ class Streamer:
                     owner._parameters[name] = value
 
         return post
+
+    def _make_resident_run(self, unit: StreamingUnit):
+        """A device-tier unit whose forward is recomputed in the backward: its window
+        (the casts of its masters) inside the checkpointed call, so that the recompute
+        casts again and nothing of the first run is kept."""
+        module, pre, post = (
+            unit.spec.module,
+            self._make_resident_pre(unit),
+            self._make_resident_post(unit),
+        )
+
+        def window(inner, args: tuple, kwargs: dict):
+            pre(module, args)
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                post(module, args, None)
+
+        def run(inner, args: tuple, kwargs: dict):
+            if not torch.is_grad_enabled():
+                return window(inner, args, kwargs)
+            return checkpointed(module, lambda _first, *a, **k: window(inner, a, k), args, kwargs)
+
+        return run
 
     def _swap(self, unit: StreamingUnit, tensors) -> tuple[StreamingUnit, list]:
         """Put ``tensors`` (one a parameter of ``unit``) into the unit's slots, its own and
