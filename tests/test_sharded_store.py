@@ -26,6 +26,7 @@ from test_distributed import LOSS_RTOL, WEIGHT_ATOL, _losses, _params
 from weightstream import checkpoint as ckpt
 from weightstream.runtime.config import StreamingConfig
 from weightstream.runtime.sharding import assign_owners
+from weightstream.runtime.swarm import REDUCE_IN_FLIGHT
 
 # ---------------------------------------------------------------------- ownership
 
@@ -240,14 +241,24 @@ def _memory_rank(rank: int, world: int, port: int, out: str, store: str = "ram")
                 device="cpu",
                 granularity="module",
                 store_sharding=sharding,
+                reduce_bucket_bytes=0,  # a collective per unit: 4 buckets
                 **disk,
             )
+            reducer, in_flight = compiled.engine.reducer, []
+            start = reducer._start
+
+            def counting(b, start=start, reducer=reducer, in_flight=in_flight):
+                start(b)
+                in_flight.append(len(reducer._in_flight))
+
+            reducer._start = counting
             x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
             for _ in range(2):
                 loss = compiled(x).square().mean()
                 loss.backward()  # SwarmX reduces in the backward
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+            result[f"{sharding}_in_flight"] = max(in_flight)
             if store == "ram":
                 result[sharding] = _store_bytes(model, optimizer)
                 if sharding == "sharded":
@@ -298,6 +309,12 @@ def test_per_rank_store_memory_is_half_with_two_ranks_and_stays_so_after_a_load(
     # A checkpoint's state gathered from the shards is whole, and loading it into
     # the sharded store fills the owned tensors only: memory stays at the share.
     assert [g["reload"] for g in got] == [{"whole": True, "restored": True, "bytes": sharded}] * 2
+    # At most REDUCE_IN_FLIGHT of the 4 buckets' reductions in flight at once, each
+    # holding a flat copy of its gradients (Note [swarm reduce], "Bounded"): before,
+    # all 4 were, a whole model's gradients on every rank during the backward.
+    assert REDUCE_IN_FLIGHT == 2
+    for sharding in ("replicated", "sharded"):
+        assert [g[f"{sharding}_in_flight"] for g in got] == [REDUCE_IN_FLIGHT] * 2
 
 
 def test_sharded_disk_store_keeps_half_the_files_on_each_of_two_ranks(tmp_path):

@@ -37,6 +37,9 @@ from weightstream.common.flat import flatten, unflatten_views
 # buckets of about this many bytes: fewer, larger collectives than one per
 # tensor, each started as soon as its gradients are final.
 BUCKET_BYTES = 32 * 2**20
+# Buckets whose reduction may be in flight at once; starting one more waits for the
+# oldest (Note [swarm reduce], "Bounded").
+REDUCE_IN_FLIGHT = 2
 
 log = logging.getLogger("weightstream")
 
@@ -292,6 +295,16 @@ def shutdown() -> None:
 #   attention mask) gives each rank's mean its own denominator, and the
 #   average of the ranks then differs from one device's mean over the whole
 #   batch, as with DDP; weight such losses by a global count.
+# * Bounded. At most REDUCE_IN_FLIGHT buckets' reductions are in flight: one
+#   more waits for the oldest to land first. A bucket in flight holds its
+#   flattened copy (and, on its owner, the gradients too), and a backward that
+#   outruns the transport would otherwise hold the whole model's gradients at
+#   once on every rank, whatever it owns: two ranks of a sharded store (a 0.5B
+#   Llama on the CPU) peaked at 0.81x one rank's host memory while they held
+#   0.57x of it between steps. The transport serves one collective of a group
+#   at a time, so a deeper queue would not finish sooner. Waiting cannot
+#   deadlock: the oldest reduction was issued after its bucket's backward, for
+#   which every rank needed only fetches this rank has already issued.
 # * Its own process group: the collectives are issued from the autograd
 #   thread while a sharded store's weight broadcasts run on the prefetch
 #   thread; each thread's collectives must reach every rank in one order.
@@ -467,7 +480,11 @@ class GradientReducer:
             by_kind.setdefault(kind, []).append(p)
         for (*_, everywhere), same in by_kind.items():
             owner = None if self.owners is None or everywhere else self.owners[b]
-            flat = flatten([p.grad for p in same])
+            grads = [p.grad for p in same]
+            # One contiguous gradient is reduced in place: no copy of the largest
+            # tensors (an embedding, a head) to hold or to write back.
+            lone = len(grads) == 1 and grads[0].is_contiguous()
+            flat = grads[0].detach().view(-1) if lone else flatten(grads)
             if owner is None:
                 work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
             else:
@@ -479,19 +496,25 @@ class GradientReducer:
                         p.grad = None  # sent: only the owner keeps this gradient
                         self._set_aside.pop(id(p), None)
             self._in_flight.append(_InFlight(same, flat, work, owner))
+        while len(self._in_flight) > REDUCE_IN_FLIGHT:  # bounded (Note [swarm reduce])
+            self._land(self._in_flight.pop(0))
 
     def wait(self) -> None:
         """Wait for every started reduction and put the means into ``p.grad``."""
         in_flight, self._in_flight = self._in_flight, []
         for item in in_flight:
-            item.work.wait()  # host sync point
-            if item.owner is not None and item.owner != self.rank:
-                continue
+            self._land(item)
+
+    def _land(self, item: _InFlight) -> None:
+        """Wait for one reduction; on a rank that keeps its mean, put it into ``p.grad``."""
+        item.work.wait()  # host sync point
+        if item.owner is None or item.owner == self.rank:
             item.flat.div_(self.world)
             grads = [p.grad for p in item.params]
             for p, mean in zip(item.params, unflatten_views(item.flat, grads)):
                 # In place: the gradient keeps its storage (a disk store's file).
-                p.grad.copy_(mean)
+                if mean.data_ptr() != p.grad.data_ptr():
+                    p.grad.copy_(mean)
                 earlier = self._set_aside.pop(id(p), None)
                 if earlier is not None:
                     p.grad.add_(earlier)
