@@ -9,8 +9,9 @@ state of its own units, fetches broadcast host buffers over gloo and copy them t
 the device, and the gradients are reduced to their owners. Rank 1 builds its model
 from another seed, with another buffer: the build must broadcast rank 0's weights
 and its device buffer (through a host copy on gloo). The trained weights must equal
-one rank streaming the whole batch and eager PyTorch (the model resident on the
-device, torch.optim.AdamW on host fp32 copies: tests/test_cuda.py's reference).
+one rank streaming the whole batch (with the same device tier) and eager PyTorch
+(the model resident on the device, torch.optim.AdamW on host fp32 copies, the
+tier's parameters updated on the device: tests/test_cuda.py's reference).
 
 The ``cuda`` case needs a GPU (``pytest -m cuda``, or ``scripts/gpu_check.sh``). The
 ``cpu`` case runs the same script on the CPU everywhere, so the test itself is
@@ -198,13 +199,16 @@ def _two_ranks(out: Path, device: str, budget: int | None) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
-def _one_rank(device: str) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """One process streaming the whole batch (no torchrun environment: no ranks)."""
+def _one_rank(device: str, budget: int | None) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process streaming the whole batch (no torchrun environment: no ranks), with
+    the same device tier."""
     import weightstream as cstorch
 
     model = _model(seed=0)
     optimizer = _adamw(model.parameters(), cstorch)
-    compiled = cstorch.compile(model, backend="wse_ws", device=device, granularity="module")
+    compiled = cstorch.compile(
+        model, backend="wse_ws", device=device, granularity="module", device_tier_budget=budget
+    )
     losses = []
     for x, y in _batches():
         loss = F.mse_loss(compiled(x.to(device)), y.to(device))
@@ -217,12 +221,17 @@ def _one_rank(device: str) -> tuple[dict[str, torch.Tensor], list[float]]:
     return state, losses
 
 
-def _eager(device: str) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Eager PyTorch: the model resident on ``device``, AdamW on host fp32 copies."""
+def _eager(device: str, on_device: frozenset[str] = frozenset()):
+    """Eager PyTorch: the model resident on ``device``, AdamW on host fp32 copies; the
+    parameters named in ``on_device`` (a device tier's) updated on the device by an
+    AdamW of their own, as tests/test_cuda.py's reference does: the device's kernels
+    round otherwise than the host's."""
     host = _model(seed=0)
     resident = copy.deepcopy(host).to(device)
-    pairs = list(zip(host.parameters(), resident.parameters()))
-    optimizer = _adamw(host.parameters())
+    named = list(zip(host.named_parameters(), resident.parameters()))
+    pairs = [(h, d) for (n, h), d in named if n not in on_device]
+    parts = [[h for h, _ in pairs], [d for (n, _), d in named if n in on_device]]
+    optimizers = [_adamw(part) for part in parts if part]
     losses = []
     for x, y in _batches():
         with torch.no_grad():
@@ -232,10 +241,14 @@ def _eager(device: str) -> tuple[dict[str, torch.Tensor], list[float]]:
         loss.backward()
         for h, d in pairs:
             h.grad, d.grad = d.grad.cpu(), None
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return _state(host), losses
+    with torch.no_grad():
+        for h, d in pairs:
+            d.copy_(h)
+    return _state(resident), losses
 
 
 @pytest.mark.parametrize("tier", [False, True], ids=["streamed", "device-tier"])
@@ -245,7 +258,8 @@ def test_two_ranks_on_one_device_with_a_sharded_store_equal_one_rank_and_eager(
 ):
     """With ``tier``, a device tier of 2 of the 4 units (TIER_BUDGET) that both ranks hold
     whole, on the device, while the other 2 stay sharded on the host."""
-    records = _two_ranks(tmp_path, device, TIER_BUDGET if tier else None)
+    budget = TIER_BUDGET if tier else None
+    records = _two_ranks(tmp_path, device, budget)
     # Joined with gloo alone (on CUDA: two ranks, one GPU), both on the one device.
     assert [r["backend"] for r in records] == ["gloo"] * WORLD
     want_device = "cpu" if device == "cpu" else "cuda:0"
@@ -263,8 +277,8 @@ def test_two_ranks_on_one_device_with_a_sharded_store_equal_one_rank_and_eager(
     assert records[0]["losses"] == records[1]["losses"]
     got = torch.load(tmp_path / "sharded.pt")
     for what, (want, want_losses) in {
-        "one rank": _one_rank(device),
-        "eager": _eager(device),
+        "one rank": _one_rank(device, budget),
+        "eager": _eager(device, frozenset(tier)),
     }.items():
         torch.testing.assert_close(
             torch.tensor(records[0]["losses"]),
