@@ -83,6 +83,7 @@ fraction stays well below 1.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -340,11 +341,38 @@ def count_params(cfg: LlamaConfig) -> int:
         return sum(p.numel() for p in Llama(cfg).parameters())
 
 
+# Elements of one seeded piece of a matrix's initial values (drawn on one thread).
+INIT_PIECE = 2**24
+
+
 def build(cfg: LlamaConfig, checkpointed: bool = False) -> Llama:
-    """The model from seed 0; ``checkpointed``: each block's forward recomputed in the
-    backward by ``torch.utils.checkpoint`` (the peers' activation checkpointing)."""
-    torch.manual_seed(0)
-    model = Llama(cfg)
+    """The model from seed 0, by the zoo's rule (``Llama.init_module``: N(0, 0.02)
+    matrices, norms at 1) drawn in pieces of ``INIT_PIECE`` values, each from a
+    generator of its own seed, on every core: the same values whatever the threads.
+    (CPU ``normal_`` runs on one thread: a 4.9B model took about 20 s, each of a
+    call's several modes, from the GPU machine's 15 minutes.) ``checkpointed``: each
+    block's forward recomputed in the backward by ``torch.utils.checkpoint`` (the
+    peers' activation checkpointing)."""
+    with torch.device("meta"):
+        model = Llama(cfg)
+    model = model.to_empty(device="cpu")
+    pieces, seen = [], set()
+    for m in model.modules():
+        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) and id(m.weight) not in seen:
+            seen.add(id(m.weight))  # a tied weight once
+            flat = m.weight.data.view(-1)
+            pieces += [flat[i : i + INIT_PIECE] for i in range(0, flat.numel(), INIT_PIECE)]
+            if getattr(m, "bias", None) is not None:
+                m.bias.data.zero_()
+        elif not list(m.children()):
+            for p in m.parameters(recurse=False):
+                p.data.fill_(1.0)  # the RMSNorms' scales
+
+    def draw(i: int) -> None:
+        pieces[i].normal_(0.0, 0.02, generator=torch.Generator().manual_seed(i))
+
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        list(pool.map(draw, range(len(pieces))))  # ATen releases the GIL while it draws
     if checkpointed:
         model.blocks = torch.nn.ModuleList(Checkpointed(b) for b in model.blocks)
     return model
@@ -573,7 +601,9 @@ def make_ws(cfg, device, dtype, args, device_tier: int | str | None, state: str)
 def run_ws(
     cfg, x, y, device, dtype, args, device_tier: int | str | None = None, state: str = "fp32"
 ) -> dict:
+    began = time.perf_counter()
     runner, model, opt = make_ws(cfg, device, dtype, args, device_tier, state)
+    built = time.perf_counter()
     start: list[int | None] = []
     offloaded: list[int] = []
 
@@ -624,6 +654,12 @@ def run_ws(
         }
     finally:
         runner.close()  # its tensors go with this frame; run_size frees the memory
+        # Where a device call's minutes go (each mode builds its model afresh).
+        print(
+            f"  (WS, {state} state, tier {device_tier or 0}: built in {built - began:.1f} s, "
+            f"ran in {time.perf_counter() - built:.1f} s)",
+            flush=True,
+        )
 
 
 def _checksums(model, opt) -> list[int]:
