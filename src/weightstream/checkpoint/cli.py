@@ -45,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="keys, shapes, dtypes, sizes and format version")
     p.add_argument("path", help="checkpoint file (H5, safetensors, index.json, directory)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="read every tensor back (one at a time); exit status 1 if one does not",
+    )
     p.add_argument("--allow-pickle", action="store_true", help="read torch.save files")
 
     p = sub.add_parser(
@@ -102,13 +107,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "info":
-            result = info(args.path, allow_pickle=args.allow_pickle)
+            result = info(args.path, allow_pickle=args.allow_pickle, verify=args.verify)
             if args.json:
-                result = {**result, "entries": [asdict(e) for e in result["entries"]]}
-                print(json.dumps(result, indent=2))
+                printed = {**result, "entries": [asdict(e) for e in result["entries"]]}
+                print(json.dumps(printed, indent=2))
             else:
                 print(format_info(result))
-            return 0
+            return 1 if result.get("unreadable") else 0
         if args.command == "copy":
             # The source's own format whatever DST's name says ("safetensors-sharded":
             # a folder, shards kept by convert's default shard size).

@@ -17,18 +17,25 @@ from weightstream.checkpoint.source import LeafInfo
 from weightstream.common.units import format_bytes
 
 
-def info(path: str | os.PathLike, *, allow_pickle: bool = False) -> dict[str, Any]:
-    """What a checkpoint holds, without reading its data.
+def info(
+    path: str | os.PathLike, *, allow_pickle: bool = False, verify: bool = False
+) -> dict[str, Any]:
+    """What a checkpoint holds, without reading its data (``verify``: reading every
+    leaf back, one at a time).
 
     Returns a dict with the file's properties (format, format_version,
     library_version, complete, ...), ``file_bytes``, ``num_leaves``,
     ``data_bytes`` (each tied tensor counted once) and ``entries``: one
     :class:`LeafInfo` per leaf (key, kind, shape, dtype, nbytes, storage,
-    linked_to).
+    linked_to). With ``verify``, ``unreadable`` too: (key, the error) for each leaf
+    whose data does not read back. ``complete`` is a mark the writer sets once every
+    tensor is written; a file cut short after it (a copy stopped part way) keeps the
+    mark and loses data, which only a read finds.
     """
     with open_source(path, allow_pickle=allow_pickle, allow_incomplete=True) as source:
         first: dict[Any, str] = {}
         entries: list[LeafInfo] = []
+        unreadable: list[tuple[str, str]] = []
         for key in source.keys():
             entry = source.describe(key)
             tie = source.tie(key) if entry.kind == "tensor" else None
@@ -37,7 +44,16 @@ def info(path: str | os.PathLike, *, allow_pickle: bool = False) -> dict[str, An
             elif tie is not None:
                 first.setdefault(tie, key)
             entries.append(entry)
+            if verify and entry.linked_to is None:
+                try:
+                    source.read(key)  # dropped at once: one leaf in memory at a time
+                except PickleNotAllowedError:
+                    pass  # readable, and not to be unpickled unasked
+                except Exception as exc:
+                    unreadable.append((key, f"{type(exc).__name__}: {exc}"))
         result = dict(source.properties())
+    if verify:
+        result["unreadable"] = unreadable
     result["path"] = str(path)
     result["file_bytes"] = _size(Path(os.fspath(path)))
     result["num_leaves"] = len(entries)
@@ -64,6 +80,14 @@ def format_info(result: dict[str, Any]) -> str:
         f"  leaves: {result['num_leaves']}, data: {format_bytes(result['data_bytes'])}, "
         f"file: {format_bytes(result['file_bytes'])}"
     )
+    if "unreadable" in result:
+        bad = result["unreadable"]
+        lines.append(
+            f"  verified: {'every leaf reads back' if not bad else f'{len(bad)} unreadable'}"
+        )
+        lines += [f"  unreadable {key}: {error}" for key, error in bad[:20]]
+        if len(bad) > 20:
+            lines.append(f"  ... and {len(bad) - 20} more")
     width = max([len(e.key) for e in result["entries"]] + [3])
     for e in result["entries"]:
         shape = "" if e.shape is None else "x".join(str(d) for d in e.shape) or "scalar"
