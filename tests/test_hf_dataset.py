@@ -310,10 +310,15 @@ def test_long_documents_are_split_or_truncated_and_counted(tmp_path, tokenizer_d
     with caplog.at_level("INFO", logger="weightstream"):
         split = _rows(_section(tmp_path, path, tokenizer_dirs["plain"], seq_len=seq))
     assert "3 longer than seq_len = 16, split into pieces" in caplog.text
-    # The pieces, in order, give back every token and every target.
+    # The pieces, in order, give back every token and every target (a document's last
+    # token, its eos, has none: it is left out where it would be a piece of its own).
     pieces = [_real(r) for r in split]
-    assert [t for ids, _ in pieces for t in ids] == [t for d in docs for t in d]
-    assert [t for _, lab in pieces for t in lab] == [t for d in docs for t in [*d[1:], -100]]
+    kept = [d if (len(d) - 1) % seq else d[:-1] for d in docs]
+    assert [t for ids, _ in pieces for t in ids] == [t for d in kept for t in d]
+    assert [t for _, lab in pieces for t in lab] == [
+        t for d, k in zip(docs, kept) for t in [*d[1:], -100][: len(k)]
+    ]
+    assert all(any(t != -100 for t in lab) for _, lab in pieces)
     caplog.clear()
     with caplog.at_level("INFO", logger="weightstream"):
         cut = _rows(
@@ -322,6 +327,27 @@ def test_long_documents_are_split_or_truncated_and_counted(tmp_path, tokenizer_d
     assert [_real(r)[0] for r in cut] == [d[:seq] for d in docs]
     dropped = sum(len(d) - seq for d in docs)
     assert f"truncated ({dropped} tokens dropped)" in caplog.text
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_split_leaves_out_a_last_piece_of_only_the_eos(tmp_path, tokenizer_dirs, packing):
+    """A document of 2 x seq_len + 1 tokens: two rows under overflow: split. Its last
+    token, the eos, has no target (nothing follows it); as a third piece it would cost a
+    row that trains nothing (or, packed, a position)."""
+    tok = _load_tokenizer(tokenizer_dirs["plain"])
+    seq = 16
+    text = next(
+        t
+        for t in (_sentence(i, n) for n in range(10, 80) for i in range(4))
+        if len(tok(t)["input_ids"]) + 1 == 2 * seq + 1
+    )
+    doc = tok(text)["input_ids"] + [tok.eos_token_id]
+    path = _write(tmp_path / "one.jsonl", [{"text": text}])
+    rows = _rows(_section(tmp_path, path, tokenizer_dirs["plain"], seq_len=seq, packing=packing))
+    assert len(rows) == 2
+    pieces = [_real(r) for r in rows]
+    assert [t for ids, _ in pieces for t in ids] == doc[:-1]
+    assert [t for _, lab in pieces for t in lab] == doc[1:]  # every target, none lost
 
 
 def test_packed_rows_hold_every_document_with_restarting_positions(tmp_path, tokenizer_dirs):

@@ -17,8 +17,9 @@ Its keys, besides the common ones:
   or the assistant's (conversations) are targets; the others' labels are -100;
 - ``packing`` (default false): several documents per row (Note [packing]);
 - ``overflow``: what happens to a document longer than ``seq_len``: ``split`` (default) into
-  pieces of ``seq_len`` tokens, each its own row or packed document, or ``truncate`` (its
-  tail is dropped). Either way the counts are logged;
+  pieces of ``seq_len`` tokens, each its own row or packed document (its last token, the
+  eos, which has no target, left out where it would be a piece by itself), or ``truncate``
+  (its tail is dropped). Either way the counts are logged;
 - ``eval_fraction``: if given, the training section takes the documents' head and
   ``eval_input`` the tail of this fraction (give the same data and value in both); without
   it a section reads all of its ``data_dir`` (a separate eval set). The same ``data_dir``
@@ -239,7 +240,7 @@ PACK_BATCH = 1000  # documents per packing batch (Note [packing])
 TOKENIZE_BATCH = 1000  # documents per tokenizer batch (Note [hf dataset cache])
 # Part of every cache file's fingerprint: change it when the rows this module makes from
 # the same data and settings change, or their files' layout (Note [hf dataset cache]).
-ROWS_VERSION = "3"
+ROWS_VERSION = "4"
 # The roles chat templates know (OpenAI's, Llama 3's ipython). A template renders any
 # role as it renders these (a header of its name), so a misspelled "asistant" gives no
 # error anywhere: its turn is simply not trained. Such documents are counted and warned of.
@@ -565,7 +566,9 @@ def make_rows(docs: DocBatch, seq_len: int, packing: bool, overflow: str) -> dic
     if overflow == "truncate":
         n_pieces = np.ones(len(lengths), np.int64)
     else:
-        n_pieces = -(-lengths // seq_len)
+        # A document's last token (its eos) has no target: split leaves it out where it
+        # would be a piece by itself (a row that trains nothing).
+        n_pieces = np.maximum(1, -(-(lengths - 1) // seq_len))
     doc = np.repeat(np.arange(len(lengths)), n_pieces)
     k = np.arange(len(doc)) - np.repeat(np.cumsum(n_pieces) - n_pieces, n_pieces)
     piece_start = (np.cumsum(lengths) - lengths)[doc] + k * seq_len
@@ -1208,7 +1211,9 @@ def _count(settings: HFDataSettings, docs: MappedFile, head: tuple[int, int], ro
     lengths, first, issues = (
         docs.table.column(c).slice(head[0], n) for c in ("length", "first_target", "issues")
     )
-    long = pc.greater(lengths, settings.seq_len)
+    # Split: longer than a row once its last token, which has no target, is left out.
+    split = settings.overflow == "split"
+    long = pc.greater(lengths, settings.seq_len + (1 if split else 0))
     over = pc.subtract(pc.filter(lengths, long), settings.seq_len)
     late = pc.filter(first, pc.greater_equal(first, settings.seq_len))
     if settings.overflow == "truncate":
