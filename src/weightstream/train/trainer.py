@@ -429,33 +429,43 @@ class Trainer:
         from weightstream import metrics
 
         self.compiled.eval()
-        loss_sum, steps = 0.0, 0
+        # Per batch, this rank's sum of the loss over its targets (lm) or samples, and
+        # their count: the global batch's mean is the ranks' sums over their counts.
+        sums: list[float] = []
+        counts: list[float] = []
         accuracy = metrics.AccuracyMetric("eval/accuracy")
         perplexity = metrics.PerplexityMetric("eval/perplexity") if self.s.task == "lm" else None
         for i, batch in enumerate(dataloader):
             if num_steps is not None and i >= num_steps:
                 break
             loss, logits, extra = _task_loss(self.s.task, self.compiled, batch, self.attention)
-            loss_sum += loss.item()  # host sync point
-            steps += 1
             labels = extra["labels"]
             preds = logits.argmax(-1)
             if self.s.task == "lm":
                 w = extra["weights"].view_as(labels)
                 accuracy.update(labels, preds, weights=w)
                 perplexity.update(labels, extra["per_token"].view_as(labels), weights=w)
+                count = float(w.sum())  # host sync point
             else:
                 accuracy.update(labels, preds)
+                count = float(labels.shape[0])
+            sums.append(loss.item() * max(count, 1.0))  # the loss divides by at least 1
+            counts.append(count)
         self.compiled.train()
-        # Each rank evaluated its shard: sum the metrics' accumulators and average the loss.
+        steps = len(sums)
+        # Each rank evaluated its share of every batch: sum the metrics' accumulators, and
+        # the loss sums and counts batch by batch (one collective).
         for metric in (accuracy, perplexity):
             if metric is not None:
                 for acc in metric.accumulators():
                     acc.copy_(swarm.sum_over_ranks(acc))
-        loss_sum = float(swarm.average(torch.tensor(loss_sum, dtype=torch.float64)))
         if steps == 0:
             raise ValueError("the evaluation data loader produced no batch; check eval_input.")
-        results = {"loss": loss_sum / steps, "accuracy": float(accuracy)}
+        totals = torch.tensor([sums, counts], dtype=torch.float64)
+        if swarm.world_size() > 1:
+            totals = swarm.sum_over_ranks(totals)
+        means = totals[0] / totals[1].clamp_min(1.0)
+        results = {"loss": float(means.mean()), "accuracy": float(accuracy)}
         if perplexity is not None:
             results["perplexity"] = float(perplexity)
         if self.eval_writer is not None:
