@@ -265,6 +265,28 @@ def test_train_and_eval_checks_the_eval_data_before_training(tmp_path, run_log):
         assert main([*argv[:5], "eval", *argv[6:], "--eval_steps", "2"]) == 0
 
 
+def test_eval_sequences_the_model_does_not_take_stop_before_anything_is_written(tmp_path, run_log):
+    """eval_input.seq_len past the model's: train_and_eval stops before step 1, naming
+    eval_input (it used to train every step, save, then fail); -m eval leaves model_dir
+    as it was (it used to leave an empty events file and its params_eval.yaml)."""
+    raw = yaml.safe_load(_params(tmp_path, max_steps=2, checkpoint_steps=2).read_text())
+    good = tmp_path / "good.yaml"
+    pf.write(good, raw)
+    raw["eval_input"]["seq_len"] = 2 * raw["model"]["seq_len"]
+    params = pf.write(tmp_path / "long_eval.yaml", raw)
+    model_dir = tmp_path / "m"
+    argv = ["run", "CPU", "-p", str(params), "-m", "train_and_eval", "-o", str(model_dir)]
+    assert main(argv) == 2
+    out = run_log.text
+    assert "eval_input: the model does not take its batches of" in out
+    assert "global_step" not in out  # no step ran
+    assert not list(model_dir.glob("checkpoint_*.mdl")) and not (model_dir / "train").exists()
+    assert main(["run", "CPU", "-p", str(good), "-m", "train", "-o", str(model_dir)]) == 0
+    before = sorted(p.relative_to(model_dir) for p in model_dir.rglob("*"))
+    assert main(["run", "CPU", "-p", str(params), "-m", "eval", "-o", str(model_dir)]) == 2
+    assert sorted(p.relative_to(model_dir) for p in model_dir.rglob("*")) == before
+
+
 def test_sequences_longer_than_the_models_positions_are_named_as_such():
     """GPT-2's learned positions end at n_positions: the embedding's IndexError is told as
     the sequence length it is, beside the vocabulary."""

@@ -481,7 +481,7 @@ class Run:
             names = hf_name_map(p.model.name)
             trainer.warm_start(Path(rc.checkpoint_path), warm, dataloader, name_map=names)
         if self.mode == "train_and_eval":
-            self._check_eval_input()
+            self._check_eval_input(compiled)
         self.perf.programming_time = time.perf_counter() - t_program
         # Compiling reads the first batch (checking the data) and writes only the
         # compile directory, and that only once everything compiled.
@@ -524,21 +524,55 @@ class Run:
             log.info("Loss for final step: %.5f", trainer.losses[-1])
         self.trainer = trainer
 
-    def _check_eval_input(self) -> None:
+    def _check_eval_input(self, compiled) -> None:
         """Build train_and_eval's eval input once before step 1, so that what is wrong
-        with it (no section, a missing file, fewer samples than a batch) stops the run
-        before training, not after it. The random generators are left as they were:
-        training draws what it draws in mode train."""
-        if self.params.eval_input is None:
+        with it (no section, a missing file, fewer samples than a batch, sequences the
+        model does not take) stops the run before training, not after it. The random
+        generators are left as they were: training draws what it draws in mode train."""
+        p = self.params
+        if p.eval_input is None:
             raise ValueError(
                 "train_and_eval needs an eval_input section in the params file; add one, or "
                 "run with -m train."
             )
         state = capture_rng_state()
         try:
-            self._input_fn(self.params.eval_input, False)()
+            loader = self._input_fn(p.eval_input, False)()
+            if self.task == "lm":
+                self._check_longer_eval_batches(compiled, next(iter(loader)))
         finally:
             restore_rng_state(state)
+
+    def _check_longer_eval_batches(self, compiled, example: dict) -> None:
+        """Eval batches longer than the training ones: the model's forward on their shape,
+        traced on fake tensors (nothing computed). Training traces its own batch when it
+        compiles; a model that cannot be traced at all is left to the run."""
+        from weightstream.runtime.trace import trace_forward
+
+        train = next(iter(self._input_fn(self.params.train_input, True)()))
+        if example["input_ids"].shape[-1] <= train["input_ids"].shape[-1]:
+            return
+        model = compiled._orig_mod
+        attention = attention_of(model)
+
+        def trace(batch: dict) -> None:
+            with self._autocast():
+                trace_forward(
+                    model, model_inputs(self.task, batch), model_kwargs(self.task, batch, attention)
+                )
+
+        try:
+            trace(example)
+        except Exception as exc:
+            try:
+                trace(train)
+            except Exception:
+                return  # not traceable here: the training run's own trace says so
+            raise ValueError(
+                f"eval_input: the model does not take its batches of "
+                f"{example['input_ids'].shape[-1]} tokens ({exc}). Fix: eval_input.seq_len "
+                "at most the model's sequence length."
+            ) from exc
 
     def _optimizer(self, model):
         """The params file's optimizer over ``model``'s trainable parameters."""
@@ -680,15 +714,16 @@ class Run:
             loader = self._input_fn(p.eval_input, False)()
         else:
             _warn_wrapping_eval(steps, loader.loader)
-        # Checked: the checkpoint and the eval data. Now model_dir may be written.
+        # model_dir is written once the evaluation ran: a batch the model cannot take
+        # leaves no empty events file and keeps the last params_eval.yaml.
+        results = trainer.evaluate(loader, steps)
         self._write_params("eval")
-        writer = trainer.eval_writer = (
-            ScalarWriter(self.model_dir / "eval") if swarm.is_main() else NoScalarWriter()
-        )
+        writer = ScalarWriter(self.model_dir / "eval") if swarm.is_main() else NoScalarWriter()
         try:
-            return trainer.evaluate(loader, steps)
+            writer.add(trainer.global_step, results)
         finally:
             writer.close()
+        return results
 
     # ---- LoRA (the peft section) ---------------------------------------------------------
 
