@@ -867,6 +867,30 @@ def test_params_from_args_end_to_end(tmp_path):
     assert (p.runconfig.max_steps, p.runconfig.model_dir) == (2, "md")
 
 
+def test_a_rank_of_torchrun_records_its_world_and_refuses_another_num_csx(tmp_path, monkeypatch):
+    """Under torchrun the ranks are WORLD_SIZE: num_csx is recorded so (it said 1), and a
+    file or --num_csx naming another number of ranks is refused with both numbers (it
+    was accepted and recorded)."""
+    raw = gpt_raw()
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    p = params_from_args(run_args("cpu", "-p", str(path), "-m", "train"))
+    assert p.runconfig.num_csx == 2
+    assert (
+        params_from_args(run_args("cpu", "-p", str(path), "--num_csx", "2")).runconfig.num_csx == 2
+    )
+    with pytest.raises(ValueError, match=r"num_csx is 4 .* one of 2 ranks \(WORLD_SIZE"):
+        params_from_args(run_args("cpu", "-p", str(path), "--num_csx", "4"))
+    # The batch is checked against the world's ranks.
+    raw["train_input"]["batch_size"] = 3
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match=r"train_input\.batch_size"):
+        params_from_args(run_args("cpu", "-p", str(path), "-m", "train"))
+    monkeypatch.delenv("WORLD_SIZE")
+    assert params_from_args(run_args("cpu", "-p", str(path), "-m", "train")).runconfig.num_csx == 1
+
+
 # ---------------------------------------------------------------- fuzz
 
 

@@ -16,6 +16,7 @@ given leaves the file's value (its default is None).
 from __future__ import annotations
 
 import argparse
+import os
 
 from weightstream.cli.params import (
     EXECUTION_MODES,
@@ -154,5 +155,22 @@ def build_run_parser(prog: str = "weightstream run") -> argparse.ArgumentParser:
 
 
 def params_from_args(args: argparse.Namespace) -> Params:
-    """Read ``args.params``, apply the command-line overrides and check it for ``args.mode``."""
-    return parse_params(apply_overrides(load_params(args.params), args), args.mode)
+    """Read ``args.params``, apply the command-line overrides and check it for ``args.mode``.
+
+    In a process that torchrun (or ``weightstream launch``) started, ``num_csx`` is the
+    world it is one rank of (``WORLD_SIZE``): recorded so, and checked against the
+    file's or ``--num_csx`` where they give another number of ranks."""
+    raw = apply_overrides(load_params(args.params), args)
+    world = os.environ.get("WORLD_SIZE")
+    if world is not None and world.isdigit() and int(world) >= 1:
+        runconfig = dict(raw.get("runconfig") or {})
+        asked = runconfig.get("num_csx", 1)
+        if asked not in (1, int(world)):
+            raise ValueError(
+                f"runconfig.num_csx is {asked} (the params file or --num_csx), but this "
+                f"process is one of {world} ranks (WORLD_SIZE, set by torchrun or weightstream "
+                f"launch). Fix: --num_csx {world}, or start {asked} ranks."
+            )
+        runconfig["num_csx"] = int(world)
+        raw = {**raw, "runconfig": runconfig}
+    return parse_params(raw, args.mode)
