@@ -140,3 +140,23 @@ def test_an_evaluation_loader_between_training_steps_keeps_the_training_count():
             save(i)
     assert saved == [4, 8]  # the training loader's count, not the 11 steps run
     assert step_context().step == 11
+
+
+@pytest.mark.parametrize("steps", [5, 7])
+def test_with_gradient_accumulation_the_last_step_is_a_checkpoint_step(steps):
+    """grad_accum_steps=3: each step takes 3 batches and one compile_step call; the last
+    step is a checkpoint step (api-reference.md: "every checkpoint_steps and the last
+    step"). The closure missed it: the loader counted batches as steps."""
+    cstorch.configure(checkpoint_steps=3)
+    step = cstorch.compile_step(lambda: None)
+    saved = []
+    save = cstorch.checkpoint_closure(lambda s: saved.append(s))
+    loader = _loader(num_steps=steps, grad_accum_steps=3)
+    batches = iter(loader)
+    for global_step in range(1, steps + 1):
+        for _ in range(3):
+            next(batches)
+        step()
+        save(global_step)
+    assert next(batches, None) is None  # the loader gave steps x 3 batches
+    assert saved == [s for s in range(1, steps + 1) if s % 3 == 0 or s == steps]

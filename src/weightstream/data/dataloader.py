@@ -203,10 +203,12 @@ class DataLoader:
 
         # A run that executes nothing needs the batch its compile plans for, and no
         # other (Note [compile only] in weightstream/executor.py).
-        count = 1 if only_compiling() is not None else len(self)
-        # Checkpoint closures count this iteration's steps (Note [checkpoint steps]).
+        compiling = only_compiling() is not None
+        count = 1 if compiling else len(self)
+        # Checkpoint closures count this iteration's steps (Note [checkpoint steps]), each
+        # of grad_accum_steps batches.
         steps = LoaderSteps(self._initial_step + self._batches_run // self._grad_accum_steps,
-                            count)  # fmt: skip
+                            1 if compiling else self._num_steps)  # fmt: skip
         first = True  # compared over the ranks (Note [rank share])
         for _ in range(count):
             if generation != self._generation:
