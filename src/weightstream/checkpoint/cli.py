@@ -1,4 +1,4 @@
-"""``weightstream checkpoint {info,convert,diff}``: the checkpoint command.
+"""``weightstream checkpoint {info,convert,copy,diff}``: the checkpoint command.
 
 Exit status: 0 success (``diff``: identical), 1 ``diff`` found differences,
 2 an error (printed on stderr, naming the problem and the fix).

@@ -10,10 +10,11 @@ a crash or a kill at any moment leaves the previous checkpoint intact; the
 temporary file is hidden (``.{name}.{pid}-{token}.tmp``), never matches
 ``checkpoint_{step}.mdl`` and has no ``__SUCCESS__``. On any exception
 (KeyboardInterrupt included) it is deleted before the exception propagates; the
-run command turns SIGTERM (a job scheduler's stop, torchrun's) into such an
-exception. A process killed with SIGKILL cannot clean up: its temporary file
-stays behind, harmless, until the next run in that model_dir deletes it
-(``remove_stale_temporaries``: the files of processes that are gone).
+run command of a single process turns SIGTERM (a job scheduler's stop) into such
+an exception. Under data parallel, SIGTERM keeps its default (torchrun's agent
+stops every rank), and, as with SIGKILL, a process that cannot clean up leaves
+its temporary file behind, harmless, until the next run in that model_dir
+deletes it (``remove_stale_temporaries``: the files of processes that are gone).
 
 # Note [save memory]
 

@@ -2,7 +2,7 @@
 
 weightstream run CPU -p params.yaml -m train -o model_dir   (or: weightstream CPU -p ...)
 weightstream launch --num_csx N script.py [args]
-weightstream checkpoint {info,convert,diff} ...
+weightstream checkpoint {info,convert,copy,diff} ...
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ USAGE = """usage: weightstream <command> [args]
 commands:
   run {CPU,GPU} -p PARAMS -m MODE -o MODEL_DIR   train or evaluate a model from a params file
   launch --num_csx N script.py [args]            run an API script on N data-parallel ranks
-  checkpoint {info,convert,diff} ...             inspect, convert and compare checkpoints
+  checkpoint {info,convert,copy,diff} ...        inspect, convert, copy and compare checkpoints
   data write-gpt-hdf5 ...                        write a text corpus in the GPT HDF5 format
   input-analyzer -p PARAMS [--max_workers N]     measure input workers against the model's need
 
