@@ -157,7 +157,7 @@ def test_a_ram_store_that_does_not_fit_names_the_fixes(tmp_path, capsys, caplog,
         assert setting in fix, fix
     assert "its files 578.6 KiB" in fix  # all of it: the budget holds none
     assert "(a RAM store: it exceeds the budget, and there is no disk tier)" in text
-    assert "fits not this host's RAM budget (a RAM store)" in text
+    assert "does not fit this host's RAM budget (a RAM store)" in text
 
 
 @pytest.mark.parametrize("free, where", [(0, "neither"), (2**50, "RAM + disk")])
@@ -220,3 +220,23 @@ def test_shapes_only_runs_refuse_a_store_dir_training_could_not_write(tmp_path, 
         logger.removeHandler(caplog.handler)
     assert f"{blocker} is a file, so the disk store cannot make its directory" in caplog.text
     assert main(["run", "CPU", "-p", str(params), "-o", str(tmp_path / "t")]) == 2
+
+
+def test_layer_pipelined_validation_counts_the_resident_state_and_warns_past_memory(
+    tmp_path, capsys, caplog, monkeypatch
+):
+    """Layer pipelined keeps masters, gradients and optimizer state on the device (the
+    host's memory on the CPU): validate_only counts them and warns where they do not fit
+    (it said "Validation passed" for a 100 GiB 7B on a 23 GiB host)."""
+    params = _tiny_params(tmp_path, execution_mode="layer_pipelined")
+    model = _meta_llama(torch.float32)
+    want = sum(_expected(model, 4, "float32").values())
+    n = sum(p.numel() for p in model.parameters())
+    text = _validate(tmp_path, capsys, caplog, params)
+    line = re.search(r"INFO .*Training state \(layer pipelined, all on cpu\): .*", text).group(0)
+    assert f"({want / n:.1f} bytes a parameter" in line and "fits this host's available RAM" in line
+    monkeypatch.setattr(placement, "available_memory", lambda: want - 1)
+    text = _validate(tmp_path, capsys, caplog, params)
+    assert re.search(r"WARNING .*Training state \(layer pipelined.*more than this host's", text)
+    assert "execution_mode: weight_streaming" in text.split("Fix: ")[1]
+    assert "does not fit cpu's memory (layer pipelined)" in text

@@ -43,7 +43,7 @@ from weightstream.models.tasks import attention_of, model_inputs, model_kwargs
 from weightstream.runtime import swarm
 from weightstream.runtime.config import StreamingConfig
 from weightstream.runtime.engine import check_budget
-from weightstream.runtime.footprint import HostFootprint, host_footprint
+from weightstream.runtime.footprint import HostFootprint, host_footprint, resident_footprint
 from weightstream.runtime.performance import PerformanceTracker
 from weightstream.runtime.rng import capture_rng_state, restore_rng_state
 from weightstream.runtime.store import check_store_dir
@@ -388,27 +388,32 @@ class Run:
         if rc.validate_only or rc.compile_only:
             # The run's optimizer, on the meta device, bound before the plan's log line
             # (Training state:) so that it counts the state this optimizer makes.
-            optimizer = self._optimizer(model) if self.ws else None
+            optimizer = self._optimizer(model)
             self.compile(compiled, p.train_input)
             footprint = self._host_footprint(model, compiled, optimizer) if self.ws else None
             fits = footprint is None or footprint.where != "neither"
             if footprint is not None:
                 log.log(logging.INFO if fits else logging.WARNING, "%s", footprint.describe())
+            else:  # layer pipelined: the whole state on the device
+                total, room, line = resident_footprint(model, optimizer, self.device)
+                fits = room is None or total <= room
+                log.log(logging.INFO if fits else logging.WARNING, "%s", line)
             self._write_params("train")
             self._write_performance()
             mode = "validate_only" if rc.validate_only else "compile_only"
             if fits:
                 log.info("%s: done without training.", mode)
             else:
-                room = (
-                    "neither this host's RAM nor the store's disk"
-                    if footprint.store == "disk"
-                    else "not this host's RAM budget (a RAM store)"
-                )
+                if footprint is None:
+                    room = f"does not fit {self.device}'s memory (layer pipelined)"
+                elif footprint.store == "disk":
+                    room = "fits neither this host's RAM nor the store's disk"
+                else:
+                    room = "does not fit this host's RAM budget (a RAM store)"
                 log.warning(
                     "%s: done without training. The model compiles, but its training state "
-                    "fits %s: trained here as set up, it would run out of host memory or "
-                    "disk (the fixes are above).",
+                    "%s: trained here as set up, it would run out of memory or disk (the "
+                    "fixes are above).",
                     mode,
                     room,
                 )

@@ -270,3 +270,48 @@ def _free_disk(directory: str | None) -> int | None:
 
 def _size(n: int | None) -> str:
     return "unknown" if n is None else f"{format_bytes(n)} ({n:,} bytes)"
+
+
+def resident_footprint(
+    model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
+) -> tuple[int, int | None, str]:
+    """Layer pipelined: (bytes of the training state, the memory that holds it, one line
+    for the log). Masters, gradients and optimizer state all stay on ``device`` (its
+    memory: the host's on the CPU), counted as :func:`host_footprint` counts them, and
+    against the whole of that memory: nothing can go elsewhere."""
+    named = list(_unique(model.named_parameters()))
+    masters = sum(p.nbytes for _, p in named)
+    grads = sum(p.nbytes for _, p in named if p.requires_grad)
+    state = sum(
+        t.nbytes
+        for _, p in named
+        for t in optimizer.state.get(p, {}).values()
+        if torch.is_tensor(t)
+    )
+    total = masters + grads + state
+    if device.type == "cpu":
+        room, where = places.available_memory(), "this host's available RAM"
+    elif device.type == "cuda" and torch.cuda.is_available():
+        room, where = torch.cuda.mem_get_info(device)[1], f"{device}'s memory"
+    else:
+        room, where = None, f"{device}'s memory (not measured here)"
+    numel = sum(p.numel() for _, p in named) or 1
+    line = (
+        f"Training state (layer pipelined, all on {device}): {format_bytes(total)} "
+        f"({total / numel:.1f} bytes a parameter: masters {format_bytes(masters)}, gradients "
+        f"{format_bytes(grads)}, optimizer state {format_bytes(state)}), before activations"
+    )
+    if room is None:
+        return total, None, f"{line}; {where}."
+    if total <= room:
+        return total, room, f"{line}; fits {where} ({format_bytes(room)})."
+    return (
+        total,
+        room,
+        (
+            f"{line}: more than {where} ({format_bytes(room)}). Fix: weight streaming "
+            "(runconfig.execution_mode: weight_streaming), whose store keeps the state in host "
+            "RAM or on disk; or compact state (optimizer: {state_dtype: bfloat16}, "
+            "runconfig.master_dtype: bfloat16)."
+        ),
+    )
