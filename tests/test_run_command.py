@@ -470,3 +470,25 @@ def test_a_failed_write_names_the_store_dir_too(tmp_path, run_log, monkeypatch):
     params = _params(tmp_path, store="disk", store_dir=str(tmp_path / "st"))
     assert main(["run", "CPU", "-p", str(params), "-o", str(tmp_path / "m")]) == 2
     assert f"{tmp_path / 'm'} and store_dir {tmp_path / 'st'} are writable" in run_log.text
+
+
+def test_layer_pipelined_names_the_streaming_settings_it_ignores(tmp_path, run_log):
+    """Weight streaming settings in a layer pipelined run change nothing; the run says so
+    (the Python API refuses them for 'wse_lp'). Its own (activation_checkpointing, the
+    units) are not named."""
+    params = _params(
+        tmp_path,
+        max_steps=1,
+        checkpoint_steps=0,
+        execution_mode="layer_pipelined",
+        store="disk",
+        overlap_updates=True,
+        activation_checkpointing=True,
+    )
+    assert main(["run", "CPU", "-p", str(params), "-m", "train", "-o", str(tmp_path / "m")]) == 0
+    (line,) = {r.getMessage() for r in run_log.records if "ignored in layer pipelined" in r.message}
+    assert line.startswith("runconfig: overlap_updates: True, store: 'disk' apply only to")
+    run_log.clear()
+    plain = _params(tmp_path, max_steps=1, checkpoint_steps=0, execution_mode="layer_pipelined")
+    assert main(["run", "CPU", "-p", str(plain), "-m", "train", "-o", str(tmp_path / "n")]) == 0
+    assert "ignored in layer pipelined" not in run_log.text

@@ -85,6 +85,8 @@ class Run:
         self.perf = PerformanceTracker()
         self.task = params.model.spec.task
         self.ws = self.rc.execution_mode == "weight_streaming"
+        if not self.ws:
+            _warn_streaming_settings_unused(self.rc.streaming)
         # Owner: this run. Why: a compiled model's engine holds a prefetch thread,
         # hooks and, with the disk store, mapped files; the run closes them when
         # it ends, so a process that runs the command again (tests, benchmarks)
@@ -792,6 +794,39 @@ class Run:
             name_map=lambda name: (names.get(name) or name, False),
             only=lambda name: names.get(name) is not None,
             renames_of=model.get_base_model(),
+        )
+
+
+# Streaming settings layer pipelined mode has no use for (it keeps every weight on the
+# device, and activation_checkpointing, compute_dtype and the unit choice are its own).
+_STREAMING_ONLY = (
+    "prefetch_depth",
+    "device_memory_budget",
+    "device_tier_budget",
+    "overlap_updates",
+    "update_in_backward",
+    "activation_offload",
+    "host_mirror",
+    "store",
+    "store_dir",
+    "host_memory_budget",
+    "store_sharding",
+    "num_wgt_servers",
+    "reduce_bucket_bytes",
+)
+
+
+def _warn_streaming_settings_unused(streaming: StreamingConfig) -> None:
+    """Layer pipelined: name the weight streaming settings the file sets, which change
+    nothing here (the Python API refuses them for backend 'wse_lp')."""
+    default = StreamingConfig()
+    unused = [n for n in _STREAMING_ONLY if getattr(streaming, n) != getattr(default, n)]
+    if unused:
+        log.warning(
+            "runconfig: %s apply only to weight streaming and are ignored in layer pipelined "
+            "mode (execution_mode: layer_pipelined keeps every weight on the device). Fix: "
+            "drop them, or set execution_mode: weight_streaming.",
+            ", ".join(f"{n}: {getattr(streaming, n)!r}" for n in unused),
         )
 
 
