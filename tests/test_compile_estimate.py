@@ -739,3 +739,24 @@ def test_the_device_tiers_units_cost_no_link_and_update_on_the_device():
     # the update reads and writes device memory (1 GB/s here), not the host's (0.4 GB/s)
     assert tier.units[1].update_s == pytest.approx(1000 * 80 / 1e9)
     assert tier.host_bytes == streamed.host_bytes // 2
+
+
+def test_the_weight_bound_is_every_weight_in_layer_pipelined_mode(tmp_path):
+    """Layer pipelined keeps the whole model on the device: the report's device weight
+    bound is the model's weight bytes (it showed the streaming bound of 2 units)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, d_model=32, n_head=4))
+    idx = torch.randint(0, 64, (2, 16))
+    plan = _plan(model, idx)
+    costs = unit_costs(model, plan, (idx,), {})
+    weights = sum(p.nbytes for p in model.parameters())
+    for streaming, want in ((True, plan.weight_bound(1)), (False, weights)):
+        settings = EstimateSettings(batch_size=2, prefetch_depth=1 if streaming else 0)
+        settings = dataclasses.replace(settings, weight_streaming=streaming)
+        est = estimate(costs, _probe("cpu"), settings)
+        out = tmp_path / str(streaming)
+        path = write_compile_dir(out, "x", plan, costs, est, _probe("cpu"), {})
+        assert json.loads((path / "plan.json").read_text())["totals"]["weight_bound_bytes"] == want
+        text = (path / "compile_report.txt").read_text()
+        assert ("every weight resident" in text) is not streaming
+    assert plan.weight_bound(1) < weights

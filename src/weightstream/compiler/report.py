@@ -135,7 +135,10 @@ def _plan_dict(checksum, plan: Plan, costs: StepCosts, est: Estimate, probe: Pro
             **{k: getattr(costs, k) for k in (*totals, "op_bytes")},
             "largest_unit_bytes": plan.largest_unit_bytes,
             "pinned_bytes": plan.pinned_bytes,
-            "weight_bound_bytes": plan.weight_bound(es.prefetch_depth),
+            # Layer pipelined keeps every weight on the device.
+            "weight_bound_bytes": plan.weight_bound(es.prefetch_depth)
+            if es.weight_streaming
+            else sum(p.nbytes for p in params.values()),
         },
         "estimate": {
             **{f"{k}_s": v for k, v in est.terms.items()},
@@ -201,7 +204,9 @@ def _report_text(data: dict) -> str:
         "activations kept": format_bytes(t["activation_bytes"]),
         "device weight bound": f"{format_bytes(t['weight_bound_bytes'])} ((prefetch_depth + 1) "
         f"x largest unit {format_bytes(t['largest_unit_bytes'])} + pinned "
-        f"{format_bytes(t['pinned_bytes'])})",
+        f"{format_bytes(t['pinned_bytes'])})"
+        if data["estimate_settings"]["weight_streaming"]
+        else f"{format_bytes(t['weight_bound_bytes'])} (layer pipelined: every weight resident)",
         "operators per step": f"{t['ops']:,} (moving {format_bytes(t['op_bytes'])}; kernels "
         f"timed by the probe: {est['timed_kernels']})",
         "step time": f"{_ms(est['step_s'])} ms ({terms})\n{'':24}(per unit the larger of "
