@@ -760,3 +760,50 @@ def test_the_weight_bound_is_every_weight_in_layer_pipelined_mode(tmp_path):
         text = (path / "compile_report.txt").read_text()
         assert ("every weight resident" in text) is not streaming
     assert plan.weight_bound(1) < weights
+
+
+def test_recomputed_units_keep_their_inputs_as_torch_utils_checkpoint_does():
+    """Under activation checkpointing a recomputed unit keeps its input, not what its
+    operators save: the estimate's activations equal the storages a real forward saves
+    with every such block under torch.utils.checkpoint (non-reentrant), counted by
+    autograd's saved-tensor hooks (the report said the same bytes with and without)."""
+    import torch.utils.checkpoint as tuc
+
+    from weightstream.runtime.recompute import recomputed_units
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, seq_len=32, n_layer=3, d_model=32, n_head=4)
+    model = GPT(cfg)
+    idx = torch.randint(0, 64, (4, 32))
+    plan = _plan(model, idx, unit_classes=(type(model.blocks[0]),))
+    chosen = recomputed_units(plan, trace_forward(model, (idx,), {}))
+    modules = [plan.units[i].module for i in sorted(chosen)]
+    assert {id(b) for b in model.blocks} <= {id(m) for m in modules}
+    plain = unit_costs(model, plan, (idx,), {}).activation_bytes
+    kept = unit_costs(model, plan, (idx,), {}, recompute=chosen).activation_bytes
+
+    def measured(checkpointed: bool) -> int:
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            key = t.untyped_storage()._cdata
+            if key not in params:
+                seen.setdefault(key, t.untyped_storage().nbytes())
+            return t
+
+        forwards = [m.forward for m in modules]
+        if checkpointed:
+            for m, f in zip(modules, forwards):
+                m.forward = lambda *a, _f=f, **k: tuc.checkpoint(_f, *a, use_reentrant=False, **k)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                model(idx).sum()
+        finally:
+            for m in modules if checkpointed else ():
+                del m.forward  # the class's own again
+        return sum(seen.values())
+
+    assert kept < plain / 4
+    assert plain == measured(False)
+    assert kept == measured(True)

@@ -157,7 +157,15 @@ def _estimate(run, compiled, plan: Plan, args: tuple, kwargs: dict, batch_size: 
     fresh_from = MMAP_THRESHOLD if disk_store else FRESH_BYTES
     try:
         costs = unit_costs(
-            compiled._orig_mod, plan, args, kwargs, loss_fn, probe.device, mixed, fresh_from
+            compiled._orig_mod,
+            plan,
+            args,
+            kwargs,
+            loss_fn,
+            probe.device,
+            mixed,
+            fresh_from,
+            recompute=settings.recompute,
         )
     except (RuntimeError, NotImplementedError, TypeError) as exc:
         # A forward with data-dependent Python on tensor values cannot run on fakes.

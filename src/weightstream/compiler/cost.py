@@ -61,7 +61,7 @@ import bisect
 import contextlib
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -310,6 +310,7 @@ def unit_costs(
     device: torch.device | str = "cpu",
     autocast: torch.dtype | None = None,
     fresh_from: int = FRESH_BYTES,
+    recompute: Collection[int] = (),
 ) -> StepCosts:
     """Count one training step of ``model`` per unit of ``plan`` on FakeTensors.
 
@@ -318,7 +319,9 @@ def unit_costs(
     backward is counted (default: :func:`default_loss`). ``device``: the device
     the run computes on, ``autocast``: its forward's autocast dtype (mixed
     precision); ``fresh_from``: the smallest allocation mapped afresh (Note [fresh
-    pages]). Raises what the model raises on fakes in forward.
+    pages]). ``recompute``: the units whose forward runs again in the backward
+    (activation checkpointing): what they keep is their input, not what their
+    operators save. Raises what the model raises on fakes in forward.
     """
     n, device = len(plan.units), torch.device(device)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -329,15 +332,27 @@ def unit_costs(
     activation = [0] * (n + 1)
     saved: dict[int, torch.Tensor] = {}  # keeps the storages alive: ids stay unique
 
+    recompute = frozenset(recompute)
+
     def window(index: int | None):
-        def hook(*_) -> None:  # returns None: the arguments and outputs stay
+        def hook(_module, args, *_) -> None:  # returns None: the arguments and outputs stay
             if index is None:
                 c.stack.pop()
             else:
+                if index in recompute and not recompute.intersection(c.stack):
+                    for t in pytree.tree_leaves(args):  # what the checkpoint keeps
+                        if isinstance(t, torch.Tensor):
+                            keep(t, index)
                 c.stack.append(index)
             c.switch()
 
         return hook
+
+    def keep(t: torch.Tensor, index: int) -> None:
+        key = t.untyped_storage()._cdata
+        if key not in resident and key not in saved:
+            saved[key] = t
+            activation[index] += t.untyped_storage().nbytes()
 
     handles = []
     for u in plan.units:
@@ -346,10 +361,8 @@ def unit_costs(
         handles.append(mod.register_forward_hook(window(None), always_call=True))
 
     def pack(t: torch.Tensor):
-        key = t.untyped_storage()._cdata
-        if key not in resident and key not in saved:
-            saved[key] = t
-            activation[c.open_unit()] += t.untyped_storage().nbytes()
+        if not recompute.intersection(c.stack):  # a recomputed unit keeps its input only
+            keep(t, c.open_unit())
         return t
 
     def to_fake(x):
