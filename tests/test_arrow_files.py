@@ -6,6 +6,7 @@ the resident set (RssFile, Linux), and a file is in place only once complete.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
@@ -51,6 +52,30 @@ def test_an_exception_leaves_no_file(tmp_path):
         w.write(_batch(0))
         raise RuntimeError("stop")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_killed_writer_s_temporary_file_goes_with_the_next_write(tmp_path):
+    """A rank stopped by its launcher mid-write (SIGTERM's default under data parallel)
+    leaves ``<file>.<pid>-<random>.tmp``: the next writer of the same file removes it
+    once that process is gone, and leaves a live writer's and other files' alone (a
+    trial's cache kept two such files, 13.6 MB, after its rerun had succeeded)."""
+    import subprocess
+
+    path = tmp_path / "docs.arrow"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead = tmp_path / f"docs.arrow.{int(gone.stdout)}-0123456789ab.tmp"
+    live = tmp_path / f"docs.arrow.{os.getpid()}-0123456789ab.tmp"  # this process: alive
+    other = tmp_path / f"rows.arrow.{int(gone.stdout)}-0123456789ab.tmp"  # another file's
+    for f in (dead, live, other):
+        f.write_bytes(b"x" * 100)
+    with ArrowStreamWriter(path, SCHEMA) as writer:
+        writer.write(_batch(0))
+        (ours,) = [p for p in tmp_path.glob("docs.arrow.*.tmp") if p != live]
+        assert ours.name.startswith(f"docs.arrow.{os.getpid()}-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["docs.arrow", live.name, other.name]
+    )
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RssFile is Linux's")

@@ -9,7 +9,6 @@ so pruning cannot delete the last good checkpoint because a newer one is bad.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import warnings
@@ -19,6 +18,7 @@ from weightstream.checkpoint.format import ATTR_SUCCESS
 from weightstream.checkpoint.h5file import open_h5
 from weightstream.checkpoint.lazy import load
 from weightstream.checkpoint.source import sniff_format
+from weightstream.common.files import remove_dead_temporaries
 
 _NAME = re.compile(r"^checkpoint_(\d+)\.mdl$")
 
@@ -69,30 +69,11 @@ def is_trainer_checkpoint(path: str | os.PathLike) -> bool:
 _TEMPORARY = re.compile(r"^\.checkpoint_\d+\.mdl\.(\d+)-[0-9a-f]+\.tmp$")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
 def remove_stale_temporaries(model_dir: str | os.PathLike) -> list[tuple[Path, int]]:
     """Delete the temporary files of checkpoint saves whose process is gone (killed
     with SIGKILL mid-save: Note [atomic save] in checkpoint/writer.py); a live
     process's, a save under way, stay. Returns (path, size in bytes) of each."""
-    directory = Path(os.fspath(model_dir))
-    removed = []
-    for entry in directory.iterdir() if directory.is_dir() else ():
-        match = _TEMPORARY.match(entry.name)
-        if match and entry.is_file() and not _alive(int(match.group(1))):
-            size = entry.stat().st_size
-            with contextlib.suppress(FileNotFoundError):
-                entry.unlink()
-                removed.append((entry, size))
-    return removed
+    return remove_dead_temporaries(model_dir, _TEMPORARY)
 
 
 def find_latest_checkpoint(model_dir: str | os.PathLike) -> Path | None:

@@ -57,3 +57,31 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
         tmp.write_text(text)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this machine is running (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_dead_temporaries(directory: str | os.PathLike, pattern) -> list[tuple[Path, int]]:
+    """Delete the files of ``directory`` whose name ``pattern`` (a compiled regex) matches
+    with the writing process's pid as its first group, where that process is gone (a
+    SIGKILL, or a rank stopped by its launcher, mid-write); a live one's stay. Returns
+    (path, size in bytes) of each."""
+    folder = Path(os.fspath(directory))
+    removed = []
+    for entry in folder.iterdir() if folder.is_dir() else ():
+        match = pattern.match(entry.name)
+        if match and entry.is_file() and not process_alive(int(match.group(1))):
+            with suppress(FileNotFoundError):
+                size = entry.stat().st_size
+                entry.unlink()
+                removed.append((entry, size))
+    return removed

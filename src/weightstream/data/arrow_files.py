@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
 import pyarrow as pa
 
+from weightstream.common.files import remove_dead_temporaries
 from weightstream.common.pages import madvise
 
 __all__ = ["SYNC_BYTES", "ArrowStreamWriter", "MappedFile"]
@@ -99,15 +101,19 @@ class _SyncingFile:
 
 class ArrowStreamWriter:
     """Record batches into the Arrow stream file ``path`` (the format ``datasets`` reads
-    with ``Dataset.from_file``), written as ``<path>.<random>.tmp`` and renamed to
+    with ``Dataset.from_file``), written as ``<path>.<pid>-<random>.tmp`` and renamed to
     ``path`` by :meth:`close`: a reader never sees a partial file, and concurrent
     writers (ranks building the same file) each write their own and the last rename
     wins with the same content. A context manager: an exception removes the temporary
-    file."""
+    file; one whose process was killed mid-write (a rank stopped by its launcher) is
+    removed by the next writer of the same file."""
 
     def __init__(self, path: Path, schema: pa.Schema) -> None:
         self.path = Path(path)
-        self._tmp = self.path.with_name(f"{self.path.name}.{uuid.uuid4().hex[:12]}.tmp")
+        stale = re.compile(rf"^{re.escape(self.path.name)}\.(\d+)-[0-9a-f]+\.tmp$")
+        remove_dead_temporaries(self.path.parent, stale)
+        token = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._tmp = self.path.with_name(f"{self.path.name}.{token}.tmp")
         self._file = _SyncingFile(self._tmp)
         self._sink = pa.PythonFile(self._file, mode="w")
         self._writer = pa.ipc.new_stream(self._sink, schema)
