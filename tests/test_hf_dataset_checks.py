@@ -174,6 +174,19 @@ def test_a_row_without_the_formats_column_names_file_line_and_keys(tmp_path, tok
         _rows(_section(tmp_path, path, tokenizer_dirs["plain"], format="prompt_completion"))
 
 
+def test_an_empty_conversation_is_named_with_its_place(tmp_path, tokenizer_dirs):
+    """transformers' own error for it ("Cannot apply chat template to an empty
+    conversation") named no file, line or section."""
+    rows = [{"messages": _conversation(i)} for i in range(5)]
+    rows.insert(2, {"messages": []})
+    path = _write_lines(tmp_path / "chat.jsonl", rows)
+    with pytest.raises(ValueError) as e:
+        _rows(_section(tmp_path, path, tokenizer_dirs["plain"]))
+    assert str(e.value).startswith(
+        f"train_input.data_dir: {path} line 3 has an empty 'messages' list"
+    )
+
+
 def test_an_empty_file_or_a_line_that_is_not_json_is_named_with_its_place(tmp_path, tokenizer_dirs):
     rows = [{"text": _sentence(i, 5)} for i in range(4)]
     good = _write_lines(tmp_path / "good.jsonl", rows)

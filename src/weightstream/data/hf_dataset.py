@@ -984,6 +984,16 @@ def _check_columns(
             f"{', '.join(map(repr, has)) or 'no keys'}. Fix: give every row {name!r} (rename "
             "its key), or remove the row."
         )
+    if fmt == "messages" and pa.types.is_list(table.schema.field("messages").type):
+        import pyarrow.compute as pc
+
+        empty = np.flatnonzero(pc.equal(pc.list_value_length(table.column("messages")), 0))
+        if len(empty):
+            raise ValueError(
+                f"{s.where('data_dir')}: {_places(source, [row + int(empty[0])])[0]} has an "
+                "empty 'messages' list: a conversation needs at least one message. Fix: give "
+                "it its messages, or remove the row."
+            )
 
 
 def _places(source: _Source, rows: Sequence[int]) -> list[str]:
