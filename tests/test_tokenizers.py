@@ -127,6 +127,7 @@ def test_run_refuses_data_beyond_the_models_vocabulary_before_step_1(tmp_path, t
            "-o", str(tmp_path / "run")]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
-    assert "token ids go up to 299" in done.stdout and "vocab_size is 256" in done.stdout
+    assert f"the tokenizer {str(tokenizer_file)!r} gives token ids up to 299" in done.stdout
+    assert "vocab_size is 256" in done.stdout
     assert "Traceback" not in done.stdout + done.stderr
     assert not (tmp_path / "run").exists()  # nothing written

@@ -627,12 +627,16 @@ class Run:
             values = section.to_dict()
             data_vocab = data_vocab_size(values)
             if data_vocab is not None and data_vocab > model_vocab:
-                source = values.get("tokenizer") or "bytes"
+                tokenizer = values.get("tokenizer")
+                ids = (
+                    f"the tokenizer {tokenizer!r} gives token ids up to {data_vocab - 1}"
+                    if tokenizer
+                    else f"the data's token ids go up to {data_vocab - 1}"
+                )
                 raise ValueError(
-                    f"{name}: the data's token ids go up to {data_vocab - 1} (vocabulary "
-                    f"{data_vocab}, tokenizer: {source}), but the model's vocab_size is "
-                    f"{model_vocab}. Fix: set the model's vocab_size to at least {data_vocab}, "
-                    "or use the tokenizer the model was made for."
+                    f"{name}: {ids} (a vocabulary of {data_vocab}), but the model's vocab_size "
+                    f"is {model_vocab}. Fix: set the model's vocab_size to at least "
+                    f"{data_vocab}, or use the tokenizer the model was made for."
                 )
 
     def _check_packing(self, model) -> None:
