@@ -201,6 +201,30 @@ def test_killing_one_rank_stops_the_run_naming_it(tmp_path):
     assert "rank 1 of 2 was killed by signal 9" in out
 
 
+def test_sigterm_to_the_launcher_stops_the_ranks_and_says_how_to_resume(tmp_path):
+    """A scheduler's SIGTERM to ``run --num_csx 2``: exit 143 and one line saying what
+    happened and that the same command resumes (torch's agent printed a traceback of
+    its SignalException, and the exit code was 1)."""
+    params = _params(tmp_path, "gpt2", max_steps=100_000)
+    cmd = [sys.executable, "-m", "weightstream", "run", "CPU", "-p", str(params),
+           "-o", str(tmp_path / "m"), "--num_csx", "2"]  # fmt: skip
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_children(launcher.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(_children(launcher.pid)) == 2
+        time.sleep(5)
+        launcher.send_signal(signal.SIGTERM)
+        out, _ = launcher.communicate(timeout=90)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "stopped by SIGTERM: the 2 ranks were stopped with it" in out
+    assert "Traceback" not in out
+
+
 @pytest.mark.slow
 def test_two_ranks_measure_the_machine_profile_with_a_cold_cache(tmp_path):
     """The compile phase measures this rank's speed with streamed models of its own

@@ -25,6 +25,7 @@ log = logging.getLogger("weightstream")
 
 def launch(command: list[str], num_ranks: int) -> int:
     """Run ``python *command`` as ``num_ranks`` local ranks; return the exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -66,6 +67,14 @@ def launch(command: list[str], num_ranks: int) -> int:
         return 1
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
+    except SignalException as e:  # SIGTERM (a scheduler's stop) or SIGHUP to this launcher
+        log.error(
+            "stopped by %s: the %d ranks were stopped with it. A checkpoint is never left "
+            "half-written: the same command resumes from the newest complete one.",
+            e.sigval.name,
+            num_ranks,
+        )
+        return 128 + int(e.sigval)
     return 0
 
 
