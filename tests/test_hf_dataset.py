@@ -689,3 +689,40 @@ def test_two_ranks_train_like_one_rank_on_completion_only_data(tmp_path, tokeniz
     evals = tmp_path / "eval.yaml"
     evals.write_text(yaml.safe_dump(raw))
     assert eval_loss(2) == pytest.approx(eval_loss(1), rel=LOSS_RTOL)
+
+
+def _build_counting(section: dict, log: str, go: str) -> list[list[int]]:
+    """A process building ``section``'s rows, each tokenizing pass it makes noted in
+    ``log``; starts once ``go`` exists (both processes at once)."""
+    import time
+
+    from weightstream.data import hf_dataset
+
+    write = hf_dataset._write_docs
+
+    def noted(*args, **kwargs):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(0.5)  # long enough for the other process to arrive meanwhile
+        return write(*args, **kwargs)
+
+    hf_dataset._write_docs = noted
+    while not os.path.exists(go):
+        time.sleep(0.01)
+    return [_real(r)[0] for r in _rows(section)]
+
+
+def test_two_processes_building_the_same_data_tokenize_it_once(tmp_path, tokenizer_dirs):
+    """Ranks of one run build the same section at the same time: one tokenizes, the other
+    waits for its file and reads nothing of the data (each tokenized all of it)."""
+    import multiprocessing
+
+    path = _write(tmp_path / "pc.jsonl", _examples("prompt_completion"))
+    section = _section(tmp_path, path, tokenizer_dirs["plain"])
+    log, go = str(tmp_path / "tokenized.log"), str(tmp_path / "go")
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        pending = [pool.apply_async(_build_counting, (section, log, go)) for _ in range(2)]
+        Path(go).touch()
+        a, b = (p.get(timeout=120) for p in pending)
+    assert a == b == [_real(r)[0] for r in _rows(section)]
+    assert len(Path(log).read_text().split()) == 1

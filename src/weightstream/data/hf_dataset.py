@@ -133,7 +133,8 @@ in one tokenizer call) and appended to the docs file; the rows are made from the
 file, memory-mapped, :data:`PACK_BATCH` documents at a time, their pages given back as
 each batch is done. Both files are written a batch at a time, synced every few tens of
 MB with their pages dropped from the page cache, under a temporary name renamed into
-place when complete (concurrent ranks building the same file each write their own).
+place when complete. One process builds a file at a time (a lock file beside it): the
+other ranks of a run, or another run on the same data, wait for it and then read it.
 
 Their names are fingerprints of what they depend on: the data's (the files' paths, sizes
 and modification times, as datasets fingerprints local files; a save_to_disk folder's own
@@ -146,6 +147,8 @@ too (``Dataset.from_file`` reads it).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import glob
 import gzip
 import hashlib
@@ -1051,6 +1054,20 @@ def _write_rows(
             bar.update(piece.num_rows)
 
 
+@contextlib.contextmanager
+def _one_builder(path: Path) -> Iterator[None]:
+    """Hold the build of cache file ``path`` for this process: another process (a rank of
+    the same run, another run on the same data) waits here until it is built, then finds
+    it and reads nothing of the data (it tokenized all of it a second time). A lock of
+    the kernel's: a builder killed mid-way lets the next one in."""
+    with open(path.with_name(f".{path.name}.lock"), "a+b") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # waits for another process's build
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
 def build_rows(s: Section, is_training: bool) -> HFRows:
     """The rows of section ``s``: read, tokenized and cut or packed, from the cache when there."""
     settings = read_settings(s)
@@ -1073,8 +1090,9 @@ def build_rows(s: Section, is_training: bool) -> HFRows:
         settings.completion_only_loss,
     )
     docs_path = cache / f"docs-{fp_docs}.arrow"
-    if not docs_path.is_file():
-        _write_docs(docs_path, source, s, settings, tokenizer)
+    with _one_builder(docs_path):
+        if not docs_path.is_file():
+            _write_docs(docs_path, source, s, settings, tokenizer)
     docs = MappedFile(docs_path)
     fmt = docs.table.schema.metadata[b"format"].decode()
     n_docs, head = docs.table.num_rows, (0, docs.table.num_rows)
@@ -1088,9 +1106,10 @@ def build_rows(s: Section, is_training: bool) -> HFRows:
             )
     fp_rows = _digest(fp_docs, head, settings.seq_len, settings.packing, settings.overflow)
     rows_path = cache / f"rows-{fp_rows}.arrow"
-    if not rows_path.is_file():
-        verb = "packing" if settings.packing else "cutting"
-        _write_rows(rows_path, docs, head, settings, f"{s.section}: {verb} rows")
+    with _one_builder(rows_path):
+        if not rows_path.is_file():
+            verb = "packing" if settings.packing else "cutting"
+            _write_rows(rows_path, docs, head, settings, f"{s.section}: {verb} rows")
     _summarize(s, settings, fmt, docs, head, rows_path, source)
     rows = HFRows(rows_path, settings.seq_len, pad, settings.packing)
     if len(rows) == 0:
