@@ -304,8 +304,8 @@ class Run:
                     f"eval_all found no complete checkpoint in {self.model_dir}: every "
                     "checkpoint_*.mdl there is incomplete or unreadable."
                 )
-            for path in complete:
-                self.evaluate(path)
+            for path in complete:  # in step order: each replaces that step's earlier event
+                self.evaluate(path, replaces=True)
         return 0
 
     def _refuse_earlier_checkpoints(self) -> None:
@@ -689,7 +689,10 @@ class Run:
                 f"from an earlier one, {hint}move {path.name} out of {self.model_dir}.)"
             ) from e
 
-    def evaluate(self, checkpoint_path: Path) -> dict:
+    def evaluate(self, checkpoint_path: Path, replaces: bool = False) -> dict:
+        """Evaluate the weights of ``checkpoint_path``; ``replaces``: TensorBoard hides the
+        eval events logged earlier at its step and after (eval_all, which evaluates every
+        checkpoint again in step order)."""
         p, rc = self.params, self.rc
         if p.eval_input is None:
             raise ValueError("evaluation needs an eval_input section in the params file.")
@@ -729,7 +732,12 @@ class Run:
         # leaves no empty events file and keeps the last params_eval.yaml.
         results = trainer.evaluate(loader, steps)
         self._write_params("eval")
-        writer = ScalarWriter(self.model_dir / "eval") if swarm.is_main() else NoScalarWriter()
+        purge = trainer.global_step if replaces else None
+        writer = (
+            ScalarWriter(self.model_dir / "eval", purge_step=purge)
+            if swarm.is_main()
+            else NoScalarWriter()
+        )
         try:
             writer.add(trainer.global_step, results)
         finally:
