@@ -304,8 +304,15 @@ class Run:
                     f"eval_all found no complete checkpoint in {self.model_dir}: every "
                     "checkpoint_*.mdl there is incomplete or unreadable."
                 )
-            for path in complete:  # in step order: each replaces that step's earlier event
-                self.evaluate(path, replaces=True)
+            # In step order, into one events file whose first step purges the events
+            # logged earlier from there on: each step once (eval_all evaluates them again).
+            writers: list = []
+            try:
+                for path in complete:
+                    self.evaluate(path, writers)
+            finally:
+                for writer in writers:
+                    writer.close()
         return 0
 
     def _refuse_earlier_checkpoints(self) -> None:
@@ -689,10 +696,10 @@ class Run:
                 f"from an earlier one, {hint}move {path.name} out of {self.model_dir}.)"
             ) from e
 
-    def evaluate(self, checkpoint_path: Path, replaces: bool = False) -> dict:
-        """Evaluate the weights of ``checkpoint_path``; ``replaces``: TensorBoard hides the
-        eval events logged earlier at its step and after (eval_all, which evaluates every
-        checkpoint again in step order)."""
+    def evaluate(self, checkpoint_path: Path, writers: list | None = None) -> dict:
+        """Evaluate the weights of ``checkpoint_path``. ``writers``: eval_all's one events
+        writer, made at its first evaluation (TensorBoard then hides the eval events
+        logged earlier from that step on) and closed by the caller."""
         p, rc = self.params, self.rc
         if p.eval_input is None:
             raise ValueError("evaluation needs an eval_input section in the params file.")
@@ -732,12 +739,21 @@ class Run:
         # leaves no empty events file and keeps the last params_eval.yaml.
         results = trainer.evaluate(loader, steps)
         self._write_params("eval")
-        purge = trainer.global_step if replaces else None
+        if writers is not None and writers:
+            writers[0].add(trainer.global_step, results)
+            writers[0].flush()  # on disk as each evaluation ends
+            return results
+        purge = trainer.global_step if writers is not None else None
         writer = (
             ScalarWriter(self.model_dir / "eval", purge_step=purge)
             if swarm.is_main()
             else NoScalarWriter()
         )
+        if writers is not None:
+            writers.append(writer)  # the caller closes it
+            writer.add(trainer.global_step, results)
+            writer.flush()
+            return results
         try:
             writer.add(trainer.global_step, results)
         finally:
