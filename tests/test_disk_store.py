@@ -102,14 +102,16 @@ def test_disk_store_holds_masters_gradients_and_optimizer_state(tmp_path):
 def test_a_store_directory_the_store_made_goes_with_it(tmp_path, monkeypatch):
     """store_dir made by the store (a new path, or the default temporary one) is
     removed when the store closes, empty as its unlinked files leave it; a second run
-    sharing it makes it again if the first removed it meanwhile."""
+    sharing it makes it again if the first removed it meanwhile, and removes it then."""
     made = tmp_path / "new" / "store"
     _, runner, _, _ = _train("ws", steps=1, clip=False, store="disk", store_dir=str(made))
     _, other, _, _ = _train("ws", steps=1, clip=False, store="disk", store_dir=str(made))
     runner.engine.close()
     assert not made.exists() and (tmp_path / "new").is_dir()
     other.engine.store.tier.scratch((4,), torch.float32, "gather")  # a file after the removal
+    assert made.is_dir()  # made again
     other.engine.close()
+    assert not made.exists()  # and removed by the store that made it again (2 ranks left it)
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     _, runner, _, _ = _train("ws", steps=1, clip=False, store="disk")

@@ -234,8 +234,9 @@ class DiskStore:
         path = self.directory / f"{os.getpid()}-{next(self._ids):07d}.{kind}{STORE_SUFFIX}"
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileNotFoundError:  # another run sharing store_dir ended and removed it
+        except FileNotFoundError:  # another store sharing store_dir ended and removed it
             self.directory.mkdir(parents=True, exist_ok=True)
+            self._made_directory = True  # made again here: this store removes it at close
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         file = None
         try:
