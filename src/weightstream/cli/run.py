@@ -306,12 +306,15 @@ class Run:
                 )
             # In step order, into one events file whose first step purges the events
             # logged earlier from there on: each step once (eval_all evaluates them again).
-            writers: list = []
+            writer = None
             try:
                 for path in complete:
-                    self.evaluate(path, writers)
+                    step, results = self.evaluate(path, record=False)
+                    writer = writer or self._eval_writer(purge_step=step)
+                    writer.add(step, results)
+                    writer.flush()  # on disk as each evaluation ends
             finally:
-                for writer in writers:
+                if writer is not None:
                     writer.close()
         return 0
 
@@ -404,8 +407,7 @@ class Run:
             if footprint is not None:
                 log.log(logging.INFO if fits else logging.WARNING, "%s", footprint.describe())
             else:  # layer pipelined: the whole state on the device
-                total, room, line = resident_footprint(model, optimizer, self.device)
-                fits = room is None or total <= room
+                fits, line = resident_footprint(model, optimizer, self.device)
                 log.log(logging.INFO if fits else logging.WARNING, "%s", line)
             self._write_params("train")
             self._write_performance()
@@ -696,10 +698,15 @@ class Run:
                 f"from an earlier one, {hint}move {path.name} out of {self.model_dir}.)"
             ) from e
 
-    def evaluate(self, checkpoint_path: Path, writers: list | None = None) -> dict:
-        """Evaluate the weights of ``checkpoint_path``. ``writers``: eval_all's one events
-        writer, made at its first evaluation (TensorBoard then hides the eval events
-        logged earlier from that step on) and closed by the caller."""
+    def _eval_writer(self, purge_step: int | None = None):
+        """The eval events' writer (rank 0's; ``purge_step`` as :class:`ScalarWriter`'s)."""
+        if not swarm.is_main():
+            return NoScalarWriter()
+        return ScalarWriter(self.model_dir / "eval", purge_step=purge_step)
+
+    def evaluate(self, checkpoint_path: Path, record: bool = True) -> tuple[int, dict]:
+        """Evaluate the weights of ``checkpoint_path``: (its step, the results), written
+        to the eval events where ``record`` (eval_all writes its own)."""
         p, rc = self.params, self.rc
         if p.eval_input is None:
             raise ValueError("evaluation needs an eval_input section in the params file.")
@@ -739,26 +746,13 @@ class Run:
         # leaves no empty events file and keeps the last params_eval.yaml.
         results = trainer.evaluate(loader, steps)
         self._write_params("eval")
-        if writers is not None and writers:
-            writers[0].add(trainer.global_step, results)
-            writers[0].flush()  # on disk as each evaluation ends
-            return results
-        purge = trainer.global_step if writers is not None else None
-        writer = (
-            ScalarWriter(self.model_dir / "eval", purge_step=purge)
-            if swarm.is_main()
-            else NoScalarWriter()
-        )
-        if writers is not None:
-            writers.append(writer)  # the caller closes it
-            writer.add(trainer.global_step, results)
-            writer.flush()
-            return results
-        try:
-            writer.add(trainer.global_step, results)
-        finally:
-            writer.close()
-        return results
+        if record:
+            writer = self._eval_writer()
+            try:
+                writer.add(trainer.global_step, results)
+            finally:
+                writer.close()
+        return trainer.global_step, results
 
     # ---- LoRA (the peft section) ---------------------------------------------------------
 

@@ -176,10 +176,7 @@ def host_footprint(
     the streaming settings as configured (``store``, ``host_memory_budget``,
     ``compute_dtype``), with ``optimizer``'s state as constructed (the Note)."""
     named = list(_unique(model.named_parameters()))
-    state_bytes = {
-        name: [t.nbytes for t in optimizer.state.get(p, {}).values() if torch.is_tensor(t)]
-        for name, p in named
-    }
+    state_bytes = _state_bytes(named, optimizer)
     grads_kept = not (config.update_in_backward and not _data_parallel(config))
     counted = {
         "master": sum(p.nbytes for _, p in named),
@@ -272,22 +269,25 @@ def _size(n: int | None) -> str:
     return "unknown" if n is None else f"{format_bytes(n)} ({n:,} bytes)"
 
 
+def _state_bytes(named, optimizer: torch.optim.Optimizer) -> dict[str, list[int]]:
+    """Per parameter name, the bytes of each tensor of ``optimizer``'s state for it."""
+    return {
+        name: [t.nbytes for t in optimizer.state.get(p, {}).values() if torch.is_tensor(t)]
+        for name, p in named
+    }
+
+
 def resident_footprint(
     model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
-) -> tuple[int, int | None, str]:
-    """Layer pipelined: (bytes of the training state, the memory that holds it, one line
-    for the log). Masters, gradients and optimizer state all stay on ``device`` (its
-    memory: the host's on the CPU), counted as :func:`host_footprint` counts them, and
-    against the whole of that memory: nothing can go elsewhere."""
+) -> tuple[bool, str]:
+    """Layer pipelined: (whether the training state fits, one line for the log). Masters,
+    gradients and optimizer state all stay on ``device`` (its memory: the host's on the
+    CPU), counted as :func:`host_footprint` counts them, and against the whole of that
+    memory: nothing can go elsewhere. Where that memory is not known here, it fits."""
     named = list(_unique(model.named_parameters()))
     masters = sum(p.nbytes for _, p in named)
     grads = sum(p.nbytes for _, p in named if p.requires_grad)
-    state = sum(
-        t.nbytes
-        for _, p in named
-        for t in optimizer.state.get(p, {}).values()
-        if torch.is_tensor(t)
-    )
+    state = sum(map(sum, _state_bytes(named, optimizer).values()))
     total = masters + grads + state
     if device.type == "cpu":
         room, where = places.available_memory(), "this host's available RAM"
@@ -302,16 +302,12 @@ def resident_footprint(
         f"{format_bytes(grads)}, optimizer state {format_bytes(state)}), before activations"
     )
     if room is None:
-        return total, None, f"{line}; {where}."
+        return True, f"{line}; {where}."
     if total <= room:
-        return total, room, f"{line}; fits {where} ({format_bytes(room)})."
-    return (
-        total,
-        room,
-        (
-            f"{line}: more than {where} ({format_bytes(room)}). Fix: weight streaming "
-            "(runconfig.execution_mode: weight_streaming), whose store keeps the state in host "
-            "RAM or on disk; or compact state (optimizer: {state_dtype: bfloat16}, "
-            "runconfig.master_dtype: bfloat16)."
-        ),
+        return True, f"{line}; fits {where} ({format_bytes(room)})."
+    return False, (
+        f"{line}: more than {where} ({format_bytes(room)}). Fix: weight streaming "
+        "(runconfig.execution_mode: weight_streaming), whose store keeps the state in host "
+        "RAM or on disk; or compact state (optimizer: {state_dtype: bfloat16}, "
+        "runconfig.master_dtype: bfloat16)."
     )
