@@ -415,3 +415,22 @@ def test_warm_start_into_the_disk_store_holds_one_tensor_at_a_time(tmp_path):
     assert got["growth"] <= budget + largest + reader, (got["growth"], budget)
     with torch.no_grad():
         assert got["sum"] == pytest.approx(float(model(torch.ones(2, 1024)).sum()), rel=1e-6)
+
+
+def test_a_made_store_dir_goes_with_whichever_sharing_store_ends_last(tmp_path):
+    """Ranks sharing a store_dir a store made end in any order, and one may hold a file
+    for an instant as another ends: the last store done with it removes it (two ranks
+    left it behind under load). A store_dir that was there before stays."""
+    made = tmp_path / "store"
+    first, second = DiskStore(made), DiskStore(made)  # the second finds the first's
+    busy = made / "other-rank.tmp"  # a file the other rank has not unlinked yet
+    busy.write_bytes(b"x")
+    first.close()
+    assert made.is_dir()  # not empty: left for the last one
+    busy.unlink()
+    second.close()
+    assert not made.exists()
+    existing = tmp_path / "mine"
+    existing.mkdir()
+    DiskStore(existing).close()
+    assert existing.is_dir() and list(existing.iterdir()) == []

@@ -112,6 +112,11 @@ def check_store_dir(directory: str | os.PathLike) -> None:
         )
 
 
+# In a store_dir that a store made: every store sharing it removes it when it is done
+# with it and nothing else is left (DiskStore.close).
+_MADE_MARK = ".weightstream-made"
+
+
 class DiskStore:
     """Allocates host tensors in memory-mapped files under ``directory`` (Note [disk tier])."""
 
@@ -130,12 +135,13 @@ class DiskStore:
     ):
         if directory is None:
             directory = tempfile.mkdtemp(prefix="weightstream-store-")
-            self._made_directory = True
+            made = True
         else:
-            self._made_directory = not Path(directory).exists()
+            made = not Path(directory).exists()
         self.directory = Path(directory)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
+            self._made_directory = self._mark_made() if made else self._marker.exists()
         except OSError as e:
             raise OSError(
                 e.errno,
@@ -236,7 +242,7 @@ class DiskStore:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except FileNotFoundError:  # another store sharing store_dir ended and removed it
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._made_directory = True  # made again here: this store removes it at close
+            self._made_directory = self._mark_made()
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         file = None
         try:
@@ -567,12 +573,25 @@ class DiskStore:
             self._maps.clear()
             self._ram.clear()
         if self._made_directory:
-            # The files are unlinked when made (nothing is left behind), so the
-            # directory this store made is empty: it goes too. One holding anything
-            # else stays.
-            with contextlib.suppress(OSError):
-                self.directory.rmdir()
+            # The files are unlinked when made (nothing is left behind), so a directory
+            # a store made holds its mark alone once every store in it is done: it goes
+            # too, whichever of them ends last (ranks sharing store_dir end in any
+            # order, and one may hold a file for an instant as another ends). One
+            # holding anything else stays.
+            with contextlib.suppress(OSError):  # gone already: another store removed it
+                if all(e.name == _MADE_MARK for e in self.directory.iterdir()):
+                    self._marker.unlink(missing_ok=True)
+                    self.directory.rmdir()
             self._made_directory = False
+
+    @property
+    def _marker(self) -> Path:
+        return self.directory / _MADE_MARK
+
+    def _mark_made(self) -> bool:
+        """Mark the directory as made by a store, for every store sharing it; True."""
+        self._marker.touch()
+        return True
 
 
 class Paged:
