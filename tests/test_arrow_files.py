@@ -6,6 +6,7 @@ the resident set (RssFile, Linux), and a file is in place only once complete.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 
@@ -13,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from weightstream.data.arrow_files import ArrowStreamWriter, MappedFile
+from weightstream.data.arrow_files import ArrowStreamWriter, MappedFile, content_digest
 
 SCHEMA = pa.schema([("x", pa.large_list(pa.int32())), ("n", pa.int64())])
 
@@ -39,7 +40,9 @@ def test_a_written_file_reads_back_and_datasets_reads_it(tmp_path):
         for i in range(3):
             writer.write(_batch(i))
         assert not path.exists()  # under a temporary name until complete
-    assert [p.name for p in tmp_path.iterdir()] == ["f.arrow"]
+    # The file and the digest of its bytes (content_digest), nothing else.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.arrow", "f.arrow.blake2b"]
+    assert content_digest(path) == hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
     table = MappedFile(path).table
     assert table.num_rows == 12 and table.column("n").to_pylist() == [0] * 4 + [1] * 4 + [2] * 4
     assert table.column("x")[5].as_py() == list(range(1001, 2001))
@@ -74,7 +77,7 @@ def test_a_killed_writer_s_temporary_file_goes_with_the_next_write(tmp_path):
         (ours,) = [p for p in tmp_path.glob("docs.arrow.*.tmp") if p != live]
         assert ours.name.startswith(f"docs.arrow.{os.getpid()}-")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["docs.arrow", live.name, other.name]
+        ["docs.arrow", "docs.arrow.blake2b", live.name, other.name]
     )
 
 

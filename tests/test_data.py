@@ -773,6 +773,7 @@ def test_state_moves_between_rank_counts(monkeypatch, saved_ranks, ranks, stop):
         "num_samples": 100,
         "drop_last": True,
         "pad_last": False,
+        "data_fingerprint": None,  # a plain TensorDataset has none
     }
     tail, after = run_ranks(monkeypatch, ranks, ordered_fn, state=state)
     for r in range(ranks):

@@ -10,6 +10,7 @@ packed rows against each document run alone through a small transformers Llama.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -459,6 +460,47 @@ def test_resume_mid_epoch_is_exact(tmp_path, tokenizer_dirs):
         assert a.keys() == b.keys()
         for k in a:
             assert torch.equal(a[k], b[k]), k
+
+
+def test_resume_refuses_data_edited_in_place_and_takes_a_touched_file(tmp_path, tokenizer_dirs):
+    rows = _examples("prompt_completion", 24)
+    path = _write(tmp_path / "pc.jsonl", rows)
+    section = _section(tmp_path, path, tokenizer_dirs["plain"], batch_size=2, shuffle=True)
+    full, _ = _run(section)
+    head, state = _run(section, stop_after=3)
+    assert state["global_position"]["data_fingerprint"]
+    # Touched (or copied without its times): new cache files, the same rows, the same run.
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    tail, _ = _run(section, state=state)
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(head + tail, full) for k in a)
+    # One completion edited to another of the same length: as many samples, other tokens.
+    rows[5]["completion"] = rows[5]["completion"][::-1]
+    _write(path, rows)
+    with pytest.raises(
+        ValueError,
+        match=r"data fingerprint: saved '[0-9a-f]+', here '[0-9a-f]+'\)"
+        r".*read the same data as the run that saved it \(its contents changed",
+    ):
+        _run(section, state=state)
+
+
+def test_the_rows_digest_is_of_the_files_bytes_and_is_made_again_if_missing(
+    tmp_path, tokenizer_dirs
+):
+    path = _write(tmp_path / "chat.jsonl", _examples("messages"))
+    section = _section(tmp_path, path, tokenizer_dirs["plain"])
+    rows = get_data_processor("HFDatasetProcessor")(section, True).dataset
+    assert isinstance(rows, hf_dataset.HFRows)
+    kept = rows.path.with_name(rows.path.name + ".blake2b")
+    assert (
+        kept.read_text().strip()
+        == hashlib.blake2b(rows.path.read_bytes(), digest_size=16).hexdigest()
+    )
+    digest = rows.fingerprint
+    kept.unlink()  # a cache written before digests were kept
+    assert hf_dataset.HFRows(rows.path, rows.seq_len, rows.pad_id, False).fingerprint == digest
+    assert kept.read_text().strip() == digest
 
 
 def test_two_ranks_stream_the_one_rank_batches(tmp_path, tokenizer_dirs, monkeypatch):

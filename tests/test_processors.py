@@ -353,6 +353,46 @@ def test_hdf5_loader_resumes_exactly(tmp_path):
         assert head + tail == full
 
 
+def test_text_corpus_resume_refuses_text_edited_in_place(tmp_path):
+    text = tmp_path / "corpus.txt"
+    words = [f"word{i % 97} " for i in range(3000)]
+    text.write_text("".join(words))
+    fn = get_data_processor("TextCorpusProcessor")
+    params = dict(data_dir=str(text), batch_size=2, seq_len=32, shuffle=True)
+
+    def run(state=None, stop=None):
+        dl = DataLoader(fn, params, True, max_steps=6)
+        if state is not None:
+            dl.load_state_dict(state)
+        out = []
+        for batch in dl:
+            out.append(batch["input_ids"].clone())
+            if len(out) == stop:
+                break
+        return out, dl.state_dict()
+
+    full, _ = run()
+    head, state = run(stop=2)
+    tail, _ = run(state=state)
+    assert all(torch.equal(a, b) for a, b in zip(head + tail, full))
+    words[100] = "WORD" + words[100][4:]  # the same length: the same number of samples
+    text.write_text("".join(words))
+    with pytest.raises(ValueError, match=r"data fingerprint: saved .*read the same data"):
+        run(state=state)
+
+
+def test_a_datasets_dataset_is_compared_by_its_own_fingerprint(monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    from weightstream.data.sampler import DistributedSampler
+
+    data = datasets.Dataset.from_dict({"x": list(range(16))})
+    edited = data.map(lambda row: {"x": row["x"] + (row["x"] == 3)})
+    same = datasets.Dataset.from_dict({"x": list(range(16))})
+    fingerprints = [DistributedSampler(d, shard=False).data_fingerprint for d in (data, edited)]
+    assert fingerprints[0] == data._fingerprint != fingerprints[1]
+    assert DistributedSampler(same, shard=False).data_fingerprint == fingerprints[0]
+
+
 # -- GPT HDF5: errors -----------------------------------------------------------------
 
 

@@ -6,7 +6,9 @@ pages]): the page cache of what it writes, and the resident pages of what it rea
 through a memory map. :class:`ArrowStreamWriter` writes a file under a temporary
 name, gives its written pages back every :data:`SYNC_BYTES`, and renames it into
 place when complete; :class:`MappedFile` reads one memory-mapped and gives back
-the pages of the arrays read from it.
+the pages of the arrays read from it. :func:`content_digest` is a file's digest of
+its bytes, kept beside it by the writer (a ``.blake2b`` file), so that what the data
+*are* can be compared without reading them again.
 
 Note [arrow file pages]
 ~~~~~~~~~~~~~~~~~~~~~~~
@@ -29,6 +31,7 @@ which counts the page cache). The writer syncs its file every
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import re
@@ -38,10 +41,10 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from weightstream.common.files import remove_dead_temporaries
+from weightstream.common.files import atomic_path, remove_dead_temporaries
 from weightstream.common.pages import madvise
 
-__all__ = ["SYNC_BYTES", "ArrowStreamWriter", "MappedFile"]
+__all__ = ["SYNC_BYTES", "ArrowStreamWriter", "MappedFile", "content_digest"]
 
 SYNC_BYTES = 64 << 20  # written bytes between syncs (Note [arrow file pages])
 _PAGE = mmap.PAGESIZE
@@ -56,8 +59,10 @@ class _SyncingFile:
         self._f = open(path, "xb")  # closed by close(): the writer owns it
         self._pending = 0
         self.closed = False
+        self.digest = _new_digest()  # of every byte written (content_digest)
 
     def write(self, data) -> int:
+        self.digest.update(data)
         n = self._f.write(data)
         self._pending += n
         if self._pending >= SYNC_BYTES:
@@ -125,6 +130,8 @@ class ArrowStreamWriter:
         """Finish the file (synced, its pages dropped) and rename it into place."""
         self._writer.close()
         self._sink.close()  # closes the file it wraps: synced
+        # The digest first: a reader that finds the file finds its digest beside it.
+        _write_digest(self.path, self._file.digest.hexdigest())
         os.replace(self._tmp, self.path)
 
     def abort(self) -> None:
@@ -140,6 +147,40 @@ class ArrowStreamWriter:
             self.close()
         else:
             self.abort()
+
+
+def _new_digest():
+    return hashlib.blake2b(digest_size=16)
+
+
+def _digest_path(path: Path) -> Path:
+    return path.with_name(f"{path.name}.blake2b")
+
+
+def _write_digest(path: Path, hexdigest: str) -> None:
+    with atomic_path(_digest_path(path), fsync=False) as tmp:
+        tmp.write_text(hexdigest + "\n")
+
+
+def content_digest(path: Path) -> str:
+    """The blake2b digest of the bytes of ``path``, an Arrow file :class:`ArrowStreamWriter`
+    wrote: read from the digest file it wrote beside it, or, for a file written before
+    those existed, computed once (reading the whole file) and kept there."""
+    path = Path(path)
+    try:
+        return _digest_path(path).read_text().strip()
+    except FileNotFoundError:
+        pass
+    digest = _new_digest()
+    with open(path, "rb") as f:
+        while chunk := f.read(SYNC_BYTES):
+            digest.update(chunk)
+    hexdigest = digest.hexdigest()
+    try:
+        _write_digest(path, hexdigest)
+    except OSError:  # a read-only cache: computed again next time
+        pass
+    return hexdigest
 
 
 class MappedFile:

@@ -142,13 +142,16 @@ fingerprint), the tokenizer's files, the settings as given (``format`` as given:
 detected format, a function of the data and the key, is kept in the docs file's schema
 metadata) and :data:`ROWS_VERSION`; a change of any gives new files. A build that finds
 both files reads nothing of the data. The rows file is what ``datasets`` writes
-too (``Dataset.from_file`` reads it).
+too (``Dataset.from_file`` reads it). Beside each file is the digest of its bytes
+(``.blake2b``): a resume compares the rows' digest with the one its checkpoint recorded,
+so data edited in place are noticed and a touched file is not.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import glob
 import gzip
 import hashlib
@@ -168,7 +171,7 @@ import torch
 from torch.utils.data import Dataset
 
 from weightstream.context import current_run
-from weightstream.data.arrow_files import ArrowStreamWriter, MappedFile
+from weightstream.data.arrow_files import ArrowStreamWriter, MappedFile, content_digest
 from weightstream.data.section import SEQ_KEYS, Section
 
 log = logging.getLogger("weightstream")
@@ -687,6 +690,13 @@ class HFRows(Dataset):
     def __init__(self, path: Path, seq_len: int, pad_id: int, packing: bool) -> None:
         self.path, self.seq_len, self.pad_id, self.packing = Path(path), seq_len, pad_id, packing
         self._open()
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """The digest of the rows' bytes (what a resume compares: data_fingerprint in
+        sampler.py). Not the cache key: that changes when a data file is touched or copied
+        without its modification time, while the rows made of it stay the same."""
+        return content_digest(self.path)
 
     def _open(self) -> None:
         table = MappedFile(self.path).table

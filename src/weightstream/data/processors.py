@@ -179,6 +179,10 @@ class _LMWindows(Dataset):
     def __init__(self, windows: ByteCorpusDataset) -> None:
         self.windows = windows
 
+    @property
+    def fingerprint(self) -> str:
+        return self.windows.fingerprint
+
     def __len__(self) -> int:
         return len(self.windows)
 

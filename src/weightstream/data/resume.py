@@ -40,6 +40,7 @@ ORDER_LABELS = {
     "num_samples": "samples per epoch",
     "drop_last": "drop_last",
     "pad_last": "pad_last",
+    "data_fingerprint": "data fingerprint",
 }
 
 
@@ -53,6 +54,7 @@ def order_settings(sampler: DistributedSampler, items_per_batch: int) -> dict:
         "num_samples": sampler.num_samples,
         "drop_last": sampler.drop_last,
         "pad_last": sampler.pad_last,
+        "data_fingerprint": sampler.data_fingerprint,
     }
 
 
@@ -205,6 +207,11 @@ def check_order(saved: dict, target: tuple[DistributedSampler, int]) -> None:
     """Refuse a global position in another order than this loader's (Note [global position])."""
     mine = order_settings(*target)
     differ = [k for k in ORDER_LABELS if k in saved and saved[k] != mine[k]]
+    if "data_fingerprint" in differ and None in (
+        saved["data_fingerprint"],
+        mine["data_fingerprint"],
+    ):
+        differ.remove("data_fingerprint")  # one side cannot tell: a dataset without one
     if not differ:
         return
     details = "; ".join(f"{ORDER_LABELS[k]}: saved {saved[k]!r}, here {mine[k]!r}" for k in differ)
@@ -222,6 +229,11 @@ def check_order(saved: dict, target: tuple[DistributedSampler, int]) -> None:
         )
     if "dataset_len" in differ or "num_samples" in differ:
         fixes.append("read the same data as the run that saved it")
+    elif "data_fingerprint" in differ:
+        fixes.append(
+            "read the same data as the run that saved it (its contents changed since, or "
+            "what makes samples of them: the tokenizer, seq_len, packing, the eval split)"
+        )
     if "drop_last" in differ or "pad_last" in differ:
         fixes.append(
             f"set drop_last={saved.get('drop_last')!r}, pad_last={saved.get('pad_last')!r} back"

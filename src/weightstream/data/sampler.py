@@ -38,6 +38,22 @@ from weightstream.data.streaming import get_streaming_rank, num_streamers
 
 __all__ = ["DistributedSampler"]
 
+
+def data_fingerprint(dataset: object) -> str | None:
+    """A string that changes when the dataset's contents do, where the dataset has one.
+
+    A dataset may carry it as ``fingerprint`` (this package's file-backed datasets: the
+    text corpus, the Hugging Face rows); a ``datasets.Dataset`` carries its own as
+    ``_fingerprint``. A resume compares it, so that data edited in place to the same
+    number of samples is refused rather than continued at a position of another order.
+    """
+    for name in ("fingerprint", "_fingerprint"):
+        value = getattr(dataset, name, None)
+        if isinstance(value, str):
+            return value
+    return None
+
+
 # Config fields that fix the global order; a state saved under other values cannot be resumed.
 _ORDER_KEYS = ("seed", "shuffle", "num_samples", "drop_last", "pad_last")
 # Added later than the others: a state without it is still accepted (not checked).
@@ -160,6 +176,7 @@ class DistributedSampler(torch.utils.data.Sampler):
         self.drop_last = drop_last
         self.pad_last = pad_last
         self.num_samples = self._dataset_len if num_samples is None else num_samples
+        self.data_fingerprint = data_fingerprint(dataset)
         self.num_shards = num_shards
         self.shard_index = shard_index
         self.start_index = start_index

@@ -34,6 +34,7 @@ does not depend on how many ranks stream it: ``global_position`` records it as::
       "num_samples": 1437,         # samples per epoch
       "drop_last": True,
       "pad_last": False,
+      "data_fingerprint": "3f0c...",  # changes with the data's contents; None: unknown
     }
 
 Every rank's record is the same, so a run on any number of ranks M whose
@@ -46,7 +47,8 @@ input workers, the same number of those).
 
 ``layout`` and ``global_position`` were added after the other keys: a state
 without them still loads (as one saved by the same layout, without a global
-position).
+position). ``data_fingerprint`` (``data_fingerprint`` in sampler.py) came later
+still; it is compared only where both the record and the loader's dataset have one.
 
 An *aggregated state* (:func:`aggregate_state_dict`) holds the worker states
 of a whole run, in streaming-rank order, plus run-wide totals and the
