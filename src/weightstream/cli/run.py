@@ -600,9 +600,20 @@ class Run:
             for group in groups:
                 group["params"] = [q for q in group["params"] if q.requires_grad]
             groups = [g for g in groups if g["params"]]
-        return cstorch.optim.configure_optimizer(
+        optimizer = cstorch.optim.configure_optimizer(
             opt_params.optimizer_type, params=groups, **opt_params.optimizer_kwargs()
         )
+        if self.rc.master_dtype != "float32" and not hasattr(optimizer, "kahan_summation"):
+            warnings.warn(
+                f"weightstream: runconfig.master_dtype {self.rc.master_dtype} with "
+                f"{type(optimizer).__name__}, which keeps no Kahan buffer (Note [Kahan "
+                "summation] in optim/compact.py): an update below half a "
+                f"{self.rc.master_dtype} ulp of its weight (lr 1e-4 on a weight of 0.5) "
+                "rounds away, every step. Fix: master_dtype float32, or an optimizer of "
+                "the Adam family or SGD.",
+                stacklevel=2,
+            )
+        return optimizer
 
     def _streaming(self) -> StreamingConfig:
         """The runconfig's streaming settings as a training run of this file takes them."""

@@ -77,6 +77,21 @@ def configure_optimizer(optimizer_type: str, params: ParamsT, **kwargs: Any) -> 
             f"Fix: replace {fixes}."
         )
     unknown = [key for key in options if key not in accepted]
+    # Compact state asked for and not kept would hold 2-4x the bytes it was chosen to
+    # save, trained silently at full width: an error, not an ignored key.
+    compact = [key for key in ("state_dtype", "kahan_summation") if key in unknown]
+    if compact:
+        takers = sorted(
+            c.__name__
+            for c in {c for classes in _optimizer_classes().values() for c in classes}
+            if set(compact) <= _constructor_arguments(c)[0]
+        )
+        raise ValueError(
+            f"configure_optimizer({cls.__name__}): {cls.__name__} keeps its state in the "
+            f"parameters' dtype and takes no {' or '.join(compact)} (compact optimizer "
+            f"state); {', '.join(takers)} do. Fix: remove optimizer.{compact[0]}, or "
+            "choose one of those."
+        )
     if unknown:
         close = {k: difflib.get_close_matches(k, sorted(accepted), n=1) for k in unknown}
         typos = "".join(f" Did you mean {c[0]!r} for {k!r}?" for k, c in close.items() if c)

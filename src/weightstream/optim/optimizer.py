@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import abc
 import collections
+import contextlib
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, TypeAlias
 
@@ -86,6 +88,9 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
         # Set before torch's __init__, which calls add_param_group for each group.
         self.enable_global_step = enable_global_step
         self._preinitialized = False
+        self._stepped = False  # a step ran or a state was loaded (Note [state after a cast])
+        # id(parameter) -> the dtype its state was made for (Note [state after a cast])
+        self._made_for: dict[int, torch.dtype] = {}
         self._engine: ParameterHost | None = None
         super().__init__(params, defaults)
         # Bound before any state exists, so the engine places it (Note [engine binding]).
@@ -113,6 +118,8 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
         behind the next forward (Note [overlapped updates] in runtime/updater.py).
         """
         loss = run_closure(closure)
+        self._follow_parameters()
+        self._stepped = True
         engine = self.engine
         if engine is not None:
             engine.apply_step(self)
@@ -137,6 +144,7 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
         if self._engine is None:
             engine = hosts.holding(self._all_params())
             if engine is not None:
+                self._follow_parameters()  # before the engine places the state
                 engine.bind_optimizer(self)
                 self._engine = engine
         return self._engine
@@ -162,18 +170,12 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
             param_group["tags"] = _normalize_tags(param_group["tags"])
         super().add_param_group(param_group)
         if self._preinitialized:
-            # preinitialize() walks self.param_groups; showing it only the new
-            # group creates the new state without resetting the existing state.
-            all_groups = self.param_groups
-            self.param_groups = [all_groups[-1]]
-            try:
-                self._create_state()
-            finally:
-                self.param_groups = all_groups
+            self._create_state_of({id(p) for p in param_group["params"]})
             if self._engine is not None:
                 self._engine.bind_optimizer(self)
 
     def _create_state(self) -> None:
+        """The state of every trainable parameter (Note [state after a cast])."""
         for p in self._all_params():
             if not p.is_floating_point():
                 raise TypeError(
@@ -185,13 +187,74 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
             sizes = self._state_sizes()
             if sizes is not None:
                 self._engine.plan_state(sizes)
-        with torch.no_grad(), placing_state(self._engine):
+        with torch.no_grad(), placing_state(self._engine), self._showing(self._trainable):
             self.preinitialize()
-            if self.enable_global_step:
-                for p in self._all_params():
-                    state = self.state[p]
-                    if "step" not in state:
-                        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            for p in self._all_params():
+                if self.enable_global_step and "step" not in self.state[p]:
+                    self.state[p]["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                self._made_for[id(p)] = p.dtype
+
+    @staticmethod
+    def _trainable(p: Tensor) -> bool:
+        return p.requires_grad
+
+    @contextlib.contextmanager
+    def _showing(self, keep: Callable[[Tensor], bool]):
+        """``self.param_groups`` narrowed to the parameters ``keep`` takes, for
+        ``preinitialize``, which walks them all (groups without any are left out)."""
+        all_groups = self.param_groups
+        self.param_groups = [
+            {**g, "params": kept}
+            for g in all_groups
+            if (kept := [p for p in g["params"] if keep(p)])
+        ]
+        try:
+            yield
+        finally:
+            self.param_groups = all_groups
+
+    def _create_state_of(self, ids: set[int]) -> None:
+        """Create the state of the parameters ``ids`` alone, leaving the others' as it is."""
+        with self._showing(lambda p: id(p) in ids):
+            self._create_state()
+
+    # Note [state after a cast]
+    # -------------------------
+    # State is made when the optimizer is built (Note [preinitialized state]), for the
+    # parameters that train then, in their dtype then. torch.optim makes it at the
+    # first step instead, so code written for it may build the optimizer first and then
+    # cast the model (``model.to(torch.bfloat16)``) or unfreeze parameters. Before a
+    # step each parameter's state is checked against it: a parameter whose dtype changed
+    # gets its state made again (fresh state, as torch's would be: a bf16 master then
+    # gets its Kahan buffer and moments of the state_dtype, where fp32 state would have
+    # rounded away updates below half a bf16 ulp), and one that trains now but did
+    # not then gets its state made. Frozen parameters (``requires_grad=False``, a LoRA
+    # base model's) get none, as in torch: zeros of 8 bytes a parameter otherwise,
+    # held and checkpointed. A dtype changed after state took a step, or after the
+    # streaming engine placed it, is an error: fresh state would lose the moments.
+
+    def _follow_parameters(self) -> None:
+        """Make the state of parameters cast or unfrozen since it was made (Note [state
+        after a cast])."""
+        params = self._all_params()
+        cast = [p for p in params if id(p) in self._made_for and self._made_for[id(p)] != p.dtype]
+        new = [p for p in params if p.requires_grad and id(p) not in self._made_for]
+        if not cast and not new:
+            return
+        if cast and (self._stepped or self._engine is not None):
+            p = cast[0]
+            when = "took a step" if self._stepped else "was placed by the streaming engine"
+            raise TypeError(
+                f"{type(self).__name__}: {len(cast)} parameter(s) changed dtype (one of shape "
+                f"{tuple(p.shape)}: {self._made_for[id(p)]} -> {p.dtype}) after the "
+                f"optimizer's state {when}. Fix: cast the model (model.to(dtype)) before "
+                "building the optimizer and compiling it."
+            )
+        for p in cast:
+            self.state.pop(p, None)
+        self._create_state_of({id(p) for p in cast + new})
+        if new and self._engine is not None:
+            self._engine.bind_optimizer(self)  # places the new state as add_param_group does
 
     def _state_sizes(self) -> dict[Tensor, list[int]] | None:
         """The bytes of every parameter's state tensors as ``preinitialize`` makes them,
@@ -201,7 +264,7 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
         saved, counter = self.state, StateSizes()
         self.state = collections.defaultdict(dict)
         try:
-            with torch.no_grad(), placing_state(counter):
+            with torch.no_grad(), placing_state(counter), self._showing(self._trainable):
                 self.preinitialize()
         except (RuntimeError, NotImplementedError, TypeError, ValueError):
             return None
@@ -259,12 +322,14 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
         of the groups come from the state dict, as in torch.
         """
         self.synchronize()  # never load under a step still being applied
+        self._follow_parameters()  # the state to load into, in the parameters' dtypes
         engine = self.engine
         if engine is not None and engine.grads_sharded:
             # Each rank keeps the state of the parameters it owns (Note [sharded store]).
             engine.load_optimizer_state(self, state_dict, self._load_state_dict)
         else:
             self._load_state_dict(state_dict)
+        self._stepped = True  # loaded moments: a cast now would lose them
 
     def _load_state_dict(self, state_dict: dict[str, Any], skip=None) -> None:
         """Check, then load: see :meth:`load_state_dict` and Note [bounded loads].
@@ -273,13 +338,14 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
         placeholders of parameters other ranks own); their shapes are checked.
         """
         index_to_param = self._map_saved_indices(state_dict)
+        kept = self._check_saved_groups(state_dict["param_groups"])
         saved_state = state_dict.get("state", {})
         for index, p in index_to_param.items():
             saved = saved_state.get(index, {})
             for key, current in self.state[p].items():
                 if not isinstance(current, Tensor) or self._load_converts(saved, key):
                     continue
-                shape = _saved_shape(saved, key)
+                shape, dtype = _saved_leaf(saved, key)
                 if shape is None:
                     raise ValueError(
                         f"{type(self).__name__}.load_state_dict: the state dict has no tensor "
@@ -296,10 +362,22 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
                         f"{tuple(current.shape)} here. Fix: load the state dict into an "
                         "optimizer over the same model parameters, in the same order."
                     )
+                if dtype is not None and dtype.is_floating_point != current.is_floating_point():
+                    # Copied, an int8 code would become a moment ~100x too large
+                    # (Note [loading another state format]).
+                    raise ValueError(
+                        f"{type(self).__name__}.load_state_dict: state {key!r} of parameter "
+                        f"{index} is {dtype} in the state dict but {current.dtype} here, and "
+                        f"{type(self).__name__} does not convert it: it was saved by another "
+                        "optimizer, or another state format of one. Fix: construct the "
+                        "optimizer (and its state_dtype) it was saved with."
+                    )
         preinitialized = {p: dict(self.state[p]) for p in index_to_param.values()}
         # torch sets the hyperparameters and the non-tensor state; the tensors it
         # takes are views of a lazily read file, or its dtype casts of them.
         super().load_state_dict(state_dict)
+        for group, values in zip(self.param_groups, kept):
+            group.update(values)  # torch's load drops what the state dict lacks
         with torch.no_grad():
             for index, p in index_to_param.items():
                 loaded = self.state[p]
@@ -350,6 +428,40 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
         assert key == "kahan_comp", key
         state[key].zero_()
 
+    # Keys of a saved group that are not hyperparameters of the optimizer that saved it:
+    # what an LR scheduler adds to the groups, which a run may build after the load.
+    _SCHEDULER_GROUP_KEYS = frozenset({"initial_lr"})
+
+    def _check_saved_groups(self, saved_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Refuse groups saved by an optimizer of other hyperparameters (another
+        optimizer: loaded, an AdamW's ``eps`` and ``amsgrad`` would sit in a Lion's
+        groups and its moments in Lion's state). Returns, per group, this optimizer's
+        values of the hyperparameters the state dict does not record (one added since it
+        was saved), which the load keeps with a warning."""
+        kept = []
+        for number, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            foreign = sorted(set(saved) - set(group) - {"params"} - self._SCHEDULER_GROUP_KEYS)
+            if foreign:
+                raise ValueError(
+                    f"{type(self).__name__}.load_state_dict: group {number} of the state dict "
+                    f"has hyperparameters {foreign}, which {type(self).__name__} does not "
+                    "have: it was saved by another optimizer. Fix: construct the optimizer "
+                    "it was saved with (the params file's optimizer_type), or start from "
+                    "the model weights alone."
+                )
+            missing = {
+                k: v for k, v in group.items()
+                if k not in saved and k != "params" and k not in self._SCHEDULER_GROUP_KEYS
+            }  # fmt: skip
+            if missing:
+                warnings.warn(
+                    f"{type(self).__name__}.load_state_dict: group {number} of the state dict "
+                    f"does not record {sorted(missing)}; this optimizer's values are kept.",
+                    stacklevel=4,
+                )
+            kept.append(missing)
+        return kept
+
     def _map_saved_indices(self, state_dict: dict[str, Any]) -> dict[Any, Tensor]:
         saved_groups = state_dict.get("param_groups")
         if not isinstance(saved_groups, list):
@@ -391,18 +503,21 @@ def _normalize_tags(tags: Any) -> set[str]:
     return tags
 
 
-def _saved_shape(saved: Any, key: str) -> tuple[int, ...] | None:
-    """The shape of tensor ``saved[key]``, or None if it is not a tensor; a lazily
-    loaded checkpoint tells it without reading the data."""
+def _saved_leaf(saved: Any, key: str) -> tuple[tuple[int, ...] | None, torch.dtype | None]:
+    """The shape and dtype of tensor ``saved[key]``, (None, None) if it is not a tensor;
+    a lazily loaded checkpoint tells them without reading the data."""
     describe = getattr(saved, "describe", None)
     if describe is not None:
         if key not in saved:
-            return None
+            return None, None
         try:
             info = describe(key)
         except TypeError:  # a container
-            return None
+            return None, None
         if info.kind == "tensor" and info.shape is not None:
-            return tuple(info.shape)
+            dtype = getattr(torch, str(info.dtype).removeprefix("torch."), None)
+            return tuple(info.shape), dtype if isinstance(dtype, torch.dtype) else None
     value = saved.get(key) if isinstance(saved, dict) else None
-    return tuple(value.shape) if isinstance(value, Tensor) else None
+    if isinstance(value, Tensor):
+        return tuple(value.shape), value.dtype
+    return None, None
