@@ -427,7 +427,7 @@ def test_wrapping_logs_the_adapted_modules_and_warns_of_a_target_that_matched_no
     logger.addHandler(caplog.handler)
     try:
         with caplog.at_level(logging.INFO, logger="weightstream"):
-            with pytest.warns(UserWarning, match=r"\['q_prj'\] matched no module"):
+            with pytest.warns(UserWarning, match=r"\['q_prj'\] matched no module") as caught:
                 wrapped = lora.wrap(_llama(), config)
     finally:
         logger.removeHandler(caplog.handler)
@@ -437,3 +437,21 @@ def test_wrapping_logs_the_adapted_modules_and_warns_of_a_target_that_matched_no
         caplog.text
     )
     assert f"{trainable:,} of {total:,} parameters train" in caplog.text
+    # The names offered are the model's own matrices, not the adapters' inner parts.
+    offered = "'down_proj', 'embed_tokens', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', "
+    assert offered + "'q_proj', 'up_proj', 'v_proj']" in str(caught[0].message)
+
+
+def test_targets_that_match_nothing_are_named_with_the_models_modules():
+    from test_hf_finetune import _llama
+
+    from weightstream.common import lora
+
+    config = lora.lora_config({"r": 4, "target_modules": ["qq"]})
+    with pytest.raises(
+        ValueError,
+        match=r"peft.target_modules \{'qq'\} matched no module of the "
+        r"model \(peft: .*\)\. Fix: name modules the model has, such as "
+        r"\['down_proj', 'embed_tokens', 'gate_proj', 'k_proj', 'lm_head'",
+    ):
+        lora.wrap(_llama(), config)

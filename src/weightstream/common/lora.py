@@ -119,7 +119,16 @@ def wrap(model: nn.Module, config) -> nn.Module:
     """``model`` (a transformers causal LM, on meta or in host memory) wrapped by
     ``peft.get_peft_model``, its adapters in host memory with peft's initial
     values (Note [lora on meta]); the base parameters are frozen by peft."""
-    wrapped = peft_model(model, config)
+    try:
+        wrapped = peft_model(model, config)
+    except ValueError as exc:
+        if "not found in the base model" not in str(exc):
+            raise
+        raise ValueError(
+            f"peft.target_modules {config.target_modules!r} matched no module of the model "
+            f"(peft: {exc}). Fix: name modules the model has, such as "
+            f"{_adaptable_names(model)}."
+        ) from None
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     for name, layer in wrapped.named_modules():
@@ -159,15 +168,29 @@ def _report(wrapped: nn.Module, config, layer_class: type) -> None:
     )
     targets = config.target_modules
     if isinstance(targets, (list, set, tuple)):
-        names = {name.rsplit(".", 1)[-1] for name, _ in wrapped.named_modules() if name}
         missed = sorted(t for t in targets if not any(n == t or n.endswith(f".{t}") for n in full))
         if missed:
             warnings.warn(
                 f"peft.target_modules {missed} matched no module of the model, so they get no "
                 f"adapters (adapted: {sorted(adapted)}). Fix: use the model's module names, "
-                f"such as {sorted(n for n in names if 'proj' in n or 'fc' in n)[:8]}.",
+                f"such as {_adaptable_names(wrapped)}.",
                 stacklevel=3,
             )
+
+
+def _adaptable_names(model: nn.Module) -> list[str]:
+    """The last names of the modules with a matrix of weights (Linear, GPT-2's Conv1D,
+    Embedding): what ``target_modules`` names. Inside a peft model, not the adapter
+    layers' own parts (``base_layer``, ``lora_A``...)."""
+    names = set()
+    for name, m in model.named_modules():
+        parts = name.split(".")
+        if any(p == "base_layer" or p.startswith("lora_") for p in parts):
+            continue
+        weight = getattr(m, "weight", None)
+        if name and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+            names.add(parts[-1])
+    return sorted(names)
 
 
 def _adapter_tensors(layer) -> list[tuple[str, torch.Tensor]]:
