@@ -875,3 +875,33 @@ def test_iterable_dataset_state_needs_the_same_workers_and_ranks(monkeypatch):
     monkeypatch.setattr(streaming, "dist", FakeDist(2, 1))
     with pytest.raises(ValueError, match=r"position of 1 streamer.*this run has 2.*Resume on 1"):
         DataLoader(input_fn, max_steps=4).load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    ("n", "parts"), [(18, [[4, 4, 1], [4, 4, 1]]), (19, [[4, 4, 2], [4, 4, 1]])]
+)
+def test_an_evaluations_short_last_round_is_dealt_out_evenly(n, parts):
+    """Note [an uneven last round]: 2 shards of batches of 4, 2 or 3 samples left: one
+    part each (not one batch for shard 0 alone), and every sample once, in order."""
+    ds = list(range(n))
+    shards = [
+        DistributedSampler(
+            ds, shuffle=False, batch_size=4, drop_last=False, num_shards=2, shard_index=r,
+            even_last_round=True,
+        )
+        for r in range(2)
+    ]  # fmt: skip
+    batches = [list(s) for s in shards]
+    assert [[len(b) for b in bs] for bs in batches] == parts
+    assert [len(s) for s in shards] == [len(bs) for bs in batches]
+    assert [i for b in interleave(batches) for i in b] == ds
+    training = DistributedSampler(ds, shuffle=False, batch_size=4, drop_last=False, num_shards=2,
+                                  shard_index=1)  # fmt: skip
+    assert [len(b) for b in training] == [4, 4]  # training's rounds stay whole batches
+
+
+def test_an_evaluations_last_round_of_fewer_samples_than_shards_is_refused():
+    with pytest.raises(ValueError, match=r"An epoch of 17 samples leaves 1 for its last global "
+                       r"batch .*fewer than the shards: 1 of them would have no batch"):  # fmt: skip
+        DistributedSampler(range(17), batch_size=4, drop_last=False, num_shards=2,
+                           shard_index=0, even_last_round=True)  # fmt: skip

@@ -31,6 +31,7 @@ from pathlib import Path
 import params_files as pf
 import pytest
 import torch
+import yaml
 
 from weightstream import checkpoint as ckpt
 from weightstream.cli.main import main
@@ -340,3 +341,79 @@ def test_a_batch_the_ranks_cannot_share_is_refused_once_before_any_rank_starts(t
     (error,) = errors
     assert "train_input.batch_size = 8 (the global batch) does not divide by the 3" in error
     assert not (tmp_path / "m").exists()
+
+
+def test_ranks_started_with_different_params_are_stopped_before_training(tmp_path):
+    """Ranks started by hand (torchrun) with another learning rate each: a sharded store
+    would update each rank's units by its own rate and exit 0. Every rank stops first."""
+    base = yaml.safe_load(_params(tmp_path, "gpt2", max_steps=2).read_text())
+    for rank, lr in enumerate((2e-3, 1e-3)):
+        base["optimizer"]["learning_rate"] = lr
+        (tmp_path / f"p{rank}.yaml").write_text(yaml.safe_dump(base))
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import os, sys\n"
+        "from weightstream.cli.main import main\n"
+        f"params = {str(tmp_path)!r} + '/p' + os.environ['RANK'] + '.yaml'\n"
+        f"sys.exit(main(['run', 'CPU', '-p', params, '-o', {str(tmp_path / 'm')!r}]))\n"
+    )
+    cmd = [sys.executable, "-m", "weightstream", "launch", "--num_csx", "2", str(script)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out[-2000:]
+    assert "the 2 data-parallel ranks were started with different params" in out, out[-3000:]
+    assert "Fix: start every rank with the same params file and arguments" in out
+    # The launcher's summary: a script's checkpoints are not the run command's.
+    assert "rank 0 of 2 exited with code" in out or "rank 1 of 2 exited with code" in out
+    assert "the run command resumes" not in out
+    assert not list((tmp_path / "m").glob("checkpoint_*.mdl"))
+
+
+def test_eval_on_two_ranks_without_drop_last_covers_a_short_last_batch(tmp_path):
+    """eval_input.drop_last false, the eval set's last global batch smaller than one rank's
+    share: it used to be one rank's batch alone, and the other rank ended its pass a step
+    early (a gloo hang or size mismatch). Dealt out evenly (Note [an uneven last round]),
+    both ranks evaluate it and the loss over every sample is the one rank's."""
+    from test_run_command import _scalars
+
+    from weightstream.data.processors import get_data_processor
+
+    eval_section = {"data_processor": "DigitsProcessor", "batch_size": 8, "drop_last": False}
+    n = len(get_data_processor("DigitsProcessor")(eval_section, False).dataset)
+    batch = next(b for b in range(8, 200, 2) if 2 <= n % b <= b // 2)  # a short last batch
+    params = _params(tmp_path, "fc_mnist", max_steps=2)
+    sections = yaml.safe_load(params.read_text())
+    sections["eval_input"] = {**eval_section, "batch_size": batch}
+    params.write_text(yaml.safe_dump(sections))
+    losses = {}
+    for ranks in (1, 2):
+        out = tmp_path / f"r{ranks}"
+        argv = ["run", "CPU", "-p", str(params), "-o", str(out), "-m", "train_and_eval"]
+        assert main([*argv, "--num_csx", str(ranks)]) == 0
+        losses[ranks] = [v for _, v in _scalars(out / "eval", "loss")]
+    assert len(losses[1]) == len(losses[2]) == 1
+    assert losses[2][0] == pytest.approx(losses[1][0], rel=LOSS_RTOL)
+
+
+def test_performance_counts_the_samples_of_an_uneven_last_batch(tmp_path):
+    """One epoch without drop_last, whose last global batch splits unevenly over 2 ranks
+    (1438 samples: 4 + 2): performance.json counts each sample once (it took rank 0's
+    4 twice: 1440)."""
+    import json
+
+    from weightstream.data.processors import get_data_processor
+
+    section = {"data_processor": "DigitsProcessor", "batch_size": 8, "drop_last": False}
+    n = len(get_data_processor("DigitsProcessor")(section, True).dataset)
+    assert 4 < n % 8 < 8  # 4 for rank 0, fewer for rank 1
+    params = _params(tmp_path, "fc_mnist", max_steps=-(-n // 8))
+    sections = yaml.safe_load(params.read_text())
+    sections["train_input"] = {**section, "shuffle_seed": 3}
+    sections["runconfig"]["checkpoint_steps"] = 0
+    params.write_text(yaml.safe_dump(sections))
+    for ranks in (1, 2):
+        out = tmp_path / f"r{ranks}"
+        argv = ["run", "CPU", "-p", str(params), "-o", str(out), "--num_csx", str(ranks)]
+        assert main(argv) == 0
+        perf = json.loads((out / "performance" / "performance.json").read_text())
+        assert perf["total_samples"] == n, ranks

@@ -55,14 +55,21 @@ def launch(command: list[str], num_ranks: int) -> int:
             how = f"was killed by {failure.signal_name()}"
         else:
             how = f"exited with code {code}"
+        # What the run command's checkpoints promise; a script's are its own.
+        resume = (
+            " A checkpoint is never left half-written: once the cause is fixed, the run "
+            "command resumes from its newest complete one."
+            if command[:3] == ["-m", "weightstream", "run"]
+            else ""
+        )
         log.error(
             "rank %d of %d %s, and the other ranks were stopped: its output above says why "
             "(a rank that ended early, having run fewer steps than the others, leaves them "
-            "failing in a collective instead). A checkpoint is never left half-written: once "
-            "the cause is fixed, the run command resumes from its newest complete one.",
+            "failing in a collective instead).%s",
             rank,
             num_ranks,
             how,
+            resume,
         )
         return 1
     except KeyboardInterrupt:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import os
 import random
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 
 import weightstream as cstorch
 from weightstream import checkpoint as ckpt
@@ -247,12 +249,33 @@ class Run:
         if swarm.init_from_env(self.device) and not swarm.is_main():
             log.setLevel(logging.WARNING)  # rank 0 reports for the run
         try:
+            self._check_same_params_on_every_rank()
             return self._execute_configured()
         finally:
             if joined_here:
                 # The process group this run joined ends with it: its threads are
                 # stopped before the interpreter exits.
                 swarm.shutdown()
+
+    def _check_same_params_on_every_rank(self) -> None:
+        """Ranks started by hand (torchrun) with other params files or overrides: another
+        learning rate or clipping trains on silently (a sharded store updates each rank's
+        units by its own), another model or accumulation hangs in a collective. One
+        all-reduce of a digest of the params as this run reads them. Collective."""
+        if swarm.world_size() == 1:
+            return
+        text = yaml.safe_dump(self.params.to_dict(), sort_keys=True) + self.mode
+        digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "big")
+        mine = torch.tensor([digest, -digest], dtype=torch.int64)
+        high = swarm.max_over_ranks(mine)  # [largest digest, -smallest digest]
+        if int(high[0]) != -int(high[1]):
+            raise ValueError(
+                f"the {swarm.world_size()} data-parallel ranks were started with different "
+                "params (the params file, its overrides on the command line, or the mode "
+                f"differ between ranks; this is rank {swarm.rank()}, mode {self.mode}). "
+                "Fix: start every rank with the same params file and arguments "
+                "(`weightstream run ... --num_csx N` does)."
+            )
 
     def _execute_configured(self) -> int:
         self.model_dir.mkdir(parents=True, exist_ok=True)

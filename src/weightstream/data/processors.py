@@ -158,15 +158,22 @@ def _map_style_loader(
             f"({s.where('batch_size')} = {need}), and drop_last is on, so there would be no "
             "batch at all. Lower batch_size, give more data, or set drop_last: false."
         )
-    sampler = DistributedSampler(
-        dataset,
-        shuffle=settings.shuffle,
-        seed=settings.shuffle_seed,
-        batch_size=settings.per_rank_batch,
-        drop_last=settings.drop_last,
-        num_shards=settings.num_ranks,
-        shard_index=settings.rank,
-    )
+    try:
+        sampler = DistributedSampler(
+            dataset,
+            shuffle=settings.shuffle,
+            seed=settings.shuffle_seed,
+            batch_size=settings.per_rank_batch,
+            drop_last=settings.drop_last,
+            num_shards=settings.num_ranks,
+            shard_index=settings.rank,
+            # An evaluation's one pass ends on every rank at once (Note [an uneven last
+            # round] in sampler.py).
+            even_last_round=s.section == "eval_input",
+        )
+    except ValueError as exc:
+        keys = f"{s.where('drop_last')}, {s.where('batch_size')}"
+        raise ValueError(f"{s.section}: {exc} (In the params file: {keys}.)") from None
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, **settings.worker_kwargs())
 
 

@@ -12,6 +12,18 @@ same sequence. Only the tail of an epoch depends on the number of shards,
 because ``drop_last``/``pad_last`` make every shard's share equally long (ranks
 step in lock step).
 
+Note [an uneven last round]: with ``drop_last=False`` (and no ``pad_last``) an epoch
+may end in a round of fewer batches than shards: 6 samples left for 2 shards of
+batches of 8 would be one batch of 6 for shard 0 and none for shard 1, which then
+ends its pass a step early while shard 0 waits for it in a collective (a hang, or
+gloo's size mismatch). With ``even_last_round`` (an evaluation's loaders: one pass,
+whose metrics add up any batch sizes) such a round is dealt out in even parts instead
+(3 and 3), so every shard yields as many batches and their interleaving is still the
+global sequence; a tail of fewer samples than shards is refused when the sampler is
+built. Training leaves it off: its loader goes on into the next pass, so every rank
+steps as often, and a rank's gradients count as an equal share of the global batch,
+which parts of unequal sizes would not be.
+
 Note [moving a state between layouts]: the *order* settings (seed, shuffle,
 dataset length, samples per epoch, tail rule) fix the global sequence; the
 *layout* (num_shards, shard_index, batch_size) only says who yields which part
@@ -116,6 +128,7 @@ class DistributedSampler(torch.utils.data.Sampler):
         *,
         num_shards: int | None = None,
         shard_index: int | None = None,
+        even_last_round: bool = False,
     ) -> None:
         super().__init__()
         try:
@@ -133,6 +146,7 @@ class DistributedSampler(torch.utils.data.Sampler):
             ("shard", shard),
             ("drop_last", drop_last),
             ("pad_last", pad_last),
+            ("even_last_round", even_last_round),
         ):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}.")
@@ -175,6 +189,7 @@ class DistributedSampler(torch.utils.data.Sampler):
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.pad_last = pad_last
+        self.even_last_round = even_last_round
         self.num_samples = self._dataset_len if num_samples is None else num_samples
         self.data_fingerprint = data_fingerprint(dataset)
         self.num_shards = num_shards
@@ -183,6 +198,17 @@ class DistributedSampler(torch.utils.data.Sampler):
 
         self.epoch = 0
         epoch_samples = self._epoch_length()
+        tail = epoch_samples % self._round()
+        if even_last_round and batch_size is not None and 0 < tail < num_shards:
+            raise ValueError(
+                f"An epoch of {epoch_samples} samples leaves {tail} for its last global batch "
+                f"(of {self._round()}: batch_size={batch_size} on each of {num_shards} "
+                f"shards), fewer than the shards: {num_shards - tail} of them would have no "
+                "batch while the others wait for them in their collectives. Fix: "
+                f"drop_last=True (drops the {tail}), pad_last=True (repeats "
+                f"{self._round() - tail} samples of the epoch's start), or a batch size "
+                "that leaves no such tail."
+            )
         if epoch_samples == 0:
             raise ValueError(
                 f"An epoch of {self.num_samples} samples gives no full share to each of "
@@ -235,13 +261,20 @@ class DistributedSampler(torch.utils.data.Sampler):
         seq = self._global_sequence(epoch)[skip:]
         if self.batch_size is None:
             return seq[self.shard_index :: self.num_shards].tolist()
-        batches = [seq[i : i + self.batch_size] for i in range(0, len(seq), self.batch_size)]
-        return [b.tolist() for b in batches[self.shard_index :: self.num_shards]]
+        bs, n = self.batch_size, self.num_shards
+        if self.even_last_round and _tail_resplit(len(seq), bs, n):  # Note [an uneven last round]
+            full = len(seq) // (bs * n) * (bs * n)
+            batches = [seq[i : i + bs] for i in range(0, full, bs)]
+            batches += np.array_split(seq[full:], n)
+        else:
+            batches = [seq[i : i + bs] for i in range(0, len(seq), bs)]
+        return [b.tolist() for b in batches[self.shard_index :: n]]
 
     def _num_shard_items(self, skip: int) -> int:
         return _num_shard_items(
-            self._epoch_length(), skip, self._unit(), self.num_shards, self.shard_index
-        )
+            self._epoch_length(), skip, self._unit(), self.num_shards, self.shard_index,
+            self.even_last_round,
+        )  # fmt: skip
 
     @property
     def dataset_len(self) -> int:
@@ -390,6 +423,7 @@ class DistributedSampler(torch.utils.data.Sampler):
             saved_unit,
             state_dict["num_shards"],
             state_dict["shard_index"],
+            self.even_last_round,  # a setting of the loader, not of the order
         )
         if not state_dict["in_pass"]:
             position = 0  # no pass begun: nothing consumed yet
@@ -431,7 +465,18 @@ def _epoch_length(num_samples: int, round_: int, drop_last: bool, pad_last: bool
     return num_samples
 
 
-def _num_shard_items(epoch_length: int, skip: int, unit: int, shards: int, index: int) -> int:
+def _tail_resplit(length: int, batch_size: int, shards: int) -> bool:
+    """Whether a pass of ``length`` samples ends in a round of fewer batches than shards
+    that is dealt out in even parts instead (Note [an uneven last round])."""
+    tail = length % (batch_size * shards)
+    return shards > 1 and tail >= shards and math.ceil(tail / batch_size) < shards
+
+
+def _num_shard_items(
+    epoch_length: int, skip: int, unit: int, shards: int, index: int, even_last_round: bool
+) -> int:
     """Items (of ``unit`` samples) shard ``index`` of ``shards`` yields from a pass skipping ``skip``."""
+    if even_last_round and unit > 1 and _tail_resplit(epoch_length - skip, unit, shards):
+        return (epoch_length - skip) // (unit * shards) + 1
     items = math.ceil((epoch_length - skip) / unit)
     return max(0, math.ceil((items - index) / shards))

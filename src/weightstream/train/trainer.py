@@ -299,8 +299,11 @@ class Trainer:
         count = swarm.sum_over_ranks(count)  # host sync point
         return count.clamp_min(1.0) / swarm.world_size()
 
-    def _optimizer_step(self, batches: list[dict]) -> torch.Tensor:
-        total = torch.zeros(())
+    def _optimizer_step(self, batches: list[dict]) -> tuple[torch.Tensor, int]:
+        """One optimizer step over ``batches`` (its micro-batches); returns the step's loss
+        and the samples it took on all ranks (a rank's share of an epoch's last batch
+        may be smaller than another's)."""
+        total, samples = torch.zeros(()), 0
         denominator = self._step_denominator(batches)
         for i, batch in enumerate(batches):
             # SwarmX reduces once per optimizer step: the micro-batches before the
@@ -315,7 +318,12 @@ class Trainer:
                 # The last backward may start the update (Note [updates in backward]).
                 with self._backward_context() if last else contextlib.nullcontext():
                     self.grad_scaler.scale(scaled).backward()
-            total = total + swarm.average(scaled.detach()).cpu()
+            # The loss's mean over the ranks and their samples' sum: one collective.
+            size = float(batch_size_of(batch))
+            mine = torch.stack([scaled.detach().float().cpu(), torch.tensor(size)])
+            every = swarm.sum_over_ranks(mine)  # host sync point
+            total = total + every[0] / swarm.world_size()
+            samples += int(every[1])
         # The step code of every loop (amp.optimizer_step's too).
         apply_gradients(
             self.optimizer,
@@ -325,7 +333,7 @@ class Trainer:
         )
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        return total
+        return total, samples
 
     def _backward_context(self):
         return backward_context(
@@ -362,11 +370,10 @@ class Trainer:
             # What this step runs with: the scheduler and the scaler move on in it.
             used = self._step_settings()
             t0 = time.perf_counter()
-            loss = self._optimizer_step(batches)
+            loss, samples = self._optimizer_step(batches)
             loss_value = loss.item()  # host sync point: the step is complete
             seconds = time.perf_counter() - t0
             self.global_step += 1
-            samples = sum(batch_size_of(b) for b in batches) * swarm.world_size()
             self.perf.add_step(seconds, wait, samples)
             self.losses.append(loss_value)
             self._check_loss(loss_value)
