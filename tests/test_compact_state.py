@@ -549,3 +549,19 @@ def test_float32_masters_state_loads_into_bf16_masters_with_a_zero_kahan_buffer(
         w16.grad = torch.randn(300).bfloat16()
         opt16.step()
         assert torch.isfinite(w16).all()
+
+
+def test_bf16_masters_state_loaded_into_float32_masters_says_the_kahan_buffer_goes():
+    """The other way: float32 masters keep no buffer, so the residuals (below half a bf16
+    ulp each) are dropped, and the load says so (it used to be silent)."""
+    w16 = torch.nn.Parameter(torch.randn(300).bfloat16())
+    opt16 = cstorch.optim.AdamW([w16], lr=1e-3)
+    w16.grad = torch.randn(300).bfloat16()
+    opt16.step()
+    assert opt16.state[w16]["kahan_comp"].abs().sum() > 0
+    w32 = torch.nn.Parameter(w16.detach().float())
+    opt32 = cstorch.optim.AdamW([w32], lr=1e-3)
+    with pytest.warns(UserWarning, match=r"Kahan buffers .* are dropped: these parameters keep "
+                      r"none \(float32 masters\)"):  # fmt: skip
+        opt32.load_state_dict(opt16.state_dict())
+    assert "kahan_comp" not in opt32.state[w32]

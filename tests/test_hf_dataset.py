@@ -768,3 +768,19 @@ def test_two_processes_building_the_same_data_tokenize_it_once(tmp_path, tokeniz
         a, b = (p.get(timeout=120) for p in pending)
     assert a == b == [_real(r)[0] for r in _rows(section)]
     assert len(Path(log).read_text().split()) == 1
+
+
+def test_the_model_section_picks_the_attention_implementation(tmp_path):
+    """model: {name: hf, attn_implementation: eager}: the packed batches' mask then comes
+    in eager's format; an unknown kernel is transformers' own error when the model is built."""
+    from weightstream.models.params import ModelParams
+
+    folder = str(_tiny_llama_folder(tmp_path / "llama"))
+    for kind in ("eager", "sdpa"):
+        section = ModelParams.from_dict(
+            {"name": "hf", "hf_config": folder, "attn_implementation": kind}
+        )
+        assert section.build("meta").config._attn_implementation == kind
+    section = ModelParams.from_dict({"name": "hf", "hf_config": folder, "attn_implementation": "x"})
+    with pytest.raises(ValueError, match="attn_implementation"):
+        section.build("meta")

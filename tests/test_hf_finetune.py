@@ -473,7 +473,7 @@ def test_bf16_master_run_exports_bf16_weights(tmp_path, tokenizer):
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
     assert dtypes == {"BF16"}
-    exported = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype="auto")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out, dtype="auto")
     assert next(exported.parameters()).dtype == torch.bfloat16
 
 

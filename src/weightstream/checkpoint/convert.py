@@ -243,8 +243,9 @@ def _to_hf(
         dtype = _written_dtype(written)
         if dtype not in (None, "float32"):
             # bf16 masters (runconfig.master_dtype) export as bf16: the config says so,
-            # and from_pretrained(torch_dtype="auto") builds the model in it.
-            cfg.torch_dtype = dtype
+            # and from_pretrained builds the model in it (transformers >= 5 names it
+            # ``dtype``; ``torch_dtype`` is deprecated there).
+            cfg.dtype = dtype
         target = dst / "config.json"
         with atomic_path(target, fsync=fsync) as tmp:
             tmp.write_text(cfg.to_json_string(), encoding="utf-8")
@@ -284,8 +285,10 @@ def _to_peft(src, dst: Path, config, base) -> list[Path]:
         if record is None:
             raise ValueError(
                 f"convert(): --to peft needs a LoRA run's checkpoint (a params file with a "
-                f"peft section); {source.path} holds no adapters. Fix: use --to hf for a "
-                "full model."
+                f"peft section), which records the adapters' settings; {source.path} has no "
+                "such record (a checkpoint saved from Python holds the adapter tensors but "
+                "not their LoraConfig). Fix: use --to hf for a full model; from Python, save "
+                "the adapters with peft's own model.save_pretrained(folder)."
             )
         cfg = _hf_config(source, config)
     return lora_export.to_peft(Path(src), dst, record, cfg, base)

@@ -147,7 +147,9 @@ def _models() -> str:
         lines.append(f"- `{name}`{about}: {keys}.{presets}")
     lines.append(
         "- `hf`: a transformers causal LM; `hf_config` is the path of its folder or its "
-        "config.json, and the other keys override its config's fields (`num_hidden_layers: 2`)."
+        "config.json; the other keys override its config's fields (`num_hidden_layers: 2`), "
+        "and `attn_implementation` (`sdpa`, `eager`, ...) picks its attention kernels as "
+        "`from_pretrained` does."
     )
     return "\n".join(lines)
 

@@ -111,6 +111,12 @@ def load_config(path: str | os.PathLike, overrides: dict[str, Any] | None = None
         raise ValueError(f"model.hf_config: {file}: {e}") from e
     known = set(config.to_dict())
     for key, value in (overrides or {}).items():
+        if key == "attn_implementation":
+            # Not a field of the file but from_pretrained's argument: the attention
+            # kernels (sdpa, eager, flash_attention_2...); transformers checks the name
+            # when it builds the model. Packed batches need sdpa or eager.
+            config._attn_implementation = value
+            continue
         if key not in known:
             hint = did_you_mean(key, sorted(known))
             raise ValueError(

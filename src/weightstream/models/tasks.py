@@ -56,7 +56,7 @@ def model_kwargs(task: str, batch: dict, attention: str | None = None) -> dict:
             f"packed batches (packing: true) need a transformers model with attention "
             f"{' or '.join(PACKED_ATTENTION)}, which take the mask that keeps the documents "
             f"apart; this is {what}. Fix: set packing: false, or use model: {{name: hf}} "
-            "(with attn_implementation sdpa or eager)."
+            "(its attention sdpa or eager: the model section's attn_implementation)."
         )
     position_ids = batch["position_ids"]
     return {

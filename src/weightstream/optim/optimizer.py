@@ -373,6 +373,7 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
                         "optimizer (and its state_dtype) it was saved with."
                     )
         preinitialized = {p: dict(self.state[p]) for p in index_to_param.values()}
+        dropped_kahan = False
         # torch sets the hyperparameters and the non-tensor state; the tensors it
         # takes are views of a lazily read file, or its dtype casts of them.
         super().load_state_dict(state_dict)
@@ -404,6 +405,15 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
                 for key in [k for k, v in loaded.items() if isinstance(v, Tensor)]:
                     if key not in preinitialized[p]:
                         del loaded[key]
+                        dropped_kahan = dropped_kahan or key == "kahan_comp"
+        if dropped_kahan:
+            warnings.warn(
+                f"{type(self).__name__}.load_state_dict: the state dict's Kahan buffers (the "
+                "rounding residuals of low-precision masters, each below half an ulp of its "
+                "weight) are dropped: these parameters keep none (float32 masters). The "
+                "weights go on from their low-precision values.",
+                stacklevel=3,
+            )
 
     # Note [loading another state format]
     # -----------------------------------
