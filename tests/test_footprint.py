@@ -85,6 +85,22 @@ def test_count_is_what_a_real_runs_store_allocates(tmp_path, master_dtype, state
     assert found.bytes == _expected(shapes, master_dtype.itemsize, state_dtype)
 
 
+@pytest.mark.parametrize("from_state", ["float32", "bfloat16"])
+def test_the_compact_fix_projects_what_compact_state_counts(from_state):
+    """The fix's "about N bytes" for float32 masters is what the count gives the same
+    model with bf16 masters and int8 AdamW state (the fix's settings), byte for byte."""
+    runner = cstorch.compile(_meta_llama(torch.float32), backend="wse_ws", granularity="module")
+    plan, config = runner.engine.plan, runner.engine.config
+    wide = _meta_llama(torch.float32)
+    opt = cstorch.optim.AdamW(wide.parameters(), lr=1e-3, state_dtype=from_state)
+    found = footprint.host_footprint(wide, opt, plan, config, torch.device("cpu"))
+    compact = _meta_llama(torch.bfloat16)
+    opt8 = cstorch.optim.AdamW(compact.parameters(), lr=1e-3, state_dtype="int8")
+    counted = footprint.host_footprint(compact, opt8, plan, config, torch.device("cpu"))
+    assert found.compact and counted.compact == []
+    assert found.compact_total == counted.total == sum(_expected(compact, 2, "int8").values())
+
+
 def _validate(tmp_path: Path, capsys, caplog, params: Path, *args: str) -> str:
     caplog.set_level(logging.INFO, "weightstream")
     out = tmp_path / params.stem
@@ -156,6 +172,11 @@ def test_a_ram_store_that_does_not_fit_names_the_fixes(tmp_path, capsys, caplog,
     for setting in ("state_dtype: int8", "master_dtype: bfloat16", "runconfig.store: disk"):
         assert setting in fix, fix
     assert "its files 578.6 KiB" in fix  # all of it: the budget holds none
+    assert re.search(r"under runconfig.store_dir, where [\d.]+ [KMGT]iB is free\)", fix)
+    # bf16 masters, gradients and Kahan buffer, int8 moments: about 8 bytes a parameter,
+    # still more than the budget of 1000 bytes; the disk store, which fits, comes first.
+    assert "still more than the budget of 1000 B" in fix, fix
+    assert fix.index("a disk store") < fix.index("compact state")
     assert "(a RAM store: it exceeds the budget, and there is no disk tier)" in text
     assert "does not fit this host's RAM budget (a RAM store)" in text
 
@@ -188,7 +209,13 @@ def test_llama2_13b_and_20b_on_this_machine(tmp_path, capsys, caplog):
     assert f"x {n13:,} parameters" in text and round(per, 3) == 16
     if total > (placement.total_memory() or 0):  # more than this machine's RAM
         assert where in ("neither", "RAM + disk")
-    assert ("Fix: compact state" in text) == (where == "neither")
+    assert ("Fix: " in text) == (where == "neither")
+    if where == "neither":
+        # Each fix says what it would take, checked against this machine: compact state
+        # alone is about 8 bytes a parameter, 97.4 GiB, whose disk part is compared with
+        # the free disk like the store's.
+        fix = text.split("Fix: ")[1]
+        assert "compact state: " in fix and "(about 8.03 bytes a parameter, 97.4 GiB: " in fix
     text = _validate(tmp_path, capsys, caplog, CONFIGS / "llama_20b.yaml")
     per20, _, _ = _report(text)
     assert f"x {20_228_933_120:,} parameters" in text and 8 < per20 < 8.1

@@ -32,7 +32,10 @@ set). Where it goes:
   files, "RAM + disk" when the files' part fits the free disk at
   ``store_dir``, else "neither".
 
-"neither" comes with the fixes that reduce the bytes or add room.
+"neither" comes with the fixes that reduce the bytes or add room, each with what it
+would take (compact state: about its bytes, as this count gives them with bf16 masters
+and int8 moments; a disk store: its files against the free disk at ``store_dir``) and
+whether that fits this machine; those that fit come first.
 tests/test_footprint.py checks the count against a real run's store.
 """
 
@@ -75,8 +78,10 @@ class HostFootprint:
     placement: places.Placement | None = None  # a disk store's
     # A RAM store that does not fit: where a disk store would put it.
     as_disk_store: places.Placement | None = None
-    # The settings of compact state not in use yet (Note [compact optimizer state]).
+    # The settings of compact state not in use yet (Note [compact optimizer state]),
+    # and about the bytes the state would take with all of them.
     compact: list[str] = dataclasses.field(default_factory=list)
+    compact_total: int | None = None
 
     @property
     def total(self) -> int:
@@ -135,23 +140,58 @@ class HostFootprint:
             lines.append("Fix: " + self.fixes())
         return "\n".join(lines)
 
+    def _verdict(self, total: int) -> tuple[bool, str]:
+        """Whether a state of ``total`` bytes would fit, said as the report says it: in
+        the budget (a RAM store), or its RAM tier as now and the rest in the free disk."""
+        if self.store == "ram" or total <= self.budget:
+            if total <= self.budget:
+                return True, "fits the budget"
+            return False, f"still more than the budget of {format_bytes(self.budget)}"
+        disk = max(0, total - self.ram_bytes)
+        if self.disk_free is None or disk <= self.disk_free:
+            return True, f"about {format_bytes(disk)} of it on the disk"
+        return False, (
+            f"still about {format_bytes(disk)} for the disk, which has "
+            f"{format_bytes(self.disk_free)} free"
+        )
+
     def fixes(self) -> str:
-        """What makes a state that fits neither fit (the Note)."""
-        fixes = ["compact state: " + " and ".join(self.compact)] if self.compact else []
+        """What makes a state that fits neither fit (the Note), each with what it would
+        take and whether that fits this machine, those that fit first."""
+        fixes: list[tuple[bool, str]] = []
+        if self.compact and self.compact_total is not None:
+            fits, verdict = self._verdict(self.compact_total)
+            per = self.compact_total / max(self.numel, 1)
+            fixes.append(
+                (
+                    fits,
+                    "compact state: " + " and ".join(self.compact) + f" (about {per:.3g} "
+                    f"bytes a parameter, {format_bytes(self.compact_total)}: {verdict})",
+                )
+            )
         if self.store == "ram":
             disk = self.as_disk_store
             if disk is not None:
+                room = self.disk_free
+                fits = room is None or disk.disk_bytes <= room
+                free = "" if room is None else f", where {format_bytes(room)} is free"
                 fixes.append(
-                    f"a disk store: runconfig.store: disk (its RAM tier would hold "
-                    f"{format_bytes(disk.ram_bytes)} and its files "
-                    f"{format_bytes(disk.disk_bytes)} under runconfig.store_dir)"
+                    (
+                        fits,
+                        f"a disk store: runconfig.store: disk (its RAM tier would hold "
+                        f"{format_bytes(disk.ram_bytes)} and its files "
+                        f"{format_bytes(disk.disk_bytes)} under runconfig.store_dir{free}"
+                        f"{'' if fits else ': too little'})",
+                    )
                 )
             else:
-                fixes.append("a disk store: runconfig.store: disk")
+                fixes.append((True, "a disk store: runconfig.store: disk"))
         else:
             fixes.append(
-                f"a runconfig.store_dir on a disk with {format_bytes(self.disk_bytes)} free"
+                (True, f"a runconfig.store_dir on a disk with {format_bytes(self.disk_bytes)} free")
             )
+        fixes.sort(key=lambda fix: not fix[0])  # stable: those that fit first
+        fixes = [text for _, text in fixes]
         default = places.default_budget()
         if self.budget < default:
             fixes.append(
@@ -196,9 +236,13 @@ def host_footprint(
         ram_available=places.available_memory(),
     )
     found.compact = _compact_settings(optimizer, [p for _, p in named])
+    if found.compact:
+        found.compact_total = _compact_total(
+            named, optimizer, config, grads_kept, counted["mirror"]
+        )
+    found.store_dir = str(store_dir) if store_dir is not None else None
+    found.disk_free = _free_disk(store_dir)
     if config.store == "disk":
-        found.store_dir = str(store_dir)
-        found.disk_free = _free_disk(store_dir)
         found.placement = predicted_placement(model, plan, config, device, state_bytes)
     elif found.where == "neither":
         disk = dataclasses.replace(config, store="disk")
@@ -223,6 +267,41 @@ def _compact_settings(optimizer: torch.optim.Optimizer, masters: list[torch.Tens
             "each instead of 4, plus a 2-byte Kahan buffer)"
         )
     return found
+
+
+def _compact_total(
+    named, optimizer: torch.optim.Optimizer, config, grads_kept: bool, mirror: int
+) -> int:
+    """About the bytes of the state with the settings :func:`_compact_settings` names:
+    float32 masters (their gradients, their optimizer state of their dtype) in bfloat16,
+    with a 2-byte Kahan buffer where the optimizer keeps one; the Adam family's moments
+    in int8 (a byte each and a float32 scale per BLOCK); the host mirror gone where the
+    compute dtype is bfloat16 (the masters are in it then)."""
+    from weightstream.optim.compact import BLOCK
+
+    int8 = getattr(optimizer, "state_dtype", None) is not None  # the Adam family's
+    kahan = getattr(optimizer, "kahan_summation", False)
+    total = 0
+    for _, p in named:
+        n = p.numel()
+        width = 2 if p.is_floating_point() and p.element_size() >= 2 else p.element_size()
+        total += n * width  # the master
+        if not p.requires_grad:
+            continue
+        total += n * width if grads_kept else 0
+        total += 2 * n if kahan and width == 2 else 0
+        for key, t in optimizer.state.get(p, {}).items():
+            if not torch.is_tensor(t) or key == "kahan_comp" or key.endswith("_scale"):
+                continue  # counted above, or with their moment
+            if tuple(t.shape) != tuple(p.shape):
+                total += t.nbytes  # a step count, a factored second moment...
+            elif int8:
+                total += n + 4 * -(-n // BLOCK)
+            else:
+                total += n * width
+    # bf16 masters are their own mirror under a bf16 compute dtype, and stream as they
+    # are without one; a float16 compute dtype keeps its mirror of them.
+    return total + (mirror if config.compute_dtype == torch.float16 else 0)
 
 
 def _unique(named):
