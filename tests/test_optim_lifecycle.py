@@ -9,46 +9,18 @@ in the order weightstream's own docs give.
 
 from __future__ import annotations
 
-import models as zoo
 import pytest
 import torch
 import torch.nn.functional as F
+from test_compact_state import _assert_same as _same
+from test_compact_state import _batch, _train
+from test_compact_state import _model as _compact_model
 
 import weightstream as cstorch
 
 
-def _batch(step: int):
-    g = torch.Generator().manual_seed(500 + step)
-    x = torch.randint(0, 128, (4, 16), generator=g)
-    return x, torch.roll(x, -1, dims=1)
-
-
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return zoo.gpt_tied()
-
-
-def _train(runner, opt, steps: int) -> torch.Tensor:
-    losses = []
-    for step in range(steps):
-        x, y = _batch(step)
-        loss = F.cross_entropy(runner(x).flatten(0, 1).float(), y.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    return torch.stack(losses)
-
-
-def _same(model_a, opt_a, model_b, opt_b) -> None:
-    for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
-        assert a.dtype == b.dtype and torch.equal(a, b), name
-    sa, sb = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
-    assert sa.keys() == sb.keys()
-    for i in sa:
-        assert sa[i].keys() == sb[i].keys(), i
-        for key, value in sa[i].items():
-            assert value.dtype == sb[i][key].dtype and torch.equal(value, sb[i][key]), (i, key)
+    return _compact_model(torch.float32)
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["eager", "streamed"])
