@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch import nn
 
+import weightstream as cstorch
 import weightstream.amp as amp
 from weightstream.amp import GradScaler, OptState, optimizer_step, skip
 
@@ -184,6 +185,49 @@ def test_dynamic_scaling_skips_and_rescales_exactly(kind, config):
     # Scaling by powers of two and back is exact: same weights as unscaled training.
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, cstorch.optim.SGD])
+def test_a_plain_step_after_a_skipped_one_moves_the_schedule(optimizer):
+    """A scaler step skipped (overflow), then optimizer.step() called directly: that step
+    was taken, so the schedule moves (it stayed one step behind: 0, 0, 1)."""
+    p = nn.Parameter(torch.zeros(3))
+    opt = optimizer([p], lr=0.1)
+    sched = cstorch.optim.lr_scheduler.LinearLR(opt, 0.1, 1.0, 10)
+    scaler = GradScaler("dynamic", init_scale=8.0)
+    epochs = []
+    for i in range(3):
+        opt.zero_grad()
+        if i == 1:
+            (p * 1.0).sum().backward()
+            opt.step()
+        else:
+            scaler.scale((p * 1.0).sum()).backward()
+            if i == 0:
+                p.grad[0] = INF
+            scaler.step(opt)
+            scaler.update()
+        sched.step()
+        epochs.append(int(sched.last_epoch))
+    assert epochs == [0, 1, 2]
+
+
+def test_the_default_tolerance_is_the_seeds_5_percent():
+    """Seed 003's table: overflow_tolerance defaults to 0.05 (the wider API reference
+    says 0.0; the seeds win). One overflow after 20 clean steps (1/21 <= 0.05) skips
+    its step and keeps the scale; one after 5 (1/6) halves it."""
+    for clean, expected in [(20, 64.0), (5, 32.0)]:
+        scaler = GradScaler("dynamic", init_scale=64.0, steps_per_increase=100)
+        p = nn.Parameter(torch.zeros(3))
+        opt = torch.optim.SGD([p], lr=1.0)
+        for i in range(clean + 1):
+            scaler.scale((p * 1.0).sum()).backward()
+            if i == clean:
+                p.grad[1] = INF
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        assert scaler.get_scale() == expected and scaler.get_num_skipped_steps() == 1
 
 
 def test_tolerance_allows_some_overflows_without_halving():

@@ -73,9 +73,11 @@ def _save_after_every_step(num_steps: int) -> list[int]:
     return saved
 
 
-def test_checkpoint_closure_only_on_checkpoint_steps():
+def test_checkpoint_closure_only_on_checkpoint_steps(caplog):
     cstorch.configure(checkpoint_steps=3)
-    assert _save_after_every_step(7) == [0, 3, 6, 7]  # checkpoint steps and the last step
+    with caplog.at_level("WARNING", logger="weightstream"):
+        assert _save_after_every_step(7) == [0, 3, 6, 7]  # checkpoint steps and the last step
+    assert not caplog.records  # a DataLoader announces the last step: nothing to warn of
 
 
 def test_checkpoint_closure_without_checkpoint_steps_warns_once_that_it_is_skipped(caplog):
@@ -83,6 +85,23 @@ def test_checkpoint_closure_without_checkpoint_steps_warns_once_that_it_is_skipp
         assert _save_after_every_step(5) == [0, 5]  # before the first step, and the last
     (record,) = [r for r in caplog.records if "skipped" in r.getMessage()]
     assert "configure(checkpoint_steps=0)" in record.getMessage()
+
+
+def test_checkpoint_closure_without_a_dataloader_warns_that_the_last_step_is_unknown(caplog):
+    """Steps over a plain list: the last step is not announced, so step 7 gets no
+    checkpoint with checkpoint_steps=3; said once, with the fix."""
+    cstorch.configure(checkpoint_steps=3)
+    saved = []
+    save = cstorch.checkpoint_closure(lambda s: saved.append(s))
+    step = cstorch.compile_step(lambda: None)
+    with caplog.at_level("WARNING", logger="weightstream"):
+        for i, _ in enumerate([torch.zeros(1)] * 7, start=1):
+            step()
+            save(i)
+    assert saved == [3, 6]
+    (record,) = [r for r in caplog.records if "last step is not" in r.getMessage()]
+    assert "runs every 3 steps" in record.getMessage()
+    assert "Fix: iterate a cstorch.utils.data.DataLoader" in record.getMessage()
 
 
 def test_checkpoint_closure_inside_a_step_is_checked_after_it():

@@ -159,3 +159,22 @@ def test_the_run_command_warns_of_bf16_masters_under_an_optimizer_without_kahan(
     with pytest.warns(UserWarning, match=r"master_dtype bfloat16 with Lion, which keeps no "
                       r"Kahan buffer .*Fix: master_dtype float32, or an optimizer of the Adam"):  # fmt: skip
         assert main(["run", "CPU", "-p", str(params), "-o", str(tmp_path / "out")]) == 0
+
+
+def test_a_torch_optim_state_dict_of_the_same_algorithm_loads_and_continues_exactly():
+    """torch.optim.AdamW's groups carry its implementation choices (foreach, capturable,
+    differentiable, fused), not arithmetic: its state dict loads into cstorch's AdamW,
+    and the run goes on as torch's own does, bit for bit."""
+    options = dict(lr=1e-2, weight_decay=0.1, eps=1e-6)
+    theirs = _model()
+    torch_opt = torch.optim.AdamW(theirs.parameters(), **options, foreach=False)
+    _train(theirs, torch_opt, 2)
+    ours = _model()
+    ours.load_state_dict(theirs.state_dict())
+    opt = cstorch.optim.AdamW(ours.parameters(), **options)
+    with pytest.warns(UserWarning, match=r"does not record \['correct_bias'\]"):
+        opt.load_state_dict(torch_opt.state_dict())
+    assert not {"foreach", "capturable", "differentiable"} & set(opt.param_groups[0])
+    assert torch.equal(_train(ours, opt, 2), _train(theirs, torch_opt, 2))
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(a, b)

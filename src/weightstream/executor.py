@@ -178,6 +178,19 @@ def checkpoint_closure(fn: Callable) -> Callable:
                     fn.__name__,
                     ctx.current_step(),
                 )
+            elif ctx.loader is None and key not in said:
+                # Only a DataLoader announces the last step (Note [checkpoint steps]).
+                said.add(key)
+                log.warning(
+                    "checkpoint closure %r runs every %d steps; these steps take no "
+                    "cstorch.utils.data.DataLoader's batches, so the run's last step is not "
+                    "known, and it gets a checkpoint only if it is a multiple of %d. Fix: "
+                    "iterate a cstorch.utils.data.DataLoader, or call the function yourself "
+                    "after the loop.",
+                    fn.__name__,
+                    every,
+                    every,
+                )
             else:
                 log.debug(
                     "checkpoint closure %r skipped at step %d", fn.__name__, ctx.current_step()

@@ -14,8 +14,16 @@ from weightstream.context import current_run
 
 
 def record_step(optimizer, skipped: bool) -> None:
-    """Record whether the latest step of ``optimizer`` was skipped."""
-    current_run().skipped_steps[optimizer] = bool(skipped)
+    """Record whether the latest step of ``optimizer`` was skipped.
+
+    The first record of an optimizer also registers a step hook (torch's public
+    ``register_step_post_hook``) that forgets the record whenever the optimizer steps:
+    a loop that calls ``optimizer.step()`` itself after a skipped scaler step would
+    otherwise leave the record at "skipped", and its scheduler one step behind."""
+    skipped_steps = current_run().skipped_steps
+    if optimizer not in skipped_steps and hasattr(optimizer, "register_step_post_hook"):
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: skipped_steps.pop(opt, None))
+    skipped_steps[optimizer] = bool(skipped)
 
 
 def step_was_skipped(optimizer) -> bool:

@@ -339,6 +339,7 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
         """
         index_to_param = self._map_saved_indices(state_dict)
         kept = self._check_saved_groups(state_dict["param_groups"])
+        groups_before = [set(g) for g in self.param_groups]
         saved_state = state_dict.get("state", {})
         for index, p in index_to_param.items():
             saved = saved_state.get(index, {})
@@ -377,8 +378,10 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
         # torch sets the hyperparameters and the non-tensor state; the tensors it
         # takes are views of a lazily read file, or its dtype casts of them.
         super().load_state_dict(state_dict)
-        for group, values in zip(self.param_groups, kept):
+        for group, values, before in zip(self.param_groups, kept, groups_before):
             group.update(values)  # torch's load drops what the state dict lacks
+            for key in self._TORCH_IMPLEMENTATION_KEYS - before:
+                group.pop(key, None)  # torch.optim's, which this optimizer does not have
         with torch.no_grad():
             for index, p in index_to_param.items():
                 loaded = self.state[p]
@@ -441,6 +444,9 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
     # Keys of a saved group that are not hyperparameters of the optimizer that saved it:
     # what an LR scheduler adds to the groups, which a run may build after the load.
     _SCHEDULER_GROUP_KEYS = frozenset({"initial_lr"})
+    # torch.optim's choices of implementation, not of arithmetic: a torch.optim state dict
+    # of the same algorithm loads (they are dropped where this optimizer has none).
+    _TORCH_IMPLEMENTATION_KEYS = frozenset({"foreach", "capturable", "differentiable", "fused"})
 
     def _check_saved_groups(self, saved_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Refuse groups saved by an optimizer of other hyperparameters (another
@@ -450,7 +456,13 @@ class Optimizer(torch.optim.Optimizer, abc.ABC):
         was saved), which the load keeps with a warning."""
         kept = []
         for number, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            foreign = sorted(set(saved) - set(group) - {"params"} - self._SCHEDULER_GROUP_KEYS)
+            foreign = sorted(
+                set(saved)
+                - set(group)
+                - {"params"}
+                - self._SCHEDULER_GROUP_KEYS
+                - self._TORCH_IMPLEMENTATION_KEYS
+            )
             if foreign:
                 raise ValueError(
                     f"{type(self).__name__}.load_state_dict: group {number} of the state dict "
