@@ -362,6 +362,9 @@ def test_ranks_started_with_different_params_are_stopped_before_training(tmp_pat
     out = done.stdout + done.stderr
     assert done.returncode != 0, out[-2000:]
     assert "the 2 data-parallel ranks were started with different params" in out, out[-3000:]
+    # Each rank says it: rank 1's line says whose it is; torch's own failure line is not there.
+    assert "rank 1 of 2: the 2 data-parallel ranks were started" in out
+    assert "failed (exitcode:" not in out
     assert "Fix: start every rank with the same params file and arguments" in out
     # The launcher's summary: a script's checkpoints are not the run command's.
     assert "rank 0 of 2 exited with code" in out or "rank 1 of 2 exited with code" in out

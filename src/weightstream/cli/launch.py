@@ -42,8 +42,11 @@ def launch(command: list[str], num_ranks: int) -> int:
         max_restarts=0,
         monitor_interval=0.2,
     )
-    # torch's agent logs every start and stop at INFO; only its warnings matter here.
+    # torch's agent logs every start and stop at INFO; only its warnings matter here. A
+    # rank's failure it logs at ERROR too ("failed (exitcode: 2) local_rank: 0 ..."):
+    # the summary below says it, with what to do.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     try:
         elastic_launch(config, sys.executable)(*command)
     except ChildFailedError as e:

@@ -1059,6 +1059,11 @@ def main(argv: list[str] | None = None) -> int:
                 f" (Check that {' and '.join(places)} are writable and their disks have "
                 "free space, and that the input files are readable.)"
             )
+        rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE", "1")
+        if rank not in (None, "0"):
+            # Every rank may meet the same bad input: the lines of the ranks other than
+            # rank 0 say whose they are.
+            message = f"rank {rank} of {world}: {message}"
         log.error("%s", message)
         if created:
             # Bad input found before anything was written: leave no empty model_dir behind.
