@@ -30,6 +30,51 @@ def test_step_closure_runs_after_the_step_with_the_last_value():
     assert step_context().step == 1
 
 
+def test_a_weight_given_to_a_step_closure_has_the_steps_value_under_overlapped_updates():
+    """overlap_updates applies a step behind the next forward: a closure given a weight
+    waits for that update, so it sees each step's weights as eager torch.optim makes
+    them (it saw the step before, or a half-written update)."""
+    import copy
+
+    import torch.nn.functional as F
+    from torch import nn
+
+    torch.manual_seed(0)
+    base = nn.Sequential(
+        nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+    )
+    g = torch.Generator().manual_seed(1)
+    xs, ys = torch.randn(5, 16, 8, generator=g), torch.randint(0, 4, (5, 16), generator=g)
+    eager = copy.deepcopy(base)
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9)
+    expected = []
+    for x, y in zip(xs, ys):
+        F.cross_entropy(eager(x), y).backward()
+        eager_opt.step()
+        eager_opt.zero_grad()
+        expected.append(eager[0].weight.detach().clone())
+
+    model = copy.deepcopy(base)
+    compiled = cstorch.compile(model, backend="wse_ws", overlap_updates=True)
+    opt = cstorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    @cstorch.compile_step
+    def step(x, y):
+        loss = F.cross_entropy(compiled(x), y)
+        cstorch.amp.optimizer_step(loss, opt, None)
+        return loss
+
+    seen = []
+
+    @cstorch.step_closure
+    def peek(weight, loss):
+        seen.append(weight.detach().clone())
+
+    for x, y in zip(xs, ys):
+        peek(model[0].weight, step(x, y))
+    assert len(seen) == 5 and all(torch.equal(a, b) for a, b in zip(seen, expected))
+
+
 def test_step_closure_outside_a_step_runs_at_once():
     seen = []
     cstorch.step_closure(lambda t: seen.append(t.item()))(torch.tensor(1.5))

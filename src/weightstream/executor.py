@@ -37,6 +37,9 @@ import functools
 import logging
 from collections.abc import Callable
 
+from torch.utils._pytree import tree_leaves
+
+from weightstream.common.hosts import hosts
 from weightstream.context import StepContext, current_config, current_run
 
 __all__ = [
@@ -137,13 +140,21 @@ def _compile_without_running(fn: Callable, mode: str, ctx: StepContext, args, kw
 
 
 def step_closure(fn: Callable) -> Callable:
-    """Run ``fn`` with materialised tensors: after the current step, or now outside one."""
+    """Run ``fn`` with materialised tensors: after the current step, or now outside one.
+
+    A weight among its arguments has the step's value: an engine updating it behind the
+    next forward (``overlap_updates``) finishes that update first. Weights ``fn`` reads
+    by other means (a module's attribute) need ``optimizer.synchronize()``."""
+
+    def settled(*args, **kwargs):
+        hosts.settle(tree_leaves((args, kwargs)))  # host sync point where one is in flight
+        return fn(*args, **kwargs)
 
     @functools.wraps(fn)
     def closure(*args, **kwargs):
         if only_compiling() is not None:
             return None  # nothing ran for it to see (Note [compile only])
-        return step_context().after_step(fn, *args, **kwargs)
+        return step_context().after_step(settled, *args, **kwargs)
 
     return closure
 

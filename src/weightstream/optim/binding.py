@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
+
+from weightstream.common.hosts import hosts
+
+__all__ = ["ParameterHost", "StateSizes", "hosts", "placing_state", "zeros_like"]
 
 
 class ParameterHost(Protocol):
@@ -107,36 +110,6 @@ class ParameterHost(Protocol):
         parameters owned elsewhere."""
         ...
 
-
-class _Hosts:
-    """The live engines, in creation order; held weakly (an engine dies with its model)."""
-
-    def __init__(self) -> None:
-        self._hosts: weakref.WeakSet = weakref.WeakSet()
-
-    def add(self, host: ParameterHost) -> None:
-        self._hosts.add(host)
-
-    def discard(self, host: ParameterHost) -> None:
-        self._hosts.discard(host)
-
-    def holding(self, params: Iterable[torch.Tensor]) -> ParameterHost | None:
-        """The engine holding any of ``params``; an error if they span two."""
-        params = list(params)
-        found = None
-        for host in list(self._hosts):
-            if any(host.holds(p) for p in params):
-                if found is not None:
-                    raise ValueError(
-                        "an optimizer's parameters belong to two compiled models; build one "
-                        "optimizer per compiled model."
-                    )
-                found = host
-        return found
-
-
-#: Engines register here when they are built (runtime/engine.py) and leave when closed.
-hosts = _Hosts()
 
 # While an optimizer creates its state: the engine that places it (Note [engine binding]).
 _placing: contextvars.ContextVar[ParameterHost | None] = contextvars.ContextVar(
