@@ -13,6 +13,7 @@ import torch
 import yaml
 from trees import assert_same_tree
 
+import weightstream as cstorch
 from weightstream import checkpoint as ckpt
 from weightstream.cli.main import main
 
@@ -495,3 +496,41 @@ def test_layer_pipelined_names_the_streaming_settings_it_ignores(tmp_path, run_l
     plain = _params(tmp_path, max_steps=1, checkpoint_steps=0, execution_mode="layer_pipelined")
     assert main(["run", "CPU", "-p", str(plain), "-m", "train", "-o", str(tmp_path / "n")]) == 0
     assert "ignored in layer pipelined" not in run_log.text
+
+
+def test_a_resume_trains_with_the_params_files_learning_rate_and_says_so(tmp_path, run_log):
+    """Note [settings on resume]: a constant learning rate changed for the resume is the one
+    used (torch's load put the checkpoint's back, while params_train.yaml and the next
+    checkpoint said the new one), with a warning; the moments are the checkpoint's."""
+    model_dir = tmp_path / "m"
+    first = _params(tmp_path, optimizer=pf.adamw(1e-3), max_steps=4)
+    assert main(["run", "CPU", "-p", str(first), "-o", str(model_dir)]) == 0
+    later = tmp_path / "later"
+    later.mkdir()
+    second = _params(later, optimizer=pf.adamw(5e-3), max_steps=6)
+    run_log.clear()
+    assert main(["run", "CPU", "-p", str(second), "-o", str(model_dir)]) == 0
+    assert "optimizer settings where they differ from the checkpoint's: lr 0.001 -> 0.005" in (
+        run_log.text
+    )
+    assert [v for s, v in _scalars(model_dir / "train", "lr") if s > 4] == pytest.approx([5e-3] * 2)
+    saved = cstorch.load(str(model_dir / "checkpoint_6.mdl"))
+    assert [g["lr"] for g in saved["optimizer"]["param_groups"]] == pytest.approx(
+        [5e-3] * len(saved["optimizer"]["param_groups"])
+    )
+
+
+def test_a_resume_with_another_schedule_is_refused_and_changes_nothing(tmp_path, run_log):
+    model_dir = tmp_path / "m"
+    first = _params(tmp_path, max_steps=4)  # warmup then cosine
+    assert main(["run", "CPU", "-p", str(first), "-o", str(model_dir)]) == 0
+    before = {p.name: p.read_bytes() for p in model_dir.glob("checkpoint_*.mdl")}
+    later = tmp_path / "later"
+    later.mkdir()
+    other = pf.adamw(pf.warmup_cosine(3e-3, 2, 100), weight_decay=0.01, max_gradient_norm=1.0)
+    second = _params(later, optimizer=other, max_steps=6)
+    run_log.clear()
+    assert main(["run", "CPU", "-p", str(second), "-o", str(model_dir)]) == 2
+    text = run_log.text
+    assert "with another learning-rate schedule" in text and "load_checkpoint_states: model" in text
+    assert {p.name: p.read_bytes() for p in model_dir.glob("checkpoint_*.mdl")} == before

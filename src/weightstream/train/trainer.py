@@ -181,6 +181,7 @@ class Trainer:
             )
         if isinstance(state, ckpt.LazyStateDict):
             state.read_small_values()  # a bad value fails before any tensor is copied
+        new_constant = False if weights_only else self._check_schedule(path, state)
         # A sharded store fills the tensors this rank owns (Note [sharded store]).
         try:
             self._load_model_state(state["model"])
@@ -188,9 +189,15 @@ class Trainer:
                 self.global_step = int(state.get("global_step", 0))
                 return
             if self.optimizer is not None and "optimizer" in state:
+                configured = [dict(g) for g in self.optimizer.param_groups]
                 self.optimizer.load_state_dict(state["optimizer"])
+                self._keep_configured_settings(configured, new_constant)
             if self.lr_scheduler is not None and state.get("schedulers"):
-                self.lr_scheduler.load_state_dict(state["schedulers"][0])
+                saved_schedule = state["schedulers"][0]
+                if new_constant:  # this run's constant, at the step reached
+                    self.lr_scheduler.last_epoch = _read(saved_schedule)["last_epoch"]
+                else:
+                    self.lr_scheduler.load_state_dict(saved_schedule)
             if "grad_scaler" in state:
                 self.grad_scaler.load_state_dict(_read(state["grad_scaler"]))
             if dataloader is not None and "dataloader" in state:
@@ -218,6 +225,69 @@ class Trainer:
                 "checkpoint, or train in a new model_dir."
             ) from e
         log.info("Resumed from %s at global step %d", path, self.global_step)
+
+    # Note [settings on resume]
+    # -------------------------
+    # A checkpoint holds the optimizer's param groups, hyperparameters and all, and torch's
+    # load_state_dict puts them back: a learning rate changed in the params file for the
+    # resume would be ignored while the run's records (params_train.yaml, the next
+    # checkpoint's metadata) said it was used. The params file is what a run runs with,
+    # so after the load each group's hyperparameters are set back to this run's, with a
+    # warning naming what changed; the state (moments, step counts) stays the
+    # checkpoint's. Only a key a scheduler drives keeps the loaded value (the schedule's
+    # value at the step reached); a schedule itself changed is refused before anything
+    # loads, since the scheduler's state (its position and its arguments) is the old
+    # schedule's: the weights alone start a new one. A constant rate changed for another
+    # is no schedule: the run's scheduler keeps its constant and takes the step reached.
+
+    def _check_schedule(self, path, state) -> bool:
+        """Refuse a resume whose learning-rate schedule differs from the checkpoint's
+        (Note [settings on resume]); True where a constant rate changed, which may."""
+        try:
+            saved_params = _read(_read(state.get("metadata") or {}).get("params") or {})
+            saved = _read(saved_params.get("optimizer") or {}).get("learning_rate")
+        except (ckpt.CheckpointError, AttributeError, KeyError, TypeError, ValueError):
+            return False
+        ours = (((self.s.metadata or {}).get("params") or {}).get("optimizer") or {}).get(
+            "learning_rate"
+        )
+        if saved is None or ours is None:
+            return False
+        saved, ours = _plain(saved), _plain(ours)
+        if saved == ours:
+            return False
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (saved, ours)):
+            return True
+        raise ValueError(
+            f"cannot resume from {path} with another learning-rate schedule: the checkpoint "
+            f"was written with optimizer.learning_rate {saved!r}, this params file has "
+            f"{ours!r}, and the scheduler's saved state (its step and its arguments) is the "
+            "old schedule's. Fix: resume with the schedule it was written with; or, for the "
+            "new schedule, start a new model_dir from its weights (runconfig.checkpoint_path: "
+            f"{path}, load_checkpoint_states: model)."
+        )
+
+    def _keep_configured_settings(self, configured: list[dict], new_constant: bool) -> None:
+        """Set each param group's hyperparameters back to this run's after the optimizer's
+        state loaded (Note [settings on resume]), with a warning naming what changed.
+        ``new_constant``: the learning rate is a constant changed since: this run's too."""
+        scheduled = set()
+        if self.lr_scheduler is not None and not new_constant:
+            scheduled.add(getattr(self.lr_scheduler, "param_group_key", "lr"))
+        changed = []
+        for number, (group, ours) in enumerate(zip(self.optimizer.param_groups, configured)):
+            for key, value in ours.items():
+                if key in ("params", "initial_lr") or key in scheduled:
+                    continue
+                if _differs(group.get(key), value):
+                    changed.append(f"{key} {group.get(key)!r} -> {value!r} (group {number})")
+                    group[key] = value
+        if changed:
+            log.warning(
+                "Resumed with this params file's optimizer settings where they differ from "
+                "the checkpoint's: %s.",
+                "; ".join(changed[:6]) + (f"; {len(changed) - 6} more" if len(changed) > 6 else ""),
+            )
 
     def _load_model_state(self, state) -> None:
         """The checkpoint's model entry into the model: all of it, or exactly
@@ -612,6 +682,22 @@ def _settings_differ(state, metadata: dict | None, most: int = 6) -> list[str]:
         if saved.get(key) != ours.get(key)
     ]
     return differ[:most] + ([f"{len(differ) - most} more"] if len(differ) > most else [])
+
+
+def _plain(value):
+    """A params value as plain Python (a checkpoint's lists may come back as tuples)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _differs(a, b) -> bool:
+    """Whether two hyperparameter values differ (tensors by value, tuples as lists)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return not torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    return _plain(a) != _plain(b)
 
 
 def _first_lines(error: BaseException, most: int = 4) -> str:
