@@ -50,6 +50,9 @@ def main() -> None:
         weight_decay=0.01,
         betas=(0.9, 0.95),
     )
+    # A tenth of the steps of warmup, then cosine decay; at least a step of each, so that
+    # a short run (--steps 4) has a schedule too.
+    warmup = max(1, args.steps // 10)
     lr_scheduler = cstorch.optim.configure_lr_scheduler(
         optimizer,
         learning_rate=[
@@ -57,13 +60,13 @@ def main() -> None:
                 "scheduler": "Linear",
                 "initial_learning_rate": 1e-4,
                 "end_learning_rate": 1e-3,
-                "total_iters": args.steps // 10,
+                "total_iters": warmup,
             },
             {
                 "scheduler": "CosineDecay",
                 "initial_learning_rate": 1e-3,
                 "end_learning_rate": 1e-4,
-                "total_iters": args.steps - args.steps // 10,
+                "total_iters": max(1, args.steps - warmup),
             },
         ],
     )

@@ -40,3 +40,13 @@ def test_train_gpt_ws_example_runs(tmp_path):
         "checkpoint_15.mdl",
         "checkpoint_30.mdl",
     ]
+
+
+def test_train_gpt_ws_example_runs_a_few_steps(tmp_path):
+    """Fewer than 10 steps: a warmup of at least one step (it was steps // 10 = 0, which
+    LinearLR refuses)."""
+    subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_gpt_ws.py"), "--steps", "2",
+         "--batch-size", "4", "--seq-len", "16", "--model-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=600, check=True,
+    )  # fmt: skip

@@ -118,7 +118,8 @@ def test_input_analyzer_on_fc_mnist(capsys):
         assert (ok == "yes") == keeps_up(int(workers), float(rate), consumption)
     # The recommendation is the pure function's on the printed table.
     rec = recommend_workers({int(r[0]): float(r[1]) for r in rows}, consumption)
-    assert f"recommended num_workers_per_csx: {rec.num_workers}" in out
+    assert f"recommended input workers: {rec.num_workers}" in out
+    assert f"set train_input.num_workers: {rec.num_workers} in" in out
     assert f"train_input.num_workers: {rec.num_workers}" in out
     assert ("warning:" in out) == (not rec.keeps_up)
 

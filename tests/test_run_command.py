@@ -534,3 +534,37 @@ def test_a_resume_with_another_schedule_is_refused_and_changes_nothing(tmp_path,
     text = run_log.text
     assert "with another learning-rate schedule" in text and "load_checkpoint_states: model" in text
     assert {p.name: p.read_bytes() for p in model_dir.glob("checkpoint_*.mdl")} == before
+
+
+def test_validate_only_fails_where_the_models_forward_refuses_the_batch(tmp_path, run_log):
+    """A sequence longer than the model's: the meta trace stops at the model's own check,
+    as a training run's first step would; validation said "passed" (exit 0)."""
+    section = pf.text_input(4, 64)
+    params = pf.write(
+        tmp_path / "params.yaml",
+        pf.params(
+            train_input=section,
+            model=pf.gpt2(2, 32, 32),  # seq_len 32
+            optimizer=pf.adamw(1e-3),
+            runconfig={"max_steps": 2},
+        ),
+    )
+    out = tmp_path / "m"
+    assert main(["run", "CPU", "-p", str(params), "-o", str(out), "--validate_only"]) == 2
+    text = run_log.text
+    assert "the model's forward refused the input batch (ValueError: sequence length 64" in text
+    assert "Validation passed" not in text and not out.exists()
+
+
+def test_a_model_dir_that_is_a_file_is_named_as_one(tmp_path, run_log):
+    params = _params(tmp_path, max_steps=1)
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    assert main(["run", "CPU", "-p", str(params), "-o", str(afile)]) == 2
+    assert "(-o) is a file, not a directory" in run_log.text and afile.read_text() == "mine"
+
+
+def test_the_data_command_describes_its_subcommand(capsys):
+    assert main(["data", "--help"]) == 0
+    assert "write-gpt-hdf5   write a text corpus" in capsys.readouterr().out
+    assert main(["data"]) == 2

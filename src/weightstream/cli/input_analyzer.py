@@ -241,11 +241,12 @@ def _analyze(args) -> int:
     )
     print()
     if rec.keeps_up:
-        print(f"recommended num_workers_per_csx: {rec.num_workers} ({rec.reason})")
+        print(f"recommended input workers: {rec.num_workers} ({rec.reason})")
     else:
         print(f"warning: {rec.reason}")
-        print(f"recommended num_workers_per_csx: {rec.num_workers} (the fastest measured)")
-    print(f"  set it as train_input.num_workers: {rec.num_workers} in {args.params}")
+        print(f"recommended input workers: {rec.num_workers} (the fastest measured)")
+    # The reference's num_workers_per_csx is this setting (the module docstring).
+    print(f"  set train_input.num_workers: {rec.num_workers} in {args.params}")
     return 0
 
 

@@ -42,8 +42,15 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(_COMMANDS[command]).main(rest)
     if command == "data":
         if not rest or rest[0] != "write-gpt-hdf5":
-            print("usage: weightstream data write-gpt-hdf5 [args] (-h for help)", file=sys.stderr)
-            return 2
+            asked = bool(rest) and rest[0] in ("-h", "--help")
+            print(
+                "usage: weightstream data write-gpt-hdf5 [args]\n\n"
+                "subcommands:\n"
+                "  write-gpt-hdf5   write a text corpus in the GPT HDF5 format "
+                "(`weightstream data write-gpt-hdf5 -h` describes its arguments)",
+                file=sys.stdout if asked else sys.stderr,
+            )
+            return 0 if asked else 2
         from weightstream.data.hdf5_writer_cli import main as writer_main
 
         return writer_main(rest[1:])

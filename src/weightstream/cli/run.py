@@ -1016,6 +1016,13 @@ def main(argv: list[str] | None = None) -> int:
         return launch(["-m", "weightstream", "run", *argv], params.runconfig.num_csx)
     model_dir = Path(params.runconfig.model_dir)
     created = not model_dir.exists()
+    if model_dir.exists() and not model_dir.is_dir():
+        log.error(
+            "the model directory %s (-o) is a file, not a directory. Fix: -o a directory "
+            "(a new name is made), or move the file away.",
+            model_dir,
+        )
+        return 2
     try:
         os.makedirs(model_dir, exist_ok=True)
     except OSError as exc:

@@ -198,7 +198,22 @@ def run(run, compiled, args: tuple, batch_size: int, kwargs: dict | None = None)
         log.info("Compile cache hit: %s", root / f"ws_{checksum}")
         return {"est_samples_per_sec": cached["est_samples_per_sec"] * ranks, "cache_hit": True}
     if rc.validate_only:
-        log.info("Validation passed: the model traces and every unit fits the device budget.")
+        plan = compiled.plan
+        if plan is not None and plan.trace_refused:
+            # The model's forward refused the batch: the first step would stop the same way.
+            raise ValueError(
+                f"validate_only: the model's forward refused the input batch ({plan.trace_error}); "
+                "the first step of a training run would stop the same way. Fix the input or the "
+                "model settings it names."
+            )
+        if plan is not None and not plan.traced:
+            log.info(
+                "Validation passed: every unit of the plan fits the device budget (the model "
+                "does not trace on the meta device: %s; its plan is the module structure's).",
+                plan.trace_error,
+            )
+        else:
+            log.info("Validation passed: the model traces and every unit fits the device budget.")
         return {"est_samples_per_sec": None, "cache_hit": False}
     plan = compiled.plan or build_plan(model, StreamingConfig(granularity="module"))
     found = _estimate(run, compiled, plan, args, kwargs, batch_size)

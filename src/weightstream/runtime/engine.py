@@ -548,6 +548,7 @@ class StreamingEngine:
             )
             plan = build_plan(self.module, self.config)
             plan.trace_error = f"{type(exc).__name__}: {exc}"
+            plan.trace_refused = isinstance(exc, (ValueError, IndexError))
         else:
             plan = build_plan(self.module, self.config, trace)
         check_budget(plan, self.config, self.device)

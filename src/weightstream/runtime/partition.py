@@ -79,6 +79,9 @@ class Plan:
     units: list[UnitSpec]
     traced: bool  # False: built from the module structure only
     trace_error: str | None = None
+    # The trace stopped at the model's own check of its inputs (a ValueError or an
+    # IndexError: a sequence longer than the model's), which a real step meets too.
+    trace_refused: bool = False
 
     @property
     def largest_unit_bytes(self) -> int:
@@ -97,12 +100,21 @@ class Plan:
 
     def describe(self) -> str:
         lines = [f"{'#':>3}  {'unit':<40} {'params':>12} {'bytes':>12}  notes"]
+        first_unit: dict[int, int] = {}  # id(parameter) -> the first unit holding it
         for u in self.units:
             notes = []
             if u.pinned:
                 notes.append("pinned while its forward runs")
             if u.foreign:
                 notes.append(f"{len(u.foreign)} foreign param(s)")
+            # A tied weight is in each unit that uses it, fetched by each: its row counts it
+            # again, while a model's parameter count takes it once.
+            shared = sorted({first_unit[id(p)] for p in u.params if id(p) in first_unit})
+            if shared:
+                units = ", ".join(map(str, shared))
+                notes.append(f"shares tied weights with unit {units} (counted there too)")
+            for p in u.params:
+                first_unit.setdefault(id(p), u.index)
             lines.append(
                 f"{u.index:>3}  {u.display_name:<40} {u.numel:>12,} {u.weight_bytes:>12,}  "
                 + ", ".join(notes)
