@@ -330,21 +330,26 @@ def test_persistent_workers_see_the_same_epochs(tmp_path):
         assert _ids(persistent) == _ids(fresh)
 
 
+def _loader_run(name: str, params: dict, max_steps: int, take, state=None, stop=None):
+    """The batches (``take`` of each) a DataLoader of processor ``name`` yields, from
+    ``state`` if given, ``stop`` of them at most; and its state after them."""
+    dl = DataLoader(get_data_processor(name), params, True, max_steps=max_steps)
+    if state is not None:
+        dl.load_state_dict(state)
+    out = []
+    for batch in dl:
+        out.append(take(batch))
+        if len(out) == stop:
+            break
+    return out, dl.state_dict()
+
+
 def test_hdf5_loader_resumes_exactly(tmp_path):
     write_id_files(tmp_path, sizes=[5, 4])
-    fn = get_data_processor("GptHDF5DataProcessor")
     params = dict(data_dir=str(tmp_path), batch_size=2)  # 4 batches per epoch
 
     def run(state=None, stop=None):
-        dl = DataLoader(fn, params, True, max_steps=7)
-        if state is not None:
-            dl.load_state_dict(state)
-        out = []
-        for batch in dl:
-            out.append(_ids([batch]))
-            if len(out) == stop:
-                break
-        return out, dl.state_dict()
+        return _loader_run("GptHDF5DataProcessor", params, 7, lambda b: _ids([b]), state, stop)
 
     full, _ = run()
     for stop in (3, 5):  # within the first epoch, and within the second
@@ -357,19 +362,11 @@ def test_text_corpus_resume_refuses_text_edited_in_place(tmp_path):
     text = tmp_path / "corpus.txt"
     words = [f"word{i % 97} " for i in range(3000)]
     text.write_text("".join(words))
-    fn = get_data_processor("TextCorpusProcessor")
     params = dict(data_dir=str(text), batch_size=2, seq_len=32, shuffle=True)
 
     def run(state=None, stop=None):
-        dl = DataLoader(fn, params, True, max_steps=6)
-        if state is not None:
-            dl.load_state_dict(state)
-        out = []
-        for batch in dl:
-            out.append(batch["input_ids"].clone())
-            if len(out) == stop:
-                break
-        return out, dl.state_dict()
+        take = lambda b: b["input_ids"].clone()  # noqa: E731
+        return _loader_run("TextCorpusProcessor", params, 6, take, state, stop)
 
     full, _ = run()
     head, state = run(stop=2)
