@@ -304,6 +304,34 @@ def test_sequences_longer_than_the_models_positions_are_named_as_such():
         _task_loss("lm", model, {"input_ids": ids, "labels": ids})
 
 
+@pytest.mark.parametrize("mode", ["--validate_only", None])
+def test_a_seq_len_past_the_models_position_table_is_refused_before_step_1(tmp_path, run_log, mode):
+    """validate_only said passed (the meta trace reads no table) and the first step
+    stopped; now both stop before anything runs, naming the table and the fix."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "gpt2"
+    transformers.GPT2Config(
+        vocab_size=256, n_positions=16, n_embd=16, n_layer=1, n_head=2
+    ).save_pretrained(folder)
+    params = pf.write(
+        tmp_path / "params.yaml",
+        pf.params(
+            train_input=pf.text_input(4, 32),
+            model={"name": "hf", "hf_config": str(folder)},
+            optimizer=pf.adamw(1e-3),
+            runconfig={"max_steps": 2},
+        ),
+    )
+    out = tmp_path / "m"
+    argv = ["run", "CPU", "-p", str(params), "-o", str(out)] + ([mode] if mode else [])
+    assert main(argv) == 2
+    assert (
+        "train_input.seq_len 32 is longer than the model's 16 positions (its position table "
+        in (run_log.text)
+    )
+    assert "transformer.wpe" in run_log.text and not out.exists()
+
+
 def test_progress_bar_line():
     import io
 

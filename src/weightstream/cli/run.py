@@ -420,6 +420,7 @@ class Run:
             self._check_base_of(own)  # before building anything (Note [lora checkpoints])
         model, compiled = self._build_model(weights_from_checkpoint="model" in warm or peft)
         self._check_packing(model)
+        self._check_positions(model)
         if rc.validate_only or rc.compile_only:
             # The run's optimizer, on the meta device, bound before the plan's log line
             # (Training state:) so that it counts the state this optimizer makes.
@@ -696,6 +697,40 @@ class Run:
             except ValueError as e:
                 raise ValueError(f"{name}.packing: {e}") from e
 
+    def _check_positions(self, model) -> None:
+        """A sequence longer than a transformers model's table of absolute positions
+        (GPT-2's ``n_positions``) stops its first step with an index error, and a
+        trace on the meta device never reads the table: refused here, before step 1.
+        Rotary and relative positions have no table to run past."""
+        if not hf.is_hf_model(model):
+            return
+        config = model.config
+        limits = [getattr(config, k, None) for k in ("n_positions", "max_position_embeddings")]
+        limit = next((v for v in limits if isinstance(v, int) and not isinstance(v, bool)), None)
+        vocab = getattr(config, "vocab_size", None)
+        tables = [
+            name
+            for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Embedding) and m.num_embeddings == limit != vocab
+        ]
+        if limit is None or not tables:
+            return
+        for section_name in ("train_input", "eval_input"):
+            section = getattr(self.params, section_name)
+            if section is None:
+                continue
+            values = section.to_dict()
+            seq = next(
+                (values[k] for k in ("seq_len", "max_sequence_length") if values.get(k)), None
+            )
+            if isinstance(seq, int) and seq > limit:
+                raise ValueError(
+                    f"{section_name}.seq_len {seq} is longer than the model's {limit} "
+                    f"positions (its position table {tables[0]}: n_positions or "
+                    "max_position_embeddings in its config). Fix: "
+                    f"{section_name}.seq_len at most {limit}, or a model with more positions."
+                )
+
     def _finished(self, path: Path) -> bool:
         """True when the checkpoint to resume from already reached max_steps.
 
@@ -750,6 +785,7 @@ class Run:
             self._check_base_of(checkpoint_path)
         model, compiled = self._build_model(weights_from_checkpoint=True)
         self._check_packing(model)
+        self._check_positions(model)
         trainer = Trainer(
             TrainerSettings(
                 task=self.task,
