@@ -678,11 +678,17 @@ def test_the_disk_probe_takes_at_most_a_quarter_of_the_free_space(tmp_path, monk
 
 def test_kernels_are_timed_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("WEIGHTSTREAM_CACHE_DIR", str(tmp_path))
-    model = Chain([16, 32, 4])  # kernels of microseconds, on a busy machine too
+    model = Chain([16, 32, 4])
     x = torch.randn(64, 16)
     costs = unit_costs(model, _plan(model, x), (x,), {})
     probe = load_or_measure("cpu", quick=True)
+    # Each kernel's timing as a quiet machine gives it: a real one of microseconds,
+    # taken beside other runs, may land past OUTLIER and be dropped (a fresh clone's CI
+    # beside a second test run: 3 of the kernels), which this test is not about.
+    timed = []
+    monkeypatch.setattr(probe_mod, "_seconds", lambda fn, run_s: timed.append(fn) or 2e-6)
     probe_mod.time_kernels(probe, costs.kernels)
+    assert len(timed) == len(costs.kernels)  # each kernel run once
     assert set(probe.kernel_s) == set(costs.kernels) and all(t > 0 for t in probe.kernel_s.values())
     est = estimate(costs, probe, EstimateSettings(1))
     assert est.timed_kernels == f"{len(costs.kernels)} / {len(costs.kernels)}"
