@@ -63,6 +63,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import warnings
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
@@ -168,6 +169,17 @@ def save(
                 writer._text(f, fmt.ATTR_LIBRARY_VERSION, __version__)
                 f.attrs[fmt.ATTR_SUCCESS] = True  # last: Note [atomic save]
             guard.check()  # closing flushes the metadata: that may fail too
+        if writer.pickled:
+            # Written, but load() refuses to unpickle them by default (it can run code).
+            shown = ", ".join(f"{k!r} ({t})" for k, t in writer.pickled[:4])
+            more = f" and {len(writer.pickled) - 4} more" if len(writer.pickled) > 4 else ""
+            warnings.warn(
+                f"save(): {shown}{more} stored pickled: load() reads them back only with "
+                "allow_pickle=True, since unpickling can run code. Fix: store them as "
+                "tensors, numbers, strings, lists or dicts (a set as a sorted list), or load "
+                "with allow_pickle=True.",
+                stacklevel=2,
+            )
     except (OSError, RuntimeError) as e:
         # A failed write (full disk, file size limit, read-only directory);
         # RuntimeError: what h5py raises for some other HDF5 failures.
@@ -283,6 +295,7 @@ class LeafWriter:
         self._first: dict[Hashable, str] = {}
         self._fresh = 0  # bytes this save allocated since the heap was last trimmed
         self._attribute_types: dict[tuple, h5py.h5t.TypeID] = {}
+        self.pickled: list[tuple[str, str]] = []  # (key, its type): load needs allow_pickle
 
     def _put(self, obj: h5py.HLObject, name: str, value: np.ndarray | np.generic) -> None:
         """``obj.attrs[name] = value`` for a dataset (or file) this save just created.
@@ -502,5 +515,6 @@ class LeafWriter:
                 "Convert it to one of those types or leave it out of the state."
             ) from e
         python_type = f"{type(value).__module__}.{type(value).__qualname__}"
+        self.pickled.append((key, type(value).__qualname__))
         array = np.frombuffer(data, dtype=np.uint8)
         self._data(name, array, fmt.TYPE_PICKLE, {fmt.ATTR_PYTHON_TYPE: python_type})
