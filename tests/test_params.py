@@ -994,6 +994,8 @@ def test_one_name_per_setting_with_documented_aliases():
         StreamingConfig.from_kwargs(prefetch_dept=2)
 
 
-def test_a_setting_accepted_but_not_acted_on_says_so():
-    with pytest.warns(UserWarning, match="eval_frequency is not supported yet"):
-        parse_params(with_value("runconfig", "eval_frequency", 5), "train")
+def test_eval_frequency_is_taken_without_a_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        params = parse_params(with_value("runconfig", "eval_frequency", 5), "train_and_eval")
+    assert params.runconfig.eval_frequency == 5

@@ -596,3 +596,31 @@ def test_the_data_command_describes_its_subcommand(capsys):
     assert main(["data", "--help"]) == 0
     assert "write-gpt-hdf5   write a text corpus" in capsys.readouterr().out
     assert main(["data"]) == 2
+
+
+def test_eval_frequency_evaluates_while_training_and_leaves_the_training_as_it_was(tmp_path):
+    """Note [evaluation during training]: every 2 steps the training's weights are
+    evaluated; each value is what -m eval of that step's checkpoint gives (another
+    model, loaded from the file), and the training's losses are those of a run without
+    evaluations, dropout and shuffled data included."""
+    model = pf.gpt2(2, 32, 32, dropout=0.1)
+    plain = _params(tmp_path, eval_steps=2, checkpoint_steps=2, max_steps=6)
+    values = yaml.safe_load(plain.read_text())
+    values["model"] = model
+    plain.write_text(yaml.safe_dump(values))
+    values["runconfig"]["eval_frequency"] = 2
+    every = tmp_path / "every.yaml"
+    every.write_text(yaml.safe_dump(values))
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["run", "CPU", "-p", str(plain), "-o", str(a), "-m", "train_and_eval"]) == 0
+    assert main(["run", "CPU", "-p", str(every), "-o", str(b), "-m", "train_and_eval"]) == 0
+    assert _scalars(a / "train", "loss") == _scalars(b / "train", "loss")
+    during = _scalars(b / "eval", "loss")
+    assert [s for s, _ in during] == [2, 4, 6]
+    for step, value in during[:2]:
+        c = tmp_path / f"eval{step}"
+        ckpt_file = str(b / f"checkpoint_{step}.mdl")
+        argv = ["run", "CPU", "-p", str(plain), "-o", str(c), "-m", "eval"]
+        assert main([*argv, "--checkpoint_path", ckpt_file]) == 0
+        assert _scalars(c / "eval", "loss") == [(step, value)]
+    assert during[2] == _scalars(a / "eval", "loss")[0]

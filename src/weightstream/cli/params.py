@@ -134,9 +134,10 @@ class RunConfigParams:
     )
     eval_frequency: int | None = _positive(
         None,
-        doc="Accepted as in the reference's files, where train_and_eval evaluates every "
-        "this many steps; here train_and_eval evaluates once, after training (a warning "
-        "says so), and -m eval_all evaluates every checkpoint.",
+        doc="train_and_eval evaluates every this many steps while it trains, with the "
+        "training's model, as well as after the last step; the training's losses are "
+        "those of a run without it (Note [evaluation during training] in "
+        "train/trainer.py). None: after training only.",
     )
     checkpoint_steps: int = _natural(
         0, doc="Save a checkpoint every this many steps; 0: only at the end of training."
@@ -227,13 +228,6 @@ class RunConfigParams:
                     "warm-start from (one of ours, a safetensors file or a Hugging Face model "
                     "folder). Fix: set checkpoint_path."
                 )
-        if self.eval_frequency is not None:
-            warnings.warn(
-                f"{s}.eval_frequency is not supported yet: train_and_eval evaluates once, "
-                "after training. Run -m eval_all to evaluate every checkpoint.",
-                UserWarning,
-                stacklevel=3,
-            )
         if self.steps_per_epoch is not None and self.num_epochs is None:
             warnings.warn(
                 f"{s}.steps_per_epoch is ignored because num_epochs is not set.",

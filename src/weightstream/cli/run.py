@@ -540,6 +540,11 @@ class Run:
                 log.info("Removed %s (%d bytes): the temporary file of a save killed midway.",
                          path.name, size)  # fmt: skip
         steps = dataloader.num_steps
+        if self.mode == "train_and_eval" and rc.eval_frequency:
+            # Note [evaluation during training] in train/trainer.py.
+            trainer.eval_every, trainer.eval_steps = rc.eval_frequency, rc.eval_steps
+            trainer.eval_input = lambda: self._eval_loader(p.eval_input, rc.eval_steps)
+            trainer.eval_writer = self._eval_writer(purge_step=trainer.global_step + 1)
         log.info("Training %d steps from global step %d", steps, trainer.global_step)
         try:
             trainer.train(dataloader, steps)
@@ -547,10 +552,15 @@ class Run:
             # Never let a failure to write these hide the error that stopped training.
             with contextlib.suppress(Exception):
                 writer.close()
+            if trainer.eval_writer is not None:
+                with contextlib.suppress(Exception):
+                    trainer.eval_writer.close()
             with contextlib.suppress(Exception):
                 self._write_performance()
             raise
         writer.close()
+        if trainer.eval_writer is not None:
+            trainer.eval_writer.close()
         self._write_performance()
         est = self.perf.est_samples_per_sec
         log.info(
@@ -767,6 +777,15 @@ class Run:
                 f"from an earlier one, {hint}move {path.name} out of {self.model_dir}.)"
             ) from e
 
+    def _eval_loader(self, section, steps: int | None):
+        """An evaluation's batches: ``steps`` of them (a warning where that reads some
+        again), else one pass over the eval input."""
+        if not steps:
+            return self._input_fn(section, False)()
+        loader = self._dataloader(section, False, num_steps=steps)
+        _warn_wrapping_eval(steps, loader.loader)
+        return loader
+
     def _eval_writer(self, purge_step: int | None = None):
         """The eval events' writer (rank 0's; ``purge_step`` as :class:`ScalarWriter`'s)."""
         if not swarm.is_main():
@@ -807,11 +826,7 @@ class Run:
                 checkpoint_path, weights_only=True, name_map=hf_name_map(p.model.name)
             )
         steps = rc.eval_steps
-        loader = self._dataloader(p.eval_input, False, num_steps=steps) if steps else None
-        if loader is None:
-            loader = self._input_fn(p.eval_input, False)()
-        else:
-            _warn_wrapping_eval(steps, loader.loader)
+        loader = self._eval_loader(p.eval_input, steps)
         # model_dir is written once the evaluation ran: a batch the model cannot take
         # leaves no empty events file and keeps the last params_eval.yaml.
         results = trainer.evaluate(loader, steps)

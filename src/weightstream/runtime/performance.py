@@ -34,6 +34,8 @@ class PerformanceTracker:
     step_times: list[float] = field(default_factory=list)
     _started: float | None = None
     _stopped: float | None = None
+    _paused: float = 0.0  # seconds left out of total_time (evaluations during training)
+    _pause_began: float | None = None
 
     def start(self) -> None:
         if self._started is None:
@@ -41,6 +43,16 @@ class PerformanceTracker:
 
     def stop(self) -> None:
         self._stopped = time.perf_counter()
+
+    def pause(self) -> None:
+        """Leave the time until :meth:`resume` out of ``total_time``."""
+        if self._pause_began is None:
+            self._pause_began = time.perf_counter()
+
+    def resume(self) -> None:
+        if self._pause_began is not None:
+            self._paused += time.perf_counter() - self._pause_began
+            self._pause_began = None
 
     def add_step(self, seconds: float, input_wait: float, samples: int) -> None:
         self.step_time += seconds
@@ -53,7 +65,7 @@ class PerformanceTracker:
         if self._started is None:
             return 0.0
         end = self._stopped if self._stopped is not None else time.perf_counter()
-        return end - self._started
+        return end - self._started - self._paused
 
     @property
     def samples_per_sec(self) -> float:

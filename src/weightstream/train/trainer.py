@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import random
 import shutil
 import sys
 import time
@@ -28,6 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -92,6 +94,12 @@ class Trainer:
         # set by the run command.
         self.writer = None
         self.eval_writer = None
+        # Evaluation during training (the run command's train_and_eval with
+        # eval_frequency): every ``eval_every`` steps, ``eval_input()``'s batches,
+        # ``eval_steps`` of them at most (Note [evaluation during training]).
+        self.eval_every: int | None = None
+        self.eval_input: Callable[[], object] | None = None
+        self.eval_steps: int | None = None
         self.perf = perf or PerformanceTracker()
         self.global_step = 0
         self.losses: list[float] = []
@@ -450,6 +458,12 @@ class Trainer:
             self._log(loss_value, samples / max(seconds + wait, 1e-9), used)
             if self.s.checkpoint_steps and self.global_step % self.s.checkpoint_steps == 0:
                 self.save_checkpoint(dataloader)
+            if (
+                self.eval_every
+                and self.global_step % self.eval_every == 0
+                and self.global_step < end
+            ):
+                self._evaluate_during_training()
         self.perf.stop()
         if self._progress is not None:
             self._progress.close()
@@ -500,6 +514,34 @@ class Trainer:
             self._progress.update(step, loss)
 
     # ---- evaluation ---------------------------------------------------------------------
+
+    # Note [evaluation during training]
+    # ---------------------------------
+    # train_and_eval with eval_frequency N evaluates the weights of every N-th step
+    # while training, with the training's own compiled model (no second copy of the
+    # weights), and once more after the last step as without it. An evaluation in the
+    # middle must leave the training as it was: the optimizer's overlapped update is
+    # applied first (the weights evaluated are the step's), the model returns to train
+    # mode, and the global random generators are restored afterwards (a torch
+    # DataLoader draws its seed from them when iterated, and the training's dropout
+    # and sampling must not see that draw), so the losses equal a run without it. Its
+    # time is not training time: the step rate leaves it out.
+
+    def _evaluate_during_training(self) -> None:
+        """One evaluation of the current weights (Note [evaluation during training])."""
+        if self.optimizer is not None and hasattr(self.optimizer, "synchronize"):
+            self.optimizer.synchronize()
+        self.perf.pause()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                state = random.getstate(), np.random.get_state()
+                try:
+                    self.evaluate(self.eval_input(), self.eval_steps)
+                finally:
+                    random.setstate(state[0])
+                    np.random.set_state(state[1])
+        finally:
+            self.perf.resume()
 
     @torch.no_grad()
     def evaluate(self, dataloader, num_steps: int | None = None) -> dict[str, float]:
