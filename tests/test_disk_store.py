@@ -434,3 +434,16 @@ def test_a_made_store_dir_goes_with_whichever_sharing_store_ends_last(tmp_path):
     existing.mkdir()
     DiskStore(existing).close()
     assert existing.is_dir() and list(existing.iterdir()) == []
+
+
+def test_a_store_dir_that_is_a_file_is_named_as_one_by_compile(tmp_path):
+    """compile() said '[Errno 17] ... give a writable store_dir' (it is writable, it is a
+    file); it now says what --validate_only says, and leaves the file as it was."""
+    import weightstream as cstorch
+
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"is a file, so the disk store cannot make its directory"):
+        cstorch.compile(model, backend="wse_ws", store="disk", store_dir=str(afile / "sub"))
+    assert afile.read_text() == "mine"

@@ -999,3 +999,17 @@ def test_eval_frequency_is_taken_without_a_warning():
         warnings.simplefilter("error")
         params = parse_params(with_value("runconfig", "eval_frequency", 5), "train_and_eval")
     assert params.runconfig.eval_frequency == 5
+
+
+@pytest.mark.parametrize(
+    ("given", "hint"),
+    [("2GB", "2000000000"), ("1.5GiB", "1610612736"), ("64 MiB", "67108864"), ("10", None)],
+)
+def test_a_byte_count_written_with_its_unit_gets_the_number(given, hint):
+    """host_memory_budget: 2GB (a trial's first try): the error gives the bytes to write."""
+    with pytest.raises(TypeError, match=r"host_memory_budget must be an integer or null") as e:
+        StreamingConfig.from_kwargs(store="disk", host_memory_budget=given)
+    if hint is None:
+        assert "without quotes" in str(e.value)
+    else:
+        assert f"(bytes as a number: write {hint})" in str(e.value)

@@ -30,6 +30,7 @@ import functools
 import inspect
 import math
 import os
+import re
 import reprlib
 import types
 import typing
@@ -132,8 +133,16 @@ def _plural(tp: Any) -> str:
     )
 
 
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt])(i?)b\s*$", re.IGNORECASE)
+
+
 def _quoted_number_hint(value: Any) -> str:
     if isinstance(value, str):
+        size = _SIZE.match(value)
+        if size is not None:  # "2GB": a byte count written with its unit
+            number, prefix, binary = size.groups()
+            scale = (1024 if binary else 1000) ** ("kmgt".index(prefix.lower()) + 1)
+            return f" (bytes as a number: write {int(float(number) * scale)})"
         try:
             float(value)
         except ValueError:

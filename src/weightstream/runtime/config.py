@@ -71,7 +71,8 @@ class StreamingConfig:
         "runtime/placement.py). 'auto': what an accelerator has left after the first step "
         "(its peak), placed before the second (on the CPU nothing). None or 0: every unit "
         "streams. On the CPU the device is host memory: such units compute on their masters "
-        "without a copy. Under data parallel every rank holds the same units, also with a "
+        "without a copy, and their bytes come on top of host_memory_budget (the store's "
+        "RAM tier). Under data parallel every rank holds the same units, also with a "
         "sharded store ('auto': the least room over the ranks).",
     )
     compute_dtype: Any = setting(

@@ -137,6 +137,7 @@ class DiskStore:
             directory = tempfile.mkdtemp(prefix="weightstream-store-")
             made = True
         else:
+            check_store_dir(directory)  # a file in the way, a read-only place: said plainly
             made = not Path(directory).exists()
         self.directory = Path(directory)
         try:
