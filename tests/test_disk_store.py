@@ -447,3 +447,26 @@ def test_a_store_dir_that_is_a_file_is_named_as_one_by_compile(tmp_path):
     with pytest.raises(ValueError, match=r"is a file, so the disk store cannot make its directory"):
         cstorch.compile(model, backend="wse_ws", store="disk", store_dir=str(afile / "sub"))
     assert afile.read_text() == "mine"
+
+
+def test_a_store_dir_made_for_a_store_never_closed_goes_at_exit(tmp_path):
+    """A script that trains and exits without compiled.close(): the directory the store
+    made held only its mark afterwards; it goes at the interpreter's exit now."""
+    store_dir = tmp_path / "store"
+    script = (
+        "import sys, torch\n"
+        "import weightstream as cstorch\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))\n"
+        f"c = cstorch.compile(m, backend='wse_ws', store='disk', store_dir={str(store_dir)!r})\n"
+        "opt = cstorch.optim.AdamW(m.parameters(), lr=1e-3)\n"
+        "c(torch.randn(2, 64)).sum().backward()\n"
+        "opt.step()\n"
+        "assert (c.engine.store.tier.directory / '.weightstream-made').exists()\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+    assert not store_dir.exists()
+    # A directory the user made is left alone (only its files go, as before).
+    store_dir.mkdir()
+    subprocess.run([sys.executable, "-c", script.replace("assert (", "assert not (")],
+                   check=True, timeout=300)  # fmt: skip
+    assert store_dir.exists() and not list(store_dir.iterdir())

@@ -54,6 +54,7 @@ import os
 import shutil
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -143,6 +144,10 @@ class DiskStore:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._made_directory = self._mark_made() if made else self._marker.exists()
+            # Called once: by close(), or at exit for a store a script never closed.
+            self._remove_made = weakref.finalize(self, _remove_made_directory, self.directory)
+            if not self._made_directory:
+                self._remove_made.detach()
         except OSError as e:
             raise OSError(
                 e.errno,
@@ -244,6 +249,8 @@ class DiskStore:
         except FileNotFoundError:  # another store sharing store_dir ended and removed it
             self.directory.mkdir(parents=True, exist_ok=True)
             self._made_directory = self._mark_made()
+            if not self._remove_made.alive:  # detached: this store had not made it
+                self._remove_made = weakref.finalize(self, _remove_made_directory, self.directory)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         file = None
         try:
@@ -574,16 +581,8 @@ class DiskStore:
             self._maps.clear()
             self._ram.clear()
         if self._made_directory:
-            # The files are unlinked when made (nothing is left behind), so a directory
-            # a store made holds its mark alone once every store in it is done: it goes
-            # too, whichever of them ends last (ranks sharing store_dir end in any
-            # order, and one may hold a file for an instant as another ends). One
-            # holding anything else stays.
-            with contextlib.suppress(OSError):  # gone already: another store removed it
-                if all(e.name == _MADE_MARK for e in self.directory.iterdir()):
-                    self._marker.unlink(missing_ok=True)
-                    self.directory.rmdir()
             self._made_directory = False
+            self._remove_made()  # now, rather than at the interpreter's exit
 
     @property
     def _marker(self) -> Path:
@@ -593,6 +592,20 @@ class DiskStore:
         """Mark the directory as made by a store, for every store sharing it; True."""
         self._marker.touch()
         return True
+
+
+def _remove_made_directory(directory: Path) -> None:
+    """Remove a store_dir a store made, if it holds its mark alone.
+
+    The files are unlinked when made (nothing is left behind), so a directory a store
+    made holds its mark alone once every store in it is done: it goes too, whichever of
+    them ends last (ranks sharing store_dir end in any order, and one may hold a file
+    for an instant as another ends). One holding anything else stays. Run by
+    ``DiskStore.close``, or at the interpreter's exit for a store never closed."""
+    with contextlib.suppress(OSError):  # gone already: another store removed it
+        if all(e.name == _MADE_MARK for e in directory.iterdir()):
+            (directory / _MADE_MARK).unlink(missing_ok=True)
+            directory.rmdir()
 
 
 class Paged:
