@@ -665,6 +665,7 @@ class Run:
             streaming,
             self.device,
             store_dir=streaming.store_dir or str(self.model_dir / "store"),
+            device_tier=compiled.engine.resident,  # a budget's units, chosen at compile
         )
 
     def _check_vocabulary(self) -> None:

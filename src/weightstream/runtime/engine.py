@@ -109,13 +109,19 @@ def predicted_placement(
     config: StreamingConfig,
     device: torch.device,
     state_bytes: dict[str, list[int]] | None = None,
+    device_tier: frozenset[int] = frozenset(),
 ) -> Placement:
     """Where a disk store under ``config`` would place ``module``'s training state, as
     the store decides it when it takes the module (``PlacementPlan``), without one.
     ``state_bytes``: each parameter's optimizer state tensors by name (default: AdamW's
-    two of the parameter's size)."""
+    two of the parameter's size). ``device_tier``: the plan's units in the device tier,
+    whose state the store does not hold (Note [device tier] in runtime/placement.py)."""
     ram_tier, grads_to_update = ram_tier_of(plan, config, device)
-    sizes = {name: p.numel() * p.element_size() for name, p in module.named_parameters()}
+    tiered = {id(p) for u in plan.units if u.index in device_tier for p in u.params}
+    named = [(n, p) for n, p in module.named_parameters() if id(p) not in tiered]
+    sizes = {name: p.numel() * p.element_size() for name, p in named}
+    if state_bytes is not None:
+        state_bytes = {name: v for name, v in state_bytes.items() if name in sizes}
     places = PlacementPlan(sizes, ram_tier, grads=not grads_to_update, state_bytes=state_bytes)
     return places.predicted
 

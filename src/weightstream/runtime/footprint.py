@@ -211,24 +211,32 @@ def host_footprint(
     config: StreamingConfig,
     device: torch.device,
     store_dir: str | None = None,
+    device_tier: frozenset[int] = frozenset(),
 ) -> HostFootprint:
     """The training state of ``model`` (on the meta device or not) under ``config``,
     the streaming settings as configured (``store``, ``host_memory_budget``,
-    ``compute_dtype``), with ``optimizer``'s state as constructed (the Note)."""
+    ``compute_dtype``), with ``optimizer``'s state as constructed (the Note).
+    ``device_tier``: the plan's units the device tier holds, out of a disk store's
+    placement (their bytes count in the total on the CPU only, whose device memory is
+    the host's)."""
     named = list(_unique(model.named_parameters()))
+    numel = sum(p.numel() for _, p in named)  # every parameter: bytes a parameter of them
+    if device.type != "cpu":  # the tier's units live in the accelerator's memory
+        tiered = {id(p) for u in plan.units if u.index in device_tier for p in u.params}
+        named = [(n, p) for n, p in named if id(p) not in tiered]
     state_bytes = _state_bytes(named, optimizer)
     grads_kept = not (config.update_in_backward and not _data_parallel(config))
     counted = {
         "master": sum(p.nbytes for _, p in named),
         "state": sum(sum(v) for v in state_bytes.values()),
         "grad": sum(p.nbytes for _, p in named if p.requires_grad) if grads_kept else 0,
-        "mirror": _mirror_bytes(plan, config, device),
+        "mirror": _mirror_bytes(plan, config, device, device_tier),
     }
     budget = config.host_memory_budget
     if budget is None:
         budget = places.default_budget()
     found = HostFootprint(
-        numel=sum(p.numel() for _, p in named),
+        numel=numel,
         bytes=counted,
         store=config.store,
         budget=budget,
@@ -243,10 +251,12 @@ def host_footprint(
     found.store_dir = str(store_dir) if store_dir is not None else None
     found.disk_free = _free_disk(store_dir)
     if config.store == "disk":
-        found.placement = predicted_placement(model, plan, config, device, state_bytes)
+        found.placement = predicted_placement(model, plan, config, device, state_bytes, device_tier)
     elif found.where == "neither":
         disk = dataclasses.replace(config, store="disk")
-        found.as_disk_store = predicted_placement(model, plan, disk, device, state_bytes)
+        found.as_disk_store = predicted_placement(
+            model, plan, disk, device, state_bytes, device_tier
+        )
     return found
 
 
@@ -318,16 +328,19 @@ def _data_parallel(config: StreamingConfig) -> bool:
     return config.data_parallel and swarm.world_size() > 1
 
 
-def _mirror_bytes(plan: Plan, config: StreamingConfig, device: torch.device) -> int:
+def _mirror_bytes(
+    plan: Plan, config: StreamingConfig, device: torch.device, device_tier=frozenset()
+) -> int:
     """The host mirror's bytes: the streamed parameters in the compute dtype, where the
-    masters are not in it already (Note [host mirror])."""
+    masters are not in it already (Note [host mirror]); the device tier's units do not
+    stream."""
     sharding = config.store_sharding or ("sharded" if device.type == "cpu" else "replicated")
     sharded = _data_parallel(config) and sharding == "sharded"
     wanted, blocked = host_mirror_of(config, device, config.store == "disk", sharded)
     compute = config.compute_dtype
     if not wanted or blocked or not isinstance(compute, torch.dtype):
         return 0
-    streamed = {id(p): p for u in plan.units for p in u.params}
+    streamed = {id(p): p for u in plan.units if u.index not in device_tier for p in u.params}
     return sum(p.numel() * compute.itemsize for p in streamed.values() if p.dtype != compute)
 
 
