@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -668,6 +669,13 @@ class Run:
             device_tier=compiled.engine.resident,  # a budget's units, chosen at compile
         )
 
+    def _input_sections(self) -> Iterator[tuple[str, dict]]:
+        """(name, values) of the params file's input sections, train_input first."""
+        for name in ("train_input", "eval_input"):
+            section = getattr(self.params, name)
+            if section is not None:
+                yield name, section.to_dict()
+
     def _check_vocabulary(self) -> None:
         """Data whose token ids the model has no embedding for fails here, before step 1."""
         from weightstream.data.processors import data_vocab_size
@@ -675,11 +683,7 @@ class Run:
         model_vocab = getattr(self.params.model.config, "vocab_size", None)
         if self.task != "lm" or not isinstance(model_vocab, int):
             return
-        for name in ("train_input", "eval_input"):
-            section = getattr(self.params, name)
-            if section is None:
-                continue
-            values = section.to_dict()
+        for name, values in self._input_sections():
             data_vocab = data_vocab_size(values)
             if data_vocab is not None and data_vocab > model_vocab:
                 tokenizer = values.get("tokenizer")
@@ -697,9 +701,8 @@ class Run:
     def _check_packing(self, model) -> None:
         """Packed input needs a model that takes its mask (Note [packed batches] in
         models/tasks.py): refused here, before step 1."""
-        for name in ("train_input", "eval_input"):
-            section = getattr(self.params, name)
-            if section is None or not section.to_dict().get("packing"):
+        for name, values in self._input_sections():
+            if not values.get("packing"):
                 continue
             # The error of a model that takes no such mask, raised on a one-token batch.
             probe = {"input_ids": None, "position_ids": torch.zeros(1, 1, dtype=torch.long)}
@@ -726,11 +729,7 @@ class Run:
         ]
         if limit is None or not tables:
             return
-        for section_name in ("train_input", "eval_input"):
-            section = getattr(self.params, section_name)
-            if section is None:
-                continue
-            values = section.to_dict()
+        for section_name, values in self._input_sections():
             seq = next(
                 (values[k] for k in ("seq_len", "max_sequence_length") if values.get(k)), None
             )

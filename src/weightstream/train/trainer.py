@@ -20,7 +20,6 @@ import json
 import logging
 import math
 import os
-import random
 import shutil
 import sys
 import time
@@ -29,7 +28,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -532,15 +530,11 @@ class Trainer:
         if self.optimizer is not None and hasattr(self.optimizer, "synchronize"):
             self.optimizer.synchronize()
         self.perf.pause()
+        state = capture_rng_state()  # every generator the training draws from
         try:
-            with torch.random.fork_rng(devices=[]):
-                state = random.getstate(), np.random.get_state()
-                try:
-                    self.evaluate(self.eval_input(), self.eval_steps)
-                finally:
-                    random.setstate(state[0])
-                    np.random.set_state(state[1])
+            self.evaluate(self.eval_input(), self.eval_steps)
         finally:
+            restore_rng_state(state)
             self.perf.resume()
 
     @torch.no_grad()
