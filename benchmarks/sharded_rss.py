@@ -6,7 +6,7 @@ Trains one of ``gpu_stream.py``'s Llama shapes (``--size``) for a few steps, fir
 one process, then in ``--ranks`` processes started as torchrun starts them, all on
 the same device (on a GPU: every rank on the one GPU, joined with gloo; on the CPU:
 every rank on the CPU), with ``store_sharding="sharded"``. Each rank builds the model
-from seed 0 in host memory (as a user's model is built), compiles it, runs its
+from seed 0 in host memory as a user's model is built (``gpu_stream.build``), compiles it, runs its
 steps on its share of the batch and reports its resident set after the steps
 (``VmRSS``) and its peak during them (``VmHWM`` reset after the build). The parent
 prints each run's figures and the ratio of a sharded rank's RSS to the single rank's:
@@ -42,10 +42,9 @@ def worker(args: argparse.Namespace) -> None:
     """One rank (RANK and WORLD_SIZE from the environment): build, compile, train, report."""
     import torch
     from _common import current_rss_bytes, lm_loss, peak_rss_bytes, reset_peak_rss
-    from gpu_stream import ADAMW, SIZES, config_of
+    from gpu_stream import ADAMW, SIZES, build, config_of
 
     import weightstream as cstorch
-    from weightstream.models import Llama
     from weightstream.models.llama import LlamaBlock
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -54,9 +53,10 @@ def worker(args: argparse.Namespace) -> None:
     cfg = config_of(size, args.seq)
     if args.n_layer:
         cfg = dataclasses.replace(cfg, n_layer=args.n_layer)
-    torch.manual_seed(0)
     started = time.perf_counter()
-    model = Llama(cfg)
+    # The same values on every rank, drawn on every core (the zoo's init runs on one
+    # thread: most of a 1.1B rank's start on the GPU machine's clock).
+    model = build(cfg)
     compiled = cstorch.compile(
         model,
         backend="wse_ws",
