@@ -86,6 +86,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
+import faulthandler
 import functools
 import gc
 import math
@@ -341,6 +342,9 @@ def count_params(cfg: LlamaConfig) -> int:
         return sum(p.numel() for p in Llama(cfg).parameters())
 
 
+# Each step's seconds printed as it ends (--stacks).
+PROGRESS = False
+
 # Elements of one seeded piece of a matrix's initial values (drawn on one thread).
 INIT_PIECE = 2**24
 
@@ -504,6 +508,8 @@ def run_steps(
         loss, phases = train_step(
             model, opt, x, y, device, autocast_dtype, in_backward, saved_on_host
         )
+        if PROGRESS:
+            print(f"    step {i + 1} of {warmup + steps}: {sum(phases):.3f} s", flush=True)
         timing.losses.append(loss)
         if i >= warmup:
             timing.phases.append(phases)
@@ -1231,6 +1237,13 @@ def parse_args() -> argparse.Namespace:
         "--profile", action="store_true", help="WS: one more step under torch.profiler, printed"
     )
     ap.add_argument(
+        "--stacks",
+        type=float,
+        metavar="SECONDS",
+        help="where a run takes longer than it should: every SECONDS each thread's stack "
+        "on stderr (faulthandler), and each step's seconds as it ends",
+    )
+    ap.add_argument(
         "--activation-checkpointing",
         action="store_true",
         help="every mode recomputes each block's forward in the backward (WS: its "
@@ -1262,6 +1275,10 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     sys.stdout.reconfigure(line_buffering=True)  # each line as it comes, through a pipe too
     args = parse_args()
+    if args.stacks:
+        global PROGRESS
+        PROGRESS = True
+        faulthandler.dump_traceback_later(args.stacks, repeat=True)
     device = torch.device(args.device)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())

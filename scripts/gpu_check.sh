@@ -13,6 +13,7 @@
 #   BENCH="--sizes 13b --peers '' --state bf16-int8 --activation-checkpointing" ...  # the 13B in RAM
 #   BENCH="--sizes 20b --peers '' --state bf16-int8 --store disk --store-dir /tmp/ws_store --activation-checkpointing" ...
 #   RSS="--size 1b" bash scripts/gpu_check.sh  # then benchmarks/sharded_rss.py: host RSS, 2 ranks vs 1
+#   TEST_ARGS="-k tier" BENCH="--sizes 1b --state bf16 --stacks 20" ...  # some tests; a slow run's stacks
 #
 # Each part has its own limit (TEST_S, BENCH_S, BENCH2_S, RSS_S seconds) so that one
 # part running long leaves the next its time; what each printed is in $OUT.
@@ -42,7 +43,7 @@ if [ "$TESTS" = 1 ]; then
   # outer timeout bounds the whole run either way).
   per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 120")
   timeout "$TEST_S" python3 -m pytest -q -m cuda tests/test_cuda.py tests/test_sharded_store_cuda.py \
-    -p no:cacheprovider -o addopts="" -ra $per_test 2>&1 | tee "$OUT/cuda_tests.txt"
+    -p no:cacheprovider -o addopts="" -ra $per_test ${TEST_ARGS:-} 2>&1 | tee "$OUT/cuda_tests.txt"
 fi
 
 echo "== gpu_stream.py $BENCH at ${SECONDS} s"

@@ -99,12 +99,14 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-3, foreach=False)
 
 
-def _train(make, cfg, steps: int, **compile_kw):
-    """(model, runner, losses): AdamW on the host masters of the streamed model."""
+def _train(make, cfg, steps: int, optimizer_first: bool = False, **compile_kw):
+    """(model, runner, losses): AdamW on the host masters of the streamed model, built
+    after ``compile()`` (``optimizer_first``: before it, its state made on the host)."""
     torch.manual_seed(0)
     model = make(cfg)
+    opt = _adamw(model.parameters()) if optimizer_first else None
     runner = cstorch.compile(model, backend="ws", device=DEVICE, **compile_kw)
-    opt = _adamw(model.parameters())
+    opt = opt or _adamw(model.parameters())
     losses = []
     for step in range(steps):
         x, y = _batch(step, cfg.vocab_size)
@@ -389,14 +391,19 @@ def test_activation_offload_is_exact_and_frees_device_memory(checkpointing, monk
     assert records > 0 and held_off < held_plain
 
 
+@pytest.mark.parametrize("optimizer_first", [False, True], ids=["optimizer-after", "before"])
 @pytest.mark.parametrize("part", ["some", "all"])
-def test_the_device_tier_equals_eager_with_its_updates_on_the_device(part):
+def test_the_device_tier_equals_eager_with_its_updates_on_the_device(part, optimizer_first):
     """Units of the device tier keep masters, gradients and AdamW state on the GPU and
     are updated there by the same (single-tensor) AdamW as the reference's device part;
-    the other units stream as always: bit for bit in fp32."""
+    the other units stream as always: bit for bit in fp32. An optimizer built before
+    ``compile()`` made its state on the host: the tier's share moves to the GPU when it
+    binds (it used to stay there, and the first step failed on mixed devices)."""
     make, cfg = MODELS["gpt"]
     budget = 200_000 if part == "some" else 2**40
-    model, runner, losses = _train(make, cfg, 4, granularity="module", device_tier_budget=budget)
+    model, runner, losses = _train(
+        make, cfg, 4, optimizer_first, granularity="module", device_tier_budget=budget
+    )
     resident = runner.engine.resident
     assert resident and (part == "all") == (len(resident) == len(runner.plan.units))
     tier = {id(p) for i in resident for p in runner.plan.units[i].params}

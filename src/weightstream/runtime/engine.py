@@ -6,6 +6,7 @@ import contextlib
 import logging
 import warnings
 import weakref
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -368,6 +369,8 @@ class StreamingEngine:
     def bind_optimizer(self, optimizer) -> None:
         self.store.bind_optimizer(optimizer)
         self._optimizers[optimizer] = None
+        if self.resident:  # an optimizer built before compile(): its state joins the tier
+            self._tier_state_to_device([optimizer], self._tier_params())
 
     def apply_step(self, optimizer) -> None:
         """The optimizer's update of the masters, through the updater (Note [overlapped
@@ -648,34 +651,54 @@ class StreamingEngine:
                 "units (granularity='module', a smaller unit_size_target).",
                 stacklevel=4,
             )
-        # Meta parameters (shapes only: validate_only, compile_only) have nothing to move.
-        unique = {id(p): p for i in chosen for p in unit_params[i]}.values()
-        moved = [p for p in unique if not p.is_meta]
+        moved = self._tier_params(chosen)
         if self.store.sharded:  # every rank holds the tier's units (Note [sharded store])
-            self.store.replicas.replicate(moved, list(self._optimizers))
+            self.store.replicas.replicate(moved)
             self.reducer.replicate(moved)
-        tier, old_state = self.store.tier, []
-
-        def to_device(t: torch.Tensor) -> torch.Tensor:
-            # Out of a disk store's files or RAM tier into ordinary memory of the device.
-            held = tier.holds(t)
-            return t.to(self.device, copy=held) if held or t.device != self.device else t
-
         with torch.no_grad():
             olds = [p.data for p in moved]
             for p in moved:
-                p.data = to_device(p.data)
+                p.data = self._into_device_memory(p.data)
                 if p.grad is not None:
-                    p.grad = to_device(p.grad)
-                for optimizer in self._optimizers:
+                    p.grad = self._into_device_memory(p.grad)
+        self.store.tier.forget(moved, olds)  # a disk store gives their files and RAM back
+        self._tier_state_to_device(list(self._optimizers), moved)
+        return chosen
+
+    def _tier_params(self, units: Iterable[int] | None = None) -> list[torch.nn.Parameter]:
+        """The parameters of the device tier's ``units`` (default: the placed ones), each
+        once; meta parameters (shapes only: validate_only, compile_only) left out."""
+        units = self.resident if units is None else units
+        unique = {id(p): p for i in units for p in self.plan.units[i].params}.values()
+        return [p for p in unique if not p.is_meta]
+
+    def _into_device_memory(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` in ordinary memory of the device: out of a disk store's files or the RAM
+        tier, or from the host."""
+        held = self.store.tier.holds(t)
+        return t.to(self.device, copy=held) if held or t.device != self.device else t
+
+    def _tier_state_to_device(self, optimizers: list, params: list[torch.nn.Parameter]) -> None:
+        """The ``optimizers``' state of the device tier's ``params`` on the device: when the
+        tier is placed, and for an optimizer bound later (one built before ``compile()``,
+        its state made where the parameters were then). On a sharded store every rank
+        takes the owner's state first (collective: binding and placing follow the same
+        order on every rank)."""
+        if not optimizers or not params:
+            return
+        if self.store.sharded:
+            self.store.replicas.replicate_state(params, optimizers)
+        old_state = []
+        with torch.no_grad():
+            for p in params:
+                for optimizer in optimizers:
                     state = optimizer.state.get(p, {})
                     for key, value in state.items():
                         if isinstance(value, torch.Tensor):
                             old_state.append(value)
-                            state[key] = to_device(value)
-        tier.forget(moved, olds)  # a disk store gives their files and RAM back
+                            state[key] = self._into_device_memory(value)
+        tier = self.store.tier
         tier.drop([t for t in old_state if tier.holds(t)], "state")
-        return chosen
 
     def describe_tiers(self) -> str:
         """One line for the log: this rank's training state on the device and on the host,

@@ -262,27 +262,38 @@ class ShardedStore:
         ranks: each gradient once, a replicated one by its owner."""
         return self.owner_of(p) == self.rank
 
-    def replicate(self, params: Sequence[torch.Tensor], optimizers) -> None:
+    def replicate(self, params: Sequence[torch.Tensor]) -> None:
         """Every rank holds ``params`` from now on (the device tier's, see the Note):
-        their masters and the ``optimizers``' state of them, broadcast from their owners
-        to the ranks that hold placeholders. Collective, in the same order on every rank."""
-        by_owner: dict[int, list[torch.Tensor]] = {}
-        for p in params:
-            if id(p) not in self._everywhere:
-                by_owner.setdefault(self.owner_of(p), []).append(p)
+        their masters broadcast from their owners to the ranks that hold placeholders
+        (their optimizers' state follows with ``replicate_state``). Collective, in the
+        same order on every rank."""
+        new = [p for p in params if id(p) not in self._everywhere]
         with torch.no_grad():
-            for owner, owned in sorted(by_owner.items()):
+            for owner, owned in self._by_owner(new):
                 values = self._broadcast_from_owner(owner, [p.data for p in owned], False)
+                if owner != self.rank:
+                    for p, value in zip(owned, values):
+                        p.data = value
+        self._everywhere.update(id(p) for p in params)
+
+    def replicate_state(self, params: Sequence[torch.Tensor], optimizers) -> None:
+        """The ``optimizers``' state of ``params``, which every rank holds, as their owners
+        have it (for the tier's placement, and for an optimizer bound after it).
+        Collective, in the same order on every rank."""
+        with torch.no_grad():
+            for owner, owned in self._by_owner(params):
                 states = [opt.state.get(p, {}) for opt in optimizers for p in owned]
                 keys = [(s, k) for s in states for k in sorted(s) if torch.is_tensor(s[k])]
                 got = self._broadcast_from_owner(owner, [s[k] for s, k in keys], False)
-                if owner == self.rank:
-                    continue
-                for p, value in zip(owned, values):
-                    p.data = value
-                for (state, key), value in zip(keys, got):
-                    state[key] = value
-        self._everywhere.update(id(p) for p in params)
+                if owner != self.rank:
+                    for (state, key), value in zip(keys, got):
+                        state[key] = value
+
+    def _by_owner(self, params: Sequence[torch.Tensor]) -> list[tuple[int, list[torch.Tensor]]]:
+        by_owner: dict[int, list[torch.Tensor]] = {}
+        for p in params:
+            by_owner.setdefault(self.owner_of(p), []).append(p)
+        return sorted(by_owner.items())
 
     def _drop_unowned_masters(self) -> None:
         dropped, old = [], []
