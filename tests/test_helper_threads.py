@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 
 import weightstream as cstorch
+from weightstream.common.threads import openmp_runtime, single_threaded_operators
 from weightstream.models import GPT, GPTConfig
-from weightstream.runtime.device import _openmp_runtime, single_threaded_operators
 
 pytestmark = pytest.mark.skipif(
-    torch.get_num_threads() < 2 or _openmp_runtime() is None,
+    torch.get_num_threads() < 2 or openmp_runtime() is None,
     reason="needs PyTorch on an OpenMP runtime with at least 2 threads",
 )
 

@@ -103,21 +103,21 @@ alive, and 76 us beside the engine's prefetch thread; a tiny eight-block chain's
 forward + backward went from 1.1 ms to 3.7 ms.
 
 So where the CPU is the compute device, the helper threads run their
-operators on one thread each (:func:`single_threaded_operators`: the OpenMP
+operators on one thread each (``common.threads.single_threaded_operators``: the OpenMP
 team size is a per-thread setting, unlike ``torch.set_num_threads``, which
 would change it for the compute thread too). The compute keeps every CPU; the
 helpers' copies and updates are memory-bound and overlap it. An accelerator's
-helpers keep the full team: its host has the CPUs to itself.
+helpers keep the full team: its host has the CPUs to itself (the compact-state
+kernels, whose operators are small, spread over single-threaded workers
+instead: Note [compact kernels on many cores] in optim/compact.py).
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
-import ctypes
 import functools
 import mmap
-import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -125,31 +125,7 @@ from dataclasses import dataclass
 import torch
 
 from weightstream.common.flat import flatten, unflatten_views
-
-
-@functools.cache
-def _openmp_runtime() -> ctypes.CDLL | None:
-    """The OpenMP runtime PyTorch's operators run on, if PyTorch already loaded one."""
-    noload = getattr(os, "RTLD_NOLOAD", None)
-    if noload is None or "parallel backend: OpenMP" not in torch.__config__.parallel_info():
-        return None
-    for name in ("libgomp.so.1", "libiomp5.so", "libomp.so", "libomp.dylib"):
-        try:  # RTLD_NOLOAD: the library already in the process, never a new one
-            return ctypes.CDLL(name, mode=noload | os.RTLD_LAZY)
-        except OSError:
-            continue
-    return None
-
-
-def single_threaded_operators() -> None:
-    """The PyTorch operators of the calling thread run on it alone; other threads keep
-    their teams (Note [helper threads and OpenMP])."""
-    runtime = _openmp_runtime()
-    if runtime is not None:
-        # PyTorch sizes a thread's team at its first call (a lazy per-thread init from
-        # the process-wide torch.set_num_threads), over what was set before: first that.
-        torch.get_num_threads()
-        runtime.omp_set_num_threads(1)
+from weightstream.common.threads import single_threaded_operators
 
 
 @dataclass
