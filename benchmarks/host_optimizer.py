@@ -13,7 +13,9 @@ param, grad, exp_avg, exp_avg_sq, writes param, exp_avg, exp_avg_sq).
 state] in optim/compact.py) with the fp32 one on one tensor of ``--numel``
 elements: bytes moved per second by each (reads and writes of the parameter,
 its Kahan compensation, the moments and their scales, and the gradient read),
-side by side in one run, with min/median/max and the ratio to fp32 state.
+side by side in one run, with min/median/max and the ratio to fp32 state; the
+rows marked "chunks" run the chunked kernel where the compiled one would (Note
+[fused compact kernels] in optim/fused.py).
 
     .venv/bin/python benchmarks/host_optimizer.py --compact [--numel 4000000]
 """
@@ -28,6 +30,7 @@ import torch
 from _common import print_result, summary
 
 import weightstream as cstorch
+from weightstream.optim import fused
 
 
 def shapes(total: int) -> list[tuple[int, ...]]:
@@ -61,14 +64,31 @@ def memory_bandwidth() -> float:
 
 
 COMPACT_VARIANTS = {
-    # name: (parameter dtype, state_dtype)
-    "fp32 state": (torch.float32, torch.float32),
-    "bf16 state": (torch.float32, torch.bfloat16),
-    "int8 state": (torch.float32, torch.int8),
-    "bf16 master+Kahan": (torch.bfloat16, torch.float32),
-    "bf16 master+Kahan+bf16 state": (torch.bfloat16, torch.bfloat16),
-    "bf16 master+Kahan+int8 state": (torch.bfloat16, torch.int8),
+    # name: (parameter dtype, state_dtype, chunks: the chunked kernel where the
+    # compiled one would run, Note [fused compact kernels] in optim/fused.py)
+    "fp32 state": (torch.float32, torch.float32, False),
+    "bf16 state": (torch.float32, torch.bfloat16, False),
+    "bf16 state, chunks": (torch.float32, torch.bfloat16, True),
+    "int8 state": (torch.float32, torch.int8, False),
+    "bf16 master+Kahan": (torch.bfloat16, torch.float32, False),
+    "bf16 master+Kahan, chunks": (torch.bfloat16, torch.float32, True),
+    "bf16 master+Kahan+bf16 state": (torch.bfloat16, torch.bfloat16, False),
+    "bf16 master+Kahan+bf16 state, chunks": (torch.bfloat16, torch.bfloat16, True),
+    "bf16 master+Kahan+int8 state": (torch.bfloat16, torch.int8, False),
 }
+
+
+def _step(opt, chunks: bool) -> None:
+    """``opt.step()``, on the chunked kernel if ``chunks`` (the compiled one marked
+    unavailable meanwhile, as where it cannot be built)."""
+    kernels = fused._KERNELS
+    before = kernels.unavailable
+    if chunks:
+        kernels.unavailable = "benchmark: the chunked kernel"
+    try:
+        opt.step()
+    finally:
+        kernels.unavailable = before
 
 
 def bytes_moved(p: torch.Tensor, state: dict) -> int:
@@ -81,17 +101,19 @@ def bytes_moved(p: torch.Tensor, state: dict) -> int:
 def compact(args) -> None:
     torch.manual_seed(0)
     opts, moved = {}, {}
-    for name, (dtype, state_dtype) in COMPACT_VARIANTS.items():
+    for name, (dtype, state_dtype, chunks) in COMPACT_VARIANTS.items():
         p = torch.randn(args.numel).to(dtype).requires_grad_()
         p.grad = torch.randn(args.numel).to(dtype)
         opt = cstorch.optim.AdamW([p], lr=1e-4, weight_decay=0.1, state_dtype=state_dtype)
-        opt.step()  # warm-up
+        _step(opt, chunks)  # warm-up (and the kernel's compile)
         opts[name], moved[name] = opt, bytes_moved(p, opt.state[p])
+    if fused._KERNELS.unavailable is not None:
+        print(f"the compiled kernel is unavailable ({fused._KERNELS.unavailable})")
     times: dict[str, list[float]] = {k: [] for k in opts}
     for _ in range(args.repeats):
         for name, opt in opts.items():  # taking turns: noise hits all alike
             t = time.perf_counter()
-            opt.step()
+            _step(opt, COMPACT_VARIANTS[name][2])
             times[name].append(time.perf_counter() - t)
     bw = memory_bandwidth()
     print(
@@ -106,7 +128,7 @@ def compact(args) -> None:
         med = statistics.median(ts)
         rate = moved[name] / med
         print(
-            f"  {name:<30} {moved[name] / args.numel:5.2f} B/param moved   GB/s min "
+            f"  {name:<37} {moved[name] / args.numel:5.2f} B/param moved   GB/s min "
             f"{rates[0]:.2f} / median {statistics.median(rates):.2f} / max {rates[-1]:.2f}   "
             f"bytes/s vs fp32 {rate / ref_rate:.2f}x   step time vs fp32 {med / ref_time:.2f}x   "
             f"{rate / bw:.0%} of bandwidth"
