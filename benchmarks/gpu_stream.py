@@ -118,6 +118,7 @@ from weightstream.compiler.probe import disk_bandwidths, existing_dir
 from weightstream.models import Llama, LlamaConfig
 from weightstream.models.llama import LlamaBlock
 from weightstream.models.zoo import LLAMA_PRESETS
+from weightstream.optim import fused
 
 GiB = 2**30
 # The same AdamW hyperparameters for every mode (weightstream's AdamW and torch's
@@ -661,9 +662,17 @@ def run_ws(
     finally:
         runner.close()  # its tensors go with this frame; run_size frees the memory
         # Where a device call's minutes go (each mode builds its model afresh).
+        kernels = ""
+        if state != "fp32":  # Note [fused compact kernels] in optim/fused.py
+            why = fused._KERNELS.unavailable
+            kernels = (
+                f"; compiled update of parameters of {fused.FUSED_MIN_NUMEL:,}+ values"
+                if why is None
+                else f"; chunked updates only ({why})"
+            )
         print(
             f"  (WS, {state} state, tier {device_tier or 0}: built in {built - began:.1f} s, "
-            f"ran in {time.perf_counter() - built:.1f} s)",
+            f"ran in {time.perf_counter() - built:.1f} s{kernels})",
             flush=True,
         )
 
