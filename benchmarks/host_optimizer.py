@@ -70,11 +70,13 @@ COMPACT_VARIANTS = {
     "bf16 state": (torch.float32, torch.bfloat16, False),
     "bf16 state, chunks": (torch.float32, torch.bfloat16, True),
     "int8 state": (torch.float32, torch.int8, False),
+    "int8 state, chunks": (torch.float32, torch.int8, True),
     "bf16 master+Kahan": (torch.bfloat16, torch.float32, False),
     "bf16 master+Kahan, chunks": (torch.bfloat16, torch.float32, True),
     "bf16 master+Kahan+bf16 state": (torch.bfloat16, torch.bfloat16, False),
     "bf16 master+Kahan+bf16 state, chunks": (torch.bfloat16, torch.bfloat16, True),
     "bf16 master+Kahan+int8 state": (torch.bfloat16, torch.int8, False),
+    "bf16 master+Kahan+int8 state, chunks": (torch.bfloat16, torch.int8, True),
 }
 
 

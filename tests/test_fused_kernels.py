@@ -12,8 +12,10 @@ from torch import nn
 
 import weightstream as cstorch
 from weightstream.optim import fused
+from weightstream.optim.compact import BLOCK
 
 N = fused.FUSED_MIN_NUMEL + 77  # past the threshold, not a multiple of anything
+N8 = fused.FUSED_MIN_NUMEL + 3 * BLOCK  # int8 state: whole blocks
 STEPS = 4
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 
@@ -26,16 +28,20 @@ def kernels():
     fused._KERNELS.unavailable = before
 
 
-def _problem():
+def _problem(n=N):
     g = torch.Generator().manual_seed(0)
-    init = torch.randn(N, generator=g)
-    grads = [torch.randn(N, generator=g) for _ in range(STEPS)]
+    init = torch.randn(n, generator=g)
+    grads = [torch.randn(n, generator=g) for _ in range(STEPS)]
     return init, grads
+
+
+def _size(state_dtype) -> int:
+    return N8 if state_dtype == torch.int8 else N
 
 
 def _ours(kernels, chunks: bool, master, state_dtype, name="AdamW"):
     kernels.unavailable = "the chunks, for this test" if chunks else None
-    init, grads = _problem()
+    init, grads = _problem(_size(state_dtype))
     p = nn.Parameter(init.to(master))
     opt = getattr(cstorch.optim, name)([p], state_dtype=state_dtype, **HYPER)
     for g in grads:
@@ -54,8 +60,8 @@ def _count_calls(monkeypatch, kernels) -> list[int]:
     """A one-item list counting the compiled kernel's runs from now on."""
     calls, made = [0], kernels.adam
 
-    def adam():
-        kernel = made()
+    def adam(int8):
+        kernel = made(int8)
 
         def counted(*args):
             kernel(*args)
@@ -67,9 +73,9 @@ def _count_calls(monkeypatch, kernels) -> list[int]:
     return calls
 
 
-def _torch_float64(master, name="AdamW"):
+def _torch_float64(master, name="AdamW", n=N):
     """torch.optim from the values and gradients ours see (rounded to ``master``)."""
-    init, grads = _problem()
+    init, grads = _problem(n)
     p = nn.Parameter(init.to(master).double())
     opt = getattr(torch.optim, name)([p], foreach=False, **HYPER)
     for g in grads:
@@ -82,8 +88,10 @@ CASES = [
     (torch.bfloat16, torch.bfloat16),  # bf16 masters + Kahan + bf16 state
     (torch.bfloat16, torch.float32),  # bf16 masters + Kahan
     (torch.float32, torch.bfloat16),  # bf16 state
+    (torch.bfloat16, torch.int8),  # bf16 masters + Kahan + int8 state
+    (torch.float32, torch.int8),  # int8 state
 ]
-IDS = ["bf16-bf16", "bf16-fp32", "fp32-bf16"]
+IDS = ["bf16-bf16", "bf16-fp32", "fp32-bf16", "bf16-int8", "fp32-int8"]
 
 
 @pytest.mark.parametrize("name", ["AdamW", "Adam"])
@@ -99,10 +107,10 @@ def test_the_kernel_is_adamw_to_the_rounding_of_its_state(
     compiled, compiled_state = _ours(kernels, False, master, state_dtype, name)
     assert calls == [STEPS], kernels.unavailable  # it was built, and it ran each step
     chunked, chunked_state = _ours(kernels, True, master, state_dtype, name)
-    exact = _torch_float64(master, name)
+    exact = _torch_float64(master, name, _size(state_dtype))
     # Rounding of the state: each of 4 steps' updates (up to lr) by bf16 moments'
     # 2**-8, or float32's; the masters' value with its Kahan buffer keeps ~16 bits.
-    bits = {torch.float32: 20, torch.bfloat16: 7}[state_dtype]
+    bits = {torch.float32: 20, torch.bfloat16: 7, torch.int8: 5}[state_dtype]
     tol = HYPER["lr"] * STEPS * 2**-bits
     tol += 2**-16 * exact.abs().max().item() if master == torch.bfloat16 else 0.0
     for ours, state in ((compiled, compiled_state), (chunked, chunked_state)):
@@ -156,8 +164,8 @@ def _wide_run(runner_of, model, state_dtype, steps=3):
 
 @pytest.mark.parametrize(
     "state_dtype, overlap",
-    [("bfloat16", False), ("bfloat16", True)],
-    ids=["at-step", "overlapped"],
+    [("bfloat16", False), ("bfloat16", True), ("int8", False)],
+    ids=["bf16-at-step", "bf16-overlapped", "int8-at-step"],
 )
 def test_streamed_training_with_the_kernel_matches_eager_bitwise(
     kernels, monkeypatch, state_dtype, overlap
@@ -189,7 +197,7 @@ def test_without_the_kernel_the_chunks_run_and_say_why(kernels, monkeypatch):
     runs the chunks, which give their own bits."""
     expected, _ = _ours(kernels, True, torch.bfloat16, torch.bfloat16)
 
-    def broken():
+    def broken(int8):
         def fail(*args):
             raise RuntimeError("no C++ compiler found")
 

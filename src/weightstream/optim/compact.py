@@ -93,9 +93,9 @@ Kahan and bf16 state 6.9 -> 9.1 GB/s, bf16 masters with Kahan 12.0 -> 15.4.
 On the H200's host the 4.87B model with bf16 state then took 47 s a step
 (batch 4; fp32 state 2.04 s): 9.7 ns a parameter against 17 before. Still
 bound by operators, not memory: sixteen workers each run twenty small operators
-a chunk through Python and its GIL. A large parameter under Adam or AdamW with
-float moments therefore takes one compiled kernel instead (Note [fused compact
-kernels] in optim/fused.py); int8 state and the other optimizers take the chunks.
+a chunk through Python and its GIL. A large parameter under Adam or AdamW
+therefore takes one compiled kernel instead (Note [fused compact kernels] in
+optim/fused.py); the other optimizers take the chunks.
 
 Note [Kahan summation]
 ----------------------
@@ -462,11 +462,15 @@ def adam_step(
         bias_correction2_sqrt = (1 - beta2**step) ** 0.5
     else:
         step_size, bias_correction2_sqrt = lr, 1.0
-    if fusable(p, state, amsgrad) and adam_step_fused(
-        p, grad, state, step_size, bias_correction2_sqrt, lr, beta1, beta2, eps,
-        weight_decay, decoupled,
-    ):  # fmt: skip
-        return  # Note [fused compact kernels] in optim/fused.py
+    if fusable(p, state, amsgrad, BLOCK):  # Note [fused compact kernels] in optim/fused.py
+        codes = None
+        if v_state.scale is not None:  # int8: the moments' code ranges, whole blocks
+            codes = (Moment(state, "exp_avg").q, v_state.q, BLOCK)
+        if adam_step_fused(
+            p, grad, state, step_size, bias_correction2_sqrt, lr, beta1, beta2, eps,
+            weight_decay, decoupled, codes,
+        ):  # fmt: skip
+            return
 
     def body(start: int, x: Tensor, g: Tensor, moments: list[Tensor]) -> None:
         m, v, *top = moments
