@@ -163,23 +163,30 @@ def _wide_run(runner_of, model, state_dtype, steps=3):
 
 
 @pytest.mark.parametrize(
-    "state_dtype, overlap",
-    [("bfloat16", False), ("bfloat16", True), ("int8", False)],
-    ids=["bf16-at-step", "bf16-overlapped", "int8-at-step"],
+    "state_dtype, options",
+    [
+        ("bfloat16", {}),
+        ("bfloat16", {"overlap_updates": True}),
+        ("int8", {}),
+        ("int8", {"store": "disk"}),  # the pager's buffers (Note [explicit disk I/O])
+    ],
+    ids=["bf16-at-step", "bf16-overlapped", "int8-at-step", "int8-disk"],
 )
 def test_streamed_training_with_the_kernel_matches_eager_bitwise(
-    kernels, monkeypatch, state_dtype, overlap
+    kernels, monkeypatch, tmp_path, state_dtype, options
 ):
     def model():
         torch.manual_seed(0)
         return _Wide().to(torch.bfloat16)
 
+    if options.get("store") == "disk":
+        options = {**options, "store_dir": str(tmp_path / "store")}
     calls = _count_calls(monkeypatch, kernels)
     eager = model()
     ref_losses, eager_opt = _wide_run(lambda m: m, eager, state_dtype)
     streamed = model()
     losses, opt = _wide_run(
-        lambda m: cstorch.compile(m, backend="ws", granularity="module", overlap_updates=overlap),
+        lambda m: cstorch.compile(m, backend="ws", granularity="module", **options),
         streamed,
         state_dtype,
     )
