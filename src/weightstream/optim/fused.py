@@ -53,35 +53,45 @@ FUSED_MIN_NUMEL = 2**20
 _FLOATS = (torch.float32, torch.bfloat16)
 
 
-def _adam(
-    p: Tensor,
-    comp: Tensor | None,
-    g: Tensor,
-    m: Tensor,
-    v: Tensor,
-    decay: Tensor,
-    l2: Tensor,
-    beta1c: Tensor,
-    beta2: Tensor,
-    beta2c: Tensor,
-    neg_step_size: Tensor,
-    bias_correction2_sqrt: Tensor,
-    eps: Tensor,
-) -> None:
-    """The chunk's AdamW/Adam expression on whole flat tensors (compiled; see the Note).
-    Decoupled decay: ``decay = 1 - lr * wd``, ``l2 = 0``; L2: ``decay = 1``, ``l2 = wd``."""
+def _master(p: Tensor, comp: Tensor | None) -> Tensor:
+    """``p`` (plus its Kahan compensation) in float32, as the chunks' ``Master.read``."""
     x = p.float()
-    if comp is not None:
-        x = x + comp.float()
-    x = x * decay
-    gf = g.float() + l2 * x
-    mf = torch.lerp(m.float(), gf, beta1c)
-    vf = v.float() * beta2 + beta2c * gf * gf
-    denom = vf.sqrt() / bias_correction2_sqrt + eps
-    x = x + neg_step_size * mf / denom  # addcdiv's order: (value * m) / denom
+    return x if comp is None else x + comp.float()
+
+
+def _store(p: Tensor, comp: Tensor | None, x: Tensor) -> None:
+    """``x`` rounded into ``p``, the rounding's error into ``comp`` (``Master.write``)."""
     p.copy_(x)
     if comp is not None:
         comp.copy_(x - p.float())
+
+
+def _stepped(
+    x: Tensor, g: Tensor, m: Tensor, v: Tensor, scalars: tuple[Tensor, ...], block: int = 0
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The chunk's Adam/AdamW expression: ``(x, m, v, sqrt(v))`` after the step, each
+    term in the chunk's order. ``scalars``: ``decay`` (``1 - lr * wd`` decoupled, else
+    1), ``l2`` (``wd`` for L2 decay, else 0), ``1 - beta1``, ``beta2``, ``1 - beta2``,
+    ``-step_size``, the second bias correction's root and eps. ``block``: the moments
+    are rows of that many values (int8), ``x`` and ``g`` flat."""
+    decay, l2, beta1c, beta2, beta2c, neg_step_size, bias_correction2_sqrt, eps = scalars
+    x = x * decay
+    gf = g.float() + l2 * x
+    if block:
+        gf = gf.view(-1, block)
+    mf = torch.lerp(m, gf, beta1c)
+    vf = v * beta2 + beta2c * gf * gf
+    root = vf.sqrt()
+    step = neg_step_size * mf / (root / bias_correction2_sqrt + eps)  # addcdiv's order
+    return x + step.view(x.shape), mf, vf, root
+
+
+def _adam(
+    p: Tensor, comp: Tensor | None, g: Tensor, m: Tensor, v: Tensor, scalars: tuple[Tensor, ...]
+) -> None:
+    """The step on float moments, flat tensors (compiled; see the Note)."""
+    x, mf, vf, _ = _stepped(_master(p, comp), g, m.float(), v.float(), scalars)
+    _store(p, comp, x)
     m.copy_(mf)
     v.copy_(vf)
 
@@ -114,39 +124,21 @@ def _adam_int8(
     p: Tensor,
     comp: Tensor | None,
     g: Tensor,
-    m_codes: Tensor,
-    m_scale: Tensor,
-    v_codes: Tensor,
-    v_scale: Tensor,
-    decay: Tensor,
-    l2: Tensor,
-    beta1c: Tensor,
-    beta2: Tensor,
-    beta2c: Tensor,
-    neg_step_size: Tensor,
-    bias_correction2_sqrt: Tensor,
-    eps: Tensor,
-    signed_q: float,
-    unsigned_q: float,
-    block: int,
+    m: tuple[Tensor, Tensor],
+    v: tuple[Tensor, Tensor],
+    scalars: tuple[Tensor, ...],
+    codes: tuple[float, float, int],
 ) -> None:
-    """:func:`_adam` on int8 moments of whole blocks: ``exp_avg`` signed, ``exp_avg_sq``
-    coded as its root, as the chunks' ``Moment`` codes them."""
-    x = p.float()
-    if comp is not None:
-        x = x + comp.float()
-    x = x * decay
-    gf = (g.float() + l2 * x).view(-1, block)
-    mf = torch.lerp(_decoded(m_codes, m_scale, signed_q, True, False, block), gf, beta1c)
-    vf = _decoded(v_codes, v_scale, unsigned_q, False, True, block) * beta2 + beta2c * gf * gf
-    root = vf.sqrt()
-    denom = root / bias_correction2_sqrt + eps
-    x = x + (neg_step_size * mf / denom).view(-1)
-    p.copy_(x)
-    if comp is not None:
-        comp.copy_(x - p.float())
-    _encoded(mf, m_codes, m_scale, signed_q, True)
-    _encoded(root, v_codes, v_scale, unsigned_q, False)
+    """The step on int8 moments of whole blocks, ``(codes, scales)`` each: ``exp_avg``
+    signed, ``exp_avg_sq`` coded as its root, as the chunks' ``Moment`` codes them;
+    ``codes``: their Q and the block."""
+    signed_q, unsigned_q, block = codes
+    decoded_m = _decoded(*m, signed_q, True, False, block)
+    decoded_v = _decoded(*v, unsigned_q, False, True, block)
+    x, mf, _, root = _stepped(_master(p, comp), g, decoded_m, decoded_v, scalars, block)
+    _store(p, comp, x)
+    _encoded(mf, *m, signed_q, True)
+    _encoded(root, *v, unsigned_q, False)
 
 
 class _Kernels:
@@ -233,7 +225,7 @@ def adam_step_fused(
     def scalar(value: float) -> Tensor:
         return torch.tensor(value, dtype=torch.float32)
 
-    args = (
+    scalars = (
         scalar(1 - lr * weight_decay if decoupled else 1.0),
         scalar(0.0 if decoupled else weight_decay),
         scalar(1 - beta1),
@@ -244,16 +236,16 @@ def adam_step_fused(
         scalar(eps),
     )
     comp = None if comp is None else comp.view(-1)
-    flat = [t.view(-1) for t in (p, grad.contiguous(), state["exp_avg"], state["exp_avg_sq"])]
+    p_flat, g_flat = p.view(-1), grad.contiguous().view(-1)
+    m, v = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
     kernel = _KERNELS.adam(codes is not None)
     try:
         with torch.no_grad():
             if codes is None:
-                kernel(flat[0], comp, *flat[1:], *args)
+                kernel(p_flat, comp, g_flat, m, v, scalars)
             else:
-                p_flat, g_flat, m, v = flat
                 m_scale, v_scale = state["exp_avg_scale"], state["exp_avg_sq_scale"]
-                kernel(p_flat, comp, g_flat, m, m_scale, v, v_scale, *args, *codes)
+                kernel(p_flat, comp, g_flat, (m, m_scale), (v, v_scale), scalars, codes)
     except Exception as exc:  # the compile failed: no value was written
         _KERNELS.failed(exc)
         return False
