@@ -198,9 +198,11 @@ def fusable(p: Tensor, state: dict[str, Any], amsgrad: bool, block: int) -> bool
     m, v = state.get("exp_avg"), state.get("exp_avg_sq")
     if m is None or v is None or p.dtype not in _FLOATS:
         return False
+    if not (m.is_contiguous() and v.is_contiguous()):
+        return False
     if "exp_avg_scale" in state:  # int8
         return p.numel() % block == 0
-    return m.dtype in _FLOATS and v.dtype == m.dtype and m.is_contiguous() and v.is_contiguous()
+    return m.dtype in _FLOATS and v.dtype == m.dtype
 
 
 def adam_step_fused(
@@ -220,7 +222,6 @@ def adam_step_fused(
     """The step of a :func:`fusable` parameter; False if the kernel could not be built
     (nothing was changed: the caller runs the chunks). ``codes``: int8 moments' ranges
     (``exp_avg``'s Q, ``exp_avg_sq``'s) and block, as the chunks' ``Moment`` has them."""
-    comp = state.get("kahan_comp")
 
     def scalar(value: float) -> Tensor:
         return torch.tensor(value, dtype=torch.float32)
@@ -235,6 +236,7 @@ def adam_step_fused(
         scalar(bias_correction2_sqrt),
         scalar(eps),
     )
+    comp = state.get("kahan_comp")
     comp = None if comp is None else comp.view(-1)
     p_flat, g_flat = p.view(-1), grad.contiguous().view(-1)
     m, v = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
