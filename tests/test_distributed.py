@@ -25,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -341,6 +342,50 @@ def test_a_batch_the_ranks_cannot_share_is_refused_once_before_any_rank_starts(t
     (error,) = errors
     assert "train_input.batch_size = 8 (the global batch) does not divide by the 3" in error
     assert not (tmp_path / "m").exists()
+
+
+def test_bad_input_met_by_every_rank_is_said_once(tmp_path):
+    """A checkpoint_path that does not exist stops both ranks of the run command with the
+    same message: it is printed once, by rank 0 (Note [one line per error] in
+    cli/launch.py), and the launcher's summary follows it."""
+    params = _params(tmp_path, "gpt2", max_steps=2)
+    missing = tmp_path / "missing.h5"
+    left = Path(tempfile.gettempdir()).glob("weightstream-rank-errors-*")
+    before = set(left)
+    cmd = [sys.executable, "-m", "weightstream", "run", "CPU", "-p", str(params), "-o",
+           str(tmp_path / "m"), "--num_csx", "2", "--checkpoint_path", str(missing)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out[-2000:]
+    assert out.count(f"checkpoint {missing} does not exist") == 1, out[-3000:]
+    assert "rank 1 of 2:" not in out
+    assert "of 2 exited with code 2" in out
+    left = Path(tempfile.gettempdir()).glob("weightstream-rank-errors-*")
+    assert set(left) <= before  # the launcher removed its directory
+
+
+def test_the_launcher_says_each_ranks_own_error_once_with_the_ranks_that_met_it(
+    tmp_path, monkeypatch, caplog
+):
+    """What the ranks left (report_error): rank 0's message was logged as it stopped; the
+    others' are printed once each, naming every rank that met them."""
+    from weightstream.cli import launch
+
+    monkeypatch.setenv(launch.RANK_ERRORS, str(tmp_path))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with caplog.at_level(logging.ERROR, logger="weightstream"):
+        for rank, message in enumerate(("bad data", "bad data", "no room", "no room")):
+            monkeypatch.setenv("RANK", str(rank))
+            launch.report_error(message)
+        assert [r.getMessage() for r in caplog.records] == ["bad data"]  # rank 0's, at once
+        launch._print_rank_errors(tmp_path, 4)
+    assert [r.getMessage() for r in caplog.records] == ["bad data", "ranks 2, 3 of 4: no room"]
+    # Without the launcher's directory every rank says its own.
+    monkeypatch.delenv(launch.RANK_ERRORS)
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="weightstream"):
+        launch.report_error("no room")
+    assert [r.getMessage() for r in caplog.records] == ["rank 3 of 4: no room"]
 
 
 def test_ranks_started_with_different_params_are_stopped_before_training(tmp_path):

@@ -33,6 +33,7 @@ import yaml
 import weightstream as cstorch
 from weightstream import checkpoint as ckpt
 from weightstream.checkpoint.weights import load_weights
+from weightstream.cli.launch import report_error
 from weightstream.cli.params import Params, save_params
 from weightstream.cli.run_args import build_run_parser, params_from_args
 from weightstream.common import lora
@@ -1117,12 +1118,8 @@ def main(argv: list[str] | None = None) -> int:
                 f" (Check that {' and '.join(places)} are writable and their disks have "
                 "free space, and that the input files are readable.)"
             )
-        rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE", "1")
-        if rank not in (None, "0"):
-            # Every rank may meet the same bad input: the lines of the ranks other than
-            # rank 0 say whose they are.
-            message = f"rank {rank} of {world}: {message}"
-        log.error("%s", message)
+        # Every rank may meet the same bad input: said once (Note [one line per error]).
+        report_error(message)
         if created:
             # Bad input found before anything was written: leave no empty model_dir behind.
             with contextlib.suppress(OSError):
