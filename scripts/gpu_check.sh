@@ -15,7 +15,7 @@
 #   RSS="--size 1b" bash scripts/gpu_check.sh  # then benchmarks/sharded_rss.py: host RSS, 2 ranks vs 1
 #   TEST_ARGS="-k tier" BENCH="--sizes 1b --state bf16 --stacks 20" ...  # some tests; a slow run's stacks
 #
-# Each part has its own limit (TEST_S, BENCH_S, BENCH2_S, RSS_S seconds) so that one
+# Each part has its own limit (TEST_S, BENCH_S, BENCH2_S .. BENCH4_S, RSS_S seconds) so that one
 # part running long leaves the next its time; what each printed is in $OUT.
 #
 # Uses the machine's own python3 with PYTHONPATH=src (no set-up: the GPU machine
@@ -46,14 +46,17 @@ if [ "$TESTS" = 1 ]; then
     -p no:cacheprovider -o addopts="" -ra $per_test ${TEST_ARGS:-} 2>&1 | tee "$OUT/cuda_tests.txt"
 fi
 
-echo "== gpu_stream.py $BENCH at ${SECONDS} s"
-eval "set -- $BENCH"  # quoted arguments (an empty --peers '') survive
-timeout "$BENCH_S" python3 benchmarks/gpu_stream.py "$@" 2>&1 | tee "$OUT/gpu_stream.txt"
-if [ -n "${BENCH2:-}" ]; then
-  echo "== gpu_stream.py $BENCH2 at ${SECONDS} s"
-  eval "set -- $BENCH2"
-  timeout "${BENCH2_S:-$BENCH_S}" python3 benchmarks/gpu_stream.py "$@" 2>&1 | tee "$OUT/gpu_stream2.txt"
-fi
+# BENCH, then BENCH2 .. BENCH4 where given, each under its own limit; the scratch
+# directories of the examples (a checkpoint, a disk store) go after each part, so that
+# one part's files do not fill the disk the next needs.
+for part in "" 2 3 4; do
+  var="BENCH$part" limit="BENCH${part}_S"
+  [ -n "${!var:-}" ] || continue
+  echo "== gpu_stream.py ${!var} at ${SECONDS} s"
+  eval "set -- ${!var}"  # quoted arguments (an empty --peers '') survive
+  timeout "${!limit:-$BENCH_S}" python3 benchmarks/gpu_stream.py "$@" 2>&1 | tee "$OUT/gpu_stream$part.txt"
+  rm -rf ${SCRATCH:-/tmp/ws_ckpt /tmp/ws_store}
+done
 if [ -n "${RSS:-}" ]; then
   echo "== sharded_rss.py $RSS at ${SECONDS} s"
   eval "set -- $RSS"
