@@ -4,6 +4,7 @@ weightstream/executor.py)."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 import weightstream as cstorch
+from weightstream.context import start_run
 
 
 def _batches(n: int = 6, seed: int = 0):
@@ -62,11 +64,11 @@ def _model() -> nn.Module:
 
 @pytest.mark.parametrize("backend", ["wse_ws", "wse_lp"])
 @pytest.mark.parametrize("mode", ["compile_only", "validate_only"])
-def test_a_script_compiles_and_executes_nothing(backend, mode, caplog):
+def test_a_script_compiles_and_executes_nothing(backend, mode, caplog, tmp_path):
     model = _model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with caplog.at_level(logging.INFO, logger="weightstream"):
-        seen = _script(backend, model, **{mode: True})
+        seen = _script(backend, model, model_dir=str(tmp_path), **{mode: True})
     assert seen["batches"] == 1  # the one the compile needs
     assert seen["results"] == [None]
     assert (seen["closures"], seen["checkpoints"]) == (0, 0)
@@ -79,6 +81,96 @@ def test_a_script_compiles_and_executes_nothing(backend, mode, caplog):
         assert "planned for weight streaming in" in text
     else:
         assert "compiled for layer pipelined execution" in text
+    # compile_only leaves its compile directory in model_dir, as the run command's does;
+    # validate_only only traces.
+    written = list(tmp_path.glob("ws_*"))
+    assert len(written) == (mode == "compile_only"), written
+    assert list(tmp_path.glob("checkpoint_*")) == []
+
+
+def _flops(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    """Forward and backward FLOPs of ``model(x).sum()`` by torch's own counter."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as forward:
+        out = model(x).sum()
+    with FlopCounterMode(display=False) as backward:
+        out.backward()
+    return forward.get_total_flops(), backward.get_total_flops()
+
+
+def test_compile_only_writes_the_plan_and_estimate_of_the_scripts_step(tmp_path, caplog):
+    """The compile directory of a script's compile_only step: its plan, the FLOPs torch's
+    counter finds in the step, the script's optimizer priced; read back with json. A second
+    compile of the same model and batch finds it there; compile_dir puts it elsewhere."""
+    model_dir, compile_dir = tmp_path / "model", tmp_path / "compiled"
+    with caplog.at_level(logging.INFO, logger="weightstream"):
+        seen = _script("wse_ws", _model(), model_dir=str(model_dir), compile_only=True)
+    (directory,) = model_dir.glob("ws_*")
+    assert f"its compile directory is {directory}" in caplog.text
+    plan = json.loads((directory / "plan.json").read_text())
+    report = (directory / "compile_report.txt").read_text()
+    compiled = seen["compiled"]
+    assert [u["name"] for u in plan["units"]] == [u.display_name for u in compiled.plan.units]
+    assert plan["totals"]["params"] == sum(p.numel() for p in compiled.parameters())
+    forward, backward = _flops(_model(), torch.randn(4, 16))
+    assert plan["totals"]["fwd_flops"] == forward
+    assert plan["totals"]["bwd_flops"] == backward
+    settings = plan["estimate_settings"]
+    assert settings["batch_size"] == 4 and settings["weight_streaming"] is True
+    assert settings["update_bytes"] == 12  # plain SGD: read p and g, write p
+    assert plan["est_samples_per_sec"] > 0
+    assert "the script's input pipeline is not priced" in report
+
+    caplog.clear()
+    start_run()  # a new run (configure() is once per run)
+    with caplog.at_level(logging.INFO, logger="weightstream"):
+        _script("wse_ws", _model(), model_dir=str(model_dir), compile_only=True)
+    assert f"its compile directory {directory} was already there" in caplog.text
+    start_run()
+    _script(
+        "wse_ws",
+        _model(),
+        model_dir=str(model_dir),
+        compile_dir=str(compile_dir),
+        compile_only=True,
+    )
+    assert [p.name for p in compile_dir.glob("ws_*")] == [directory.name]
+
+
+def test_compile_only_prices_the_optimizer_built_before_the_step(tmp_path):
+    """AdamW with bf16 state: the update's bytes are compact state's (Note [compact
+    optimizer state]), not fp32 AdamW's; no optimizer at all is priced as AdamW, said."""
+    from weightstream.compiler.compile_phase import compact_update_bytes
+    from weightstream.compiler.estimate import DEFAULT_UPDATE_BYTES
+
+    def compile_only(optimizer: bool) -> dict:
+        start_run()  # a new run (configure() is once per run)
+        model_dir = tmp_path / str(optimizer)
+        cstorch.configure(model_dir=str(model_dir), compile_only=True)
+        model = _model()
+        compiled = cstorch.compile(model, backend="wse_ws")
+        opt = (
+            cstorch.optim.AdamW(model.parameters(), lr=1e-3, state_dtype=torch.bfloat16)
+            if optimizer
+            else None
+        )
+
+        @cstorch.compile_step
+        def step(x):
+            return compiled(x).sum()
+
+        assert step(torch.randn(4, 16)) is None
+        del opt
+        (directory,) = model_dir.glob("ws_*")
+        return json.loads((directory / "plan.json").read_text())
+
+    with_adamw = compile_only(True)
+    expected = compact_update_bytes(torch.float32, torch.bfloat16)
+    assert with_adamw["estimate_settings"]["update_bytes"] == expected
+    without = compile_only(False)
+    assert without["estimate_settings"]["update_bytes"] == DEFAULT_UPDATE_BYTES
+    assert any("no optimizer was built" in n for n in without["estimate"]["notes"])
 
 
 def test_the_same_script_trains_without_the_setting():

@@ -64,9 +64,10 @@ if _sys.platform.startswith("linux"):
     _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from weightstream import amp, metrics, optim, utils
-from weightstream.backend import CompiledModule, ExecutionMode, compile
+from weightstream.backend import CompiledModule, ExecutionMode
 from weightstream.checkpoint import load, save
 from weightstream.common.version import __version__
+from weightstream.compiler.api_compile import compile
 from weightstream.context import configure
 from weightstream.executor import checkpoint_closure, compile_step, step_closure
 from weightstream.runtime.config import StreamingConfig

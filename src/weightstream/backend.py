@@ -16,6 +16,7 @@ import contextlib
 import enum
 import logging
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -24,6 +25,7 @@ from torch.utils import _pytree as pytree
 from weightstream.amp import step_helper
 from weightstream.amp.half import half_dtype_setting
 from weightstream.common.schema import MASTER_DTYPE_HINT
+from weightstream.common.units import format_bytes
 from weightstream.executor import StepNotRun, only_compiling, step_context
 from weightstream.optim.binding import hosts
 from weightstream.runtime import swarm
@@ -96,6 +98,9 @@ class CompiledModule(nn.Module):
         # Layer pipelined under data parallel: SwarmX's reduce of the resident
         # parameters' gradients (weight streaming: the engine's own).
         self._reducer = reducer
+        # Set by the public ``cstorch.compile`` (compiler/api_compile.py): writes the
+        # compile directory of a compile_only run's step; what it did, in words.
+        self.on_compile_only: Callable[[CompiledModule, tuple, dict], str] | None = None
 
     @property
     def engine(self) -> StreamingEngine | None:
@@ -156,7 +161,7 @@ class CompiledModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         if (mode := only_compiling()) is not None and step_context().in_step:
-            raise StepNotRun(mode, self._compile_without_running(*args, **kwargs))
+            raise StepNotRun(mode, self._compile_without_running(mode, args, kwargs))
         if self._engine is not None:
             return self._engine(*args, **kwargs)
         if self._on_meta:
@@ -173,19 +178,24 @@ class CompiledModule(nn.Module):
             kwargs = without_cache(self._orig_mod, kwargs)
         return self._orig_mod(*args, **kwargs)
 
-    def _compile_without_running(self, *args, **kwargs) -> str:
-        """Plan the model for this batch, as a compile_only step does (Note [compile
-        only] in weightstream/executor.py); what was done, in words."""
+    def _compile_without_running(self, mode: str, args: tuple, kwargs: dict) -> str:
+        """Plan the model for this batch, as a compile_only step does, and (compile_only)
+        write its compile directory (Note [compile only] in weightstream/executor.py);
+        what was done, in words."""
         if self._engine is None:
-            mode = self.mode.value.replace("_", " ")
-            return f"the model is compiled for {mode} execution (resident: nothing to plan)"
-        plan = self._engine.prepare(*args, **kwargs)
-        log.info("Streaming plan: %d units\n%s", len(plan.units), plan.describe())
-        log.info("Training state: %s", self._engine.describe_tiers())
-        return (
-            f"the model is planned for weight streaming in {len(plan.units)} units, the "
-            f"largest {plan.largest_unit_bytes / 2**20:,.1f} MiB of weights"
-        )
+            execution = self.mode.value.replace("_", " ")
+            what = f"the model is compiled for {execution} execution (resident: nothing to plan)"
+        else:
+            plan = self._engine.prepare(*args, **kwargs)
+            log.info("Streaming plan: %d units\n%s", len(plan.units), plan.describe())
+            log.info("Training state: %s", self._engine.describe_tiers())
+            what = (
+                f"the model is planned for weight streaming in {len(plan.units)} units, the "
+                f"largest {format_bytes(plan.largest_unit_bytes)} of weights"
+            )
+        if mode == "compile_only" and self.on_compile_only is not None:
+            what += "; " + self.on_compile_only(self, args, kwargs)
+        return what
 
     # The original module's view of its own state, without the wrapper prefix.
     def state_dict(self, *args, **kwargs):

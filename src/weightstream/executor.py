@@ -26,16 +26,20 @@ so that a user's ``except Exception`` does not swallow it; a compiled model
 called outside a step runs as usual). Nothing else runs:
 later ``compile_step`` calls return None at once, step and checkpoint closures
 are skipped (nothing was computed for them to see, and no checkpoint is
-written), and the DataLoader yields one batch, the one the compile needs. The
+written), and the DataLoader yields one batch, the one the compile needs. A
+compile_only step also writes the compile directory of that plan, through the
+callback the public ``cstorch.compile`` gives the compiled model
+(compiler/api_compile.py: the compiler sits above the backend). The
 ``weightstream run`` command has its own compile_only and validate_only (the
 compile report, the footprint verdict) and drives no ``compile_step``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from torch.utils._pytree import tree_leaves
 
@@ -48,6 +52,7 @@ __all__ = [
     "checkpoint_closure",
     "compile_step",
     "only_compiling",
+    "outside_the_step",
     "step_closure",
     "step_context",
 ]
@@ -71,6 +76,18 @@ def only_compiling() -> str | None:
     return (
         "compile_only" if config.compile_only else "validate_only" if config.validate_only else None
     )
+
+
+@contextlib.contextmanager
+def outside_the_step() -> Iterator[None]:
+    """The library's own runs of compiled models inside a compile_only step (the compile
+    directory's probe, compiler/api_compile.py) run them as outside any step."""
+    ctx = step_context()
+    in_step, ctx.in_step = ctx.in_step, False
+    try:
+        yield
+    finally:
+        ctx.in_step = in_step
 
 
 def step_context() -> StepContext:

@@ -130,12 +130,6 @@ def _estimate(run, compiled, plan: Plan, args: tuple, kwargs: dict, batch_size: 
     and estimate: (costs, estimate, probe), or None where the forward cannot run on fakes."""
     rc, m, quick = run.rc, run.params.model, quick_profile()
     placement = _disk_placement(run, compiled, plan)
-    reads = placement.disk_reads_per_step if placement is not None else 0
-    writes = placement.disk_writes_per_step if placement is not None else 0
-    disk_dir = (
-        str(rc.streaming.store_dir or Path(rc.model_dir) / "store") if reads + writes else None
-    )
-    probe = load_or_measure(run.device, quick=quick, disk_dir=disk_dir)
     compute = (m.fp16_type if m.mixed_precision else None) or "float32"
     settings = EstimateSettings(
         batch_size=batch_size,
@@ -147,17 +141,45 @@ def _estimate(run, compiled, plan: Plan, args: tuple, kwargs: dict, batch_size: 
         input_s=input_seconds_per_batch(run.params.train_input.to_dict(), quick),
         recompute=recomputed(compiled, plan),
         resident=tuple(compiled.engine.resident) if compiled.engine is not None else (),
-        disk_read_bytes=reads,
-        disk_write_bytes=writes,
-        disk_dir=disk_dir,
+        **disk_traffic(placement, rc.streaming.store_dir or Path(rc.model_dir) / "store"),
     )
     loss_fn = task_loss_fn(run.task, args) if run.task is not None else None
+    disk_store = run.ws and rc.streaming.store == "disk"
+    return price(compiled._orig_mod, plan, args, kwargs, settings, loss_fn, run.device, disk_store)
+
+
+def disk_traffic(placement, store_dir) -> dict:
+    """The estimate's disk settings of a disk store's ``placement`` (None: in RAM)."""
+    reads = placement.disk_reads_per_step if placement is not None else 0
+    writes = placement.disk_writes_per_step if placement is not None else 0
+    return {
+        "disk_read_bytes": reads,
+        "disk_write_bytes": writes,
+        "disk_dir": str(store_dir) if reads + writes else None,
+    }
+
+
+def price(
+    model: torch.nn.Module,
+    plan: Plan,
+    args: tuple,
+    kwargs: dict,
+    settings: EstimateSettings,
+    loss_fn: Callable | None,
+    device: torch.device,
+    disk_store: bool,
+):
+    """Count ``model``'s step on ``plan`` for one batch, time the kernels the probe has not
+    met, and estimate (Note [the roofline] in estimate.py): (costs, estimate, probe), or
+    None where the forward cannot run on fakes. ``loss_fn``: the step's loss of the
+    model's output (None: the sum of the outputs)."""
+    quick = quick_profile()
+    probe = load_or_measure(device, quick=quick, disk_dir=settings.disk_dir)
     mixed = None if settings.compute_dtype == "float32" else getattr(torch, settings.compute_dtype)
-    disk_store = run.ws and rc.streaming.store == "disk"  # Note [fresh pages] in cost.py
-    fresh_from = MMAP_THRESHOLD if disk_store else FRESH_BYTES
+    fresh_from = MMAP_THRESHOLD if disk_store else FRESH_BYTES  # Note [fresh pages] in cost.py
     try:
         costs = unit_costs(
-            compiled._orig_mod,
+            model,
             plan,
             args,
             kwargs,
