@@ -412,6 +412,57 @@ def test_roofline_terms_of_one_unit_written_out():
     assert c.time_s == pytest.approx(12e-3 + 5e-4 + 1000 * 80 / 4e8)
 
 
+# A call and a byte of each collective, as swarm.collective_costs measures them.
+_COLLECTIVES = {"all_reduce": [1e-3, 1e-9], "broadcast": [2e-3, 2e-9], "reduce": [3e-3, 3e-9]}
+
+
+def test_collectives_of_data_parallel_written_out():
+    """The collective term (Note [the roofline]) with numbers: five units of 1 MB of fp32
+    gradients on 2 ranks. A replicated store all-reduces them in buckets of 2.5 MB: calls
+    at the units that fill one (the 3rd) and at the last; a sharded store broadcasts each
+    unit's weights twice from its owner and reduces its gradients to it, and each owner
+    updates half the units on average. On the CPU they add to the work; on a GPU they
+    overlap it with prefetching, as the link does."""
+    mb = 1_000_000
+    units = [_unit(i, numel=mb // 4, trainable_numel=mb // 4, weight_bytes=mb, trainable_bytes=mb)
+             for i in range(5)]  # fmt: skip
+    costs = StepCosts(units, UnitCost(-1, OUTSIDE_NAME))
+    base = dict(batch_size=4, update_bytes=80, ranks=2, collectives=_COLLECTIVES)
+    replicated = EstimateSettings(**base, reduce_bucket_bytes=int(2.5 * mb))
+    cpu = estimate(costs, _probe("cpu"), replicated)
+    per_byte = mb * 1e-9
+    assert [u.collective_s for u in cpu.units] == pytest.approx(
+        [per_byte, per_byte, per_byte + 1e-3, per_byte, per_byte + 1e-3]
+    )
+    # on the CPU: added to the unit's work (link 2 x 2 MB at 1 GB/s overlaps it)
+    work = cpu.units[2].update_s + cpu.units[2].overhead_s + cpu.units[2].memory_s
+    assert cpu.units[2].time_s == pytest.approx(work + 2e-3)
+    assert cpu.units[2].update_s == pytest.approx(mb / 4 * 80 / 4e8)
+    assert cpu.terms["collective"] == pytest.approx(5 * per_byte + 2e-3)
+
+    sharded = estimate(costs, _probe("cpu"), EstimateSettings(**base, sharded=True))
+    one = 2 * (2e-3 + mb * 2e-9) + 3e-3 + mb * 3e-9
+    assert [u.collective_s for u in sharded.units] == pytest.approx([one] * 5)
+    assert sharded.units[0].update_s == pytest.approx(mb / 4 * 80 / 2 / 4e8)
+    assert sharded.host_bytes == 5 * (mb // 4) * 80 // 2
+    # a GPU streams bf16 weights: the broadcasts carry half the bytes; they overlap the work
+    gpu_settings = dataclasses.replace(
+        EstimateSettings(**base, sharded=True, transfer_dtype="bfloat16"), update_bytes=8
+    )
+    gpu = estimate(costs, dataclasses.replace(_probe(), link_bandwidth=1e9), gpu_settings)
+    bf16 = 2 * (2e-3 + mb / 2 * 2e-9) + 3e-3 + mb * 3e-9
+    u = gpu.units[0]
+    assert u.collective_s == pytest.approx(bf16)
+    assert u.time_s == pytest.approx(max(u.update_s + u.memory_s, u.link_s, bf16))
+    assert u.bound == "collective"
+    # the device tier's units are all-reduced on a sharded store too (every rank holds them)
+    tiered = estimate(costs, _probe(), EstimateSettings(**base, sharded=True, resident=(0,)))
+    assert tiered.units[0].collective_s == pytest.approx(per_byte + 1e-3)  # one bucket, one call
+    # one rank: no collective
+    alone = estimate(costs, _probe("cpu"), EstimateSettings(4, collectives=_COLLECTIVES))
+    assert alone.terms["collective"] == 0
+
+
 def test_a_timed_kernel_is_priced_at_its_timing():
     unit = _unit(fwd_kernels=[("mm", 2_000_000, 1_000_000), ("gelu", 0, 4_000_000)])
     costs = StepCosts([unit], UnitCost(-1, OUTSIDE_NAME))

@@ -110,11 +110,21 @@ def test_two_ranks_equal_one_rank_with_the_whole_batch(tmp_path, model, mode):
     per_rank = json.loads(plan.read_text())["est_samples_per_sec"]
     reported = json.loads((two / "performance" / "performance.json").read_text())
     assert reported["est_samples_per_sec"] == pytest.approx(2 * per_rank, rel=1e-9)
-    # ... which the report says, with what it leaves out
+    # ... which the report says; the ranks' collectives, measured on their group when they
+    # compiled, are priced in it: each unit's gradients reduced, and on the (CPU default)
+    # sharded store its weights broadcast twice by their owner, so every unit pays some
     (report,) = two.glob("ws_*/compile_report.txt")
-    assert "note: one rank's step x 2 ranks: their collectives are not priced" in (
-        report.read_text()
-    )
+    assert "note: one rank's step x 2 ranks, its collectives as measured" in report.read_text()
+    data = json.loads(plan.read_text())
+    assert data["estimate_settings"]["ranks"] == 2
+    costs = data["estimate_settings"]["collectives"]
+    assert sorted(costs) == ["all_reduce", "broadcast", "reduce"]
+    assert all(call > 0 and per_byte >= 0 for call, per_byte in costs.values())
+    if mode == "weight_streaming":
+        assert data["estimate_settings"]["sharded"] is True
+        assert all(u["est_collective_s"] > 0 for u in data["units"])
+    else:
+        assert data["estimate"]["collective_s"] > 0
 
 
 @pytest.mark.parametrize(

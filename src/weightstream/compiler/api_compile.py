@@ -152,6 +152,7 @@ def write_compile_dir_of_step(compiled, args: tuple, kwargs: dict) -> str:
     est.notes += [
         "the script's loss is not known here: the backward of the model's outputs summed is priced",
         "the script's input pipeline is not priced",
+        *(["the ranks' collectives are not priced"] if swarm.world_size() > 1 else []),
         *([update_note] if update_note else []),
     ]
     path = write_compile_dir(root, checksum, plan, costs, est, probe, settings=settings)

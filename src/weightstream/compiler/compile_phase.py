@@ -125,10 +125,14 @@ def input_seconds_per_batch(section: dict, quick: bool = False) -> float:
     ).seconds_per_batch
 
 
-def _estimate(run, compiled, plan: Plan, args: tuple, kwargs: dict, batch_size: int):
+def _estimate(
+    run, compiled, plan: Plan, args: tuple, kwargs: dict, batch_size: int, collectives=None
+):
     """Cost the model on ``plan`` for one batch, time the kernels the probe has not met,
-    and estimate: (costs, estimate, probe), or None where the forward cannot run on fakes."""
+    and estimate: (costs, estimate, probe), or None where the forward cannot run on fakes.
+    ``collectives``: the ranks' measured costs (``swarm.collective_costs``)."""
     rc, m, quick = run.rc, run.params.model, quick_profile()
+    engine = compiled.engine
     placement = _disk_placement(run, compiled, plan)
     compute = (m.fp16_type if m.mixed_precision else None) or "float32"
     settings = EstimateSettings(
@@ -140,8 +144,12 @@ def _estimate(run, compiled, plan: Plan, args: tuple, kwargs: dict, batch_size: 
         update_bytes=update_bytes(run.params),
         input_s=input_seconds_per_batch(run.params.train_input.to_dict(), quick),
         recompute=recomputed(compiled, plan),
-        resident=tuple(compiled.engine.resident) if compiled.engine is not None else (),
+        resident=tuple(engine.resident) if engine is not None else (),
         **disk_traffic(placement, rc.streaming.store_dir or Path(rc.model_dir) / "store"),
+        ranks=swarm.world_size(),
+        sharded=engine is not None and engine.store.sharded,
+        collectives=collectives,
+        reduce_bucket_bytes=rc.streaming.reduce_bucket_bytes,
     )
     loss_fn = task_loss_fn(run.task, args) if run.task is not None else None
     disk_store = run.ws and rc.streaming.store == "disk"
@@ -212,10 +220,13 @@ def run(run, compiled, args: tuple, batch_size: int, kwargs: dict | None = None)
     if kwargs:  # keyword inputs change the trace (a packed batch's mask)
         batch.append({k: (tuple(v.shape), v.dtype) for k, v in sorted(kwargs.items())})
     checksum = compile_checksum(model, batch, settings)
-    cached = load_compile_dir(root, checksum)
     # The estimate is of one rank's step on its share of the batch; the run's rate, of
-    # the global batch: the ranks step side by side.
+    # the global batch: the ranks step side by side. Their collectives are measured
+    # first, on every rank alike (collective: a cache seen by one rank only must not
+    # leave the others waiting).
     ranks = swarm.world_size()
+    collectives = swarm.collective_costs() if ranks > 1 and not rc.validate_only else None
+    cached = load_compile_dir(root, checksum)
     if cached is not None:
         log.info("Compile cache hit: %s", root / f"ws_{checksum}")
         return {"est_samples_per_sec": cached["est_samples_per_sec"] * ranks, "cache_hit": True}
@@ -238,12 +249,12 @@ def run(run, compiled, args: tuple, batch_size: int, kwargs: dict | None = None)
             log.info("Validation passed: the model traces and every unit fits the device budget.")
         return {"est_samples_per_sec": None, "cache_hit": False}
     plan = compiled.plan or build_plan(model, StreamingConfig(granularity="module"))
-    found = _estimate(run, compiled, plan, args, kwargs, batch_size)
+    found = _estimate(run, compiled, plan, args, kwargs, batch_size, collectives)
     if found is None:
         return {"est_samples_per_sec": None, "cache_hit": False}
     costs, est, probe = found
-    if ranks > 1:  # gloo on one host: gpt2_tiny_ws on 2 ranks measured 0.73 x the estimate
-        est.notes.append(f"one rank's step x {ranks} ranks: their collectives are not priced")
+    if ranks > 1:
+        est.notes.append(f"one rank's step x {ranks} ranks, its collectives as measured")
     path = root / f"ws_{checksum}"
     if swarm.is_main():  # one writer: rank 0's estimate is the one the run reports
         path = write_compile_dir(root, checksum, plan, costs, est, probe, settings=settings)

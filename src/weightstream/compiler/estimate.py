@@ -17,12 +17,19 @@ Per streaming unit:
 * link: 2 fetches of the weights and the gradients back over the host -> device
   link (on the CPU a host copy: each byte read and written); none for the
   device tier's units (Note [device tier] in runtime/placement.py);
-* disk: the disk store's file traffic a step, shared by trainable parameters.
+* disk: the disk store's file traffic a step, shared by trainable parameters;
+* collective (data parallel, N ranks): SwarmX's collectives at the costs the
+  run's own process group measured when it compiled (``swarm.collective_costs``:
+  seconds a call and a byte): the gradients all-reduced, in buckets of
+  ``reduce_bucket_bytes``, or, for a sharded store's streamed unit, its weights
+  broadcast by their owner twice (forward and backward) and its gradients
+  reduced to it; the owner's update is then 1/N of the units' on average.
 
-On a CPU compute, memory, overhead and update add up; on an accelerator the
-host's overhead hides under the device's work (the larger counts). With
-prefetching link and disk overlap the work (the largest counts), without they
-add. A recomputed unit (activation checkpointing) does its forward twice. The
+On a CPU compute, memory, overhead and update add up, and the collectives with
+them (gloo's copies and sums run on the cores that compute); on an accelerator
+the host's overhead hides under the device's work (the larger counts). With
+prefetching link, disk and, on an accelerator, the collectives overlap the work
+(the largest counts), without they add. A recomputed unit (activation checkpointing) does its forward twice. The
 step: the units, what runs outside them, ``step_s`` and the input pipeline's
 seconds per batch when the training process makes the batches.
 """
@@ -43,7 +50,7 @@ from weightstream.compiler.probe import Probe, timing
 UPDATE_BYTES = {"adamw": 80, "adam": 80, "sgd": 12, "sgd_momentum": 28}
 DEFAULT_UPDATE_BYTES = 80
 CLIP_BYTES = 12  # gradient clipping: the norm reads each gradient, the scaling rw
-TERMS = ("compute", "memory", "overhead", "update", "link", "disk")
+TERMS = ("compute", "memory", "overhead", "update", "link", "disk", "collective")
 
 
 @dataclass
@@ -62,6 +69,11 @@ class EstimateSettings:
     disk_read_bytes: int = 0  # the disk store's file traffic a step
     disk_write_bytes: int = 0
     disk_dir: str | None = None  # its directory: the probe's key
+    ranks: int = 1  # data parallel: the ranks (this estimate is one rank's step)
+    sharded: bool = False  # a sharded store (Note [sharded store] in runtime/sharding.py)
+    # swarm.PRICED_COLLECTIVES -> [seconds a call, seconds a byte], measured on the ranks
+    collectives: dict[str, list[float]] | None = None
+    reduce_bucket_bytes: int = 4 * 2**20  # StreamingConfig.reduce_bucket_bytes
 
     def __post_init__(self) -> None:
         self.recompute = tuple(sorted(self.recompute))
@@ -90,6 +102,7 @@ class UnitEstimate:
     update_s: float = 0.0
     link_s: float = 0.0  # 2 fetches + gradients back
     disk_s: float = 0.0
+    collective_s: float = 0.0  # data parallel: its broadcasts and reductions
     time_s: float = 0.0  # its share of the step
     bound: str = "compute"  # the term that sets time_s
 
@@ -131,6 +144,13 @@ def _link_bytes(u: UnitCost, transfer_dtype: str | None) -> int:
     return (2 * u.numel + u.trainable_numel) * getattr(torch, transfer_dtype).itemsize
 
 
+def _weight_bytes(u: UnitCost, transfer_dtype: str | None) -> int:
+    """One fetch of the unit's weights in the transfer dtype."""
+    if transfer_dtype is None:
+        return u.weight_bytes
+    return u.numel * getattr(torch, transfer_dtype).itemsize
+
+
 def _work(e: UnitCost, probe: Probe, peak: float, recomputed: bool) -> UnitEstimate:
     """An entry's compute, memory and operator overhead; the caller adds the rest."""
     again = int(recomputed)  # activation checkpointing: the forward again in the backward
@@ -152,11 +172,43 @@ def _close(u: UnitEstimate, on_cpu: bool, overlap: bool) -> None:
     """Set ``u.time_s`` and ``u.bound`` from its terms (Note [the roofline])."""
     data = u.compute_s + u.memory_s
     work = (data + u.overhead_s if on_cpu else max(data, u.overhead_s)) + u.update_s
-    u.time_s = max(work, u.link_s, u.disk_s) if overlap else work + u.link_s + u.disk_s
+    working = [*TERMS[:4], "collective"] if on_cpu else list(TERMS[:4])
+    aside = ["link", "disk"] if on_cpu else ["link", "disk", "collective"]
+    if on_cpu:  # gloo's copies and sums take the cores that compute
+        work += u.collective_s
+    u.time_s = max(work, *map(u.term, aside)) if overlap else work + sum(map(u.term, aside))
     if overlap and u.time_s > work:
-        u.bound = "link" if u.link_s >= u.disk_s else "disk"
+        u.bound = max(aside, key=u.term)
     else:
-        u.bound = max(TERMS[:4], key=u.term)
+        u.bound = max(working, key=u.term)
+
+
+def _collectives(costs: StepCosts, settings: EstimateSettings) -> list[float]:
+    """Each unit's seconds of collectives a step (Note [the roofline]), one rank's."""
+    c, n = settings.collectives, len(costs.units)
+    if settings.ranks <= 1 or not c:
+        return [0.0] * n
+    out, bucket = [0.0] * n, 0
+    reduced = []  # units whose gradients are all-reduced, in order: buckets of them
+    for i, u in enumerate(costs.units):
+        streamed = settings.weight_streaming and u.index not in settings.resident
+        if settings.sharded and streamed:
+            latency, per_byte = c["broadcast"]
+            out[i] = 2 * (latency + _weight_bytes(u, settings.transfer_dtype) * per_byte)
+            if u.trainable_bytes:
+                latency, per_byte = c["reduce"]
+                out[i] += latency + u.trainable_bytes * per_byte
+        elif u.trainable_bytes:
+            reduced.append(i)
+    latency, per_byte = c["all_reduce"]
+    for k, i in enumerate(reduced):  # a call per bucket, at the unit that fills it
+        nbytes = costs.units[i].trainable_bytes
+        bucket += nbytes
+        out[i] += nbytes * per_byte
+        if bucket >= settings.reduce_bucket_bytes or k == len(reduced) - 1:
+            out[i] += latency
+            bucket = 0
+    return out
 
 
 def estimate(costs: StepCosts, probe: Probe, settings: EstimateSettings) -> Estimate:
@@ -177,13 +229,17 @@ def estimate(costs: StepCosts, probe: Probe, settings: EstimateSettings) -> Esti
     trainable = sum(u.trainable_numel for u in costs.units) or 1
     link_bytes = host_bytes = 0
     units = []
-    for u in costs.units:
+    collectives = _collectives(costs, settings)
+    for u, collective_s in zip(costs.units, collectives, strict=True):
         e = _work(u, probe, peak, u.index in settings.recompute)
         e.overhead_s += u.trainable_tensors * probe.tensor_s
+        e.collective_s = collective_s
         update = u.trainable_numel * settings.update_bytes
         if u.index in settings.resident:  # Note [device tier] in runtime/placement.py
             e.update_s = update / probe.memory_bandwidth
         else:
+            if settings.sharded and ws:  # its owner's: 1/N of the units on average
+                update //= settings.ranks
             host_bytes += update
             e.update_s = update / host_bw
         if ws and u.index not in settings.resident:
@@ -212,6 +268,7 @@ def estimate(costs: StepCosts, probe: Probe, settings: EstimateSettings) -> Esti
         limits = {"device link": link_bytes / probe.link_bandwidth if ws else 0.0}
         limits["host memory"] = host_bytes / host_bw
     limits["disk"] = disk_s
+    limits["collectives"] = sum(collectives)
     limit_bound, limit = max([("compute", costs.flops / peak), *limits.items()], key=lambda x: x[1])
     if not costs.backward_measured:
         notes.append(f"backward FLOPs and operators are 2 x forward ({costs.backward_error})")

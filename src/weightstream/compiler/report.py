@@ -24,7 +24,7 @@ from weightstream.compiler.estimate import TERMS, Estimate
 from weightstream.compiler.probe import Probe
 from weightstream.runtime.partition import Plan
 
-SCHEMA = 5  # 5: one term per resource, fwd and bwd together
+SCHEMA = 6  # 6: the collective term
 PLAN_FILE = "plan.json"
 REPORT_FILE = "compile_report.txt"
 _REQUIRED = ("schema", "checksum", "settings", "units", "totals", "estimate", "est_samples_per_sec")
@@ -165,7 +165,7 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f}"
 
 
-_SHORT = list(zip(("flop", "mem", "ovh", "upd", "link", "disk"), TERMS, strict=True))
+_SHORT = list(zip(("flop", "mem", "ovh", "upd", "link", "disk", "coll"), TERMS, strict=True))
 # The table's columns after the unit's name: header, width, the text of an entry.
 _COLUMNS = [
     ("params", 12, lambda u: f"{u['params']:,}" if "params" in u else ""),
@@ -210,7 +210,8 @@ def _report_text(data: dict) -> str:
         "operators per step": f"{t['ops']:,} (moving {format_bytes(t['op_bytes'])}; kernels "
         f"timed by the probe: {est['timed_kernels']})",
         "step time": f"{_ms(est['step_s'])} ms ({terms})\n{'':24}(per unit the larger of "
-        "work, link and disk with prefetching: the terms can sum to more)",
+        "work, link, disk and an accelerator's collectives with prefetching: the terms can sum "
+        "to more)",
         "est. samples/sec": f"{data['est_samples_per_sec']:.2f}  (bound by {est['bound']})",
         "model consumes": f"{est['model_samples_per_sec']:.2f} samples/sec (the step without "
         "its input)",

@@ -23,6 +23,7 @@ import contextlib
 import datetime
 import logging
 import os
+import statistics
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -234,6 +235,40 @@ def all_gather_objects(obj) -> list:
 def barrier() -> None:
     if world_size() > 1:
         dist.barrier()
+
+
+#: The collectives the compile estimate prices (Note [the roofline] in compiler/estimate.py).
+PRICED_COLLECTIVES = ("all_reduce", "broadcast", "reduce")
+
+
+def collective_costs(nbytes: int = 4 * 2**20, repeats: int = 5) -> dict[str, list[float]]:
+    """Each of ``PRICED_COLLECTIVES`` on this run's process group, timed on host tensors
+    as SwarmX moves them: ``[seconds a call, seconds a byte]``, from the median of
+    ``repeats`` calls of 1 KiB and of ``nbytes``, the slowest rank's (the same on every
+    rank). Collective: every rank calls it at the same point."""
+
+    def median_s(op: str, t: torch.Tensor) -> float:
+        times = []
+        for _ in range(repeats + 1):  # the first: a warm-up
+            dist.barrier()
+            start = time.perf_counter()
+            if op == "all_reduce":
+                dist.all_reduce(t)
+            elif op == "broadcast":
+                dist.broadcast(t, src=0)
+            else:
+                dist.reduce(t, dst=0)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[1:])
+
+    small, large = torch.zeros(256), torch.zeros(max(nbytes // 4, 512))
+    measured = []
+    for op in PRICED_COLLECTIVES:
+        t_small, t_large = median_s(op, small), median_s(op, large)
+        per_byte = max(t_large - t_small, 0.0) / (large.nbytes - small.nbytes)
+        measured += [t_small, per_byte]
+    slowest = max_over_ranks(torch.tensor(measured, dtype=torch.float64)).tolist()
+    return {op: slowest[2 * i : 2 * i + 2] for i, op in enumerate(PRICED_COLLECTIVES)}
 
 
 def broadcast_module(module: torch.nn.Module) -> None:
