@@ -15,7 +15,7 @@
 #   RSS="--size 1b" bash scripts/gpu_check.sh  # then benchmarks/sharded_rss.py: host RSS, 2 ranks vs 1
 #   TEST_ARGS="-k tier" BENCH="--sizes 1b --state bf16 --stacks 20" ...  # some tests; a slow run's stacks
 #
-# Each part has its own limit (TEST_S, BENCH_S, BENCH2_S .. BENCH4_S, RSS_S seconds) so that one
+# Each part has its own limit (TEST_S, FUSED_S, BENCH_S, BENCH2_S .. BENCH4_S, RSS_S seconds) so that one
 # part running long leaves the next its time; what each printed is in $OUT.
 #
 # Uses the machine's own python3 with PYTHONPATH=src (no set-up: the GPU machine
@@ -44,6 +44,11 @@ if [ "$TESTS" = 1 ]; then
   per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 120")
   timeout "$TEST_S" python3 -m pytest -q -m cuda tests/test_cuda.py tests/test_sharded_store_cuda.py \
     -p no:cacheprovider -o addopts="" -ra $per_test ${TEST_ARGS:-} 2>&1 | tee "$OUT/cuda_tests.txt"
+  # The compiled update of compact state runs on the host: built by this machine's torch
+  # and compiler, or not (then every step falls back to the chunks, several times slower).
+  echo "== compiled host kernels at ${SECONDS} s"
+  timeout "${FUSED_S:-180}" python3 -m pytest -q tests/test_fused_kernels.py -p no:cacheprovider \
+    -o addopts="" -ra 2>&1 | tee "$OUT/fused_tests.txt"
 fi
 
 # BENCH, then BENCH2 .. BENCH4 where given, each under its own limit; the scratch

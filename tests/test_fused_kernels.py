@@ -220,3 +220,30 @@ def test_without_the_kernel_the_chunks_run_and_say_why(kernels, monkeypatch):
             opt.step()
     assert kernels.unavailable is not None
     assert torch.equal(p.detach(), expected)
+
+
+def test_a_kernel_that_cannot_be_made_falls_back_and_unknown_options_are_left_out(
+    kernels, monkeypatch
+):
+    """torch.compile refuses an option its inductor lacks (torch 2.11 has no
+    realize_cpu_opcount_threshold): the kernel is asked only for the options this torch
+    knows, and a kernel whose making raises still leaves the step to the chunks."""
+    from torch._inductor import config
+
+    asked = {**fused._RECOMPUTE, "cpp.enable_floating_point_contract_flag": "off"}
+    assert fused._known({**asked, "no_such_option": 1, "cpp.no_such_option": 2}) == asked
+    assert all(hasattr(config, key) for key in fused._RECOMPUTE)
+    expected, _ = _ours(kernels, True, torch.bfloat16, torch.bfloat16)
+
+    def refused(int8):
+        raise RuntimeError("Unexpected optimization option no_such_option")
+
+    kernels.unavailable = None
+    monkeypatch.setattr(kernels, "adam", refused)
+    p = nn.Parameter(_problem()[0].to(torch.bfloat16))
+    opt = cstorch.optim.AdamW([p], state_dtype=torch.bfloat16, **HYPER)
+    with pytest.warns(UserWarning, match="could not be built .*Unexpected optimization option"):
+        for g in _problem()[1]:
+            p.grad = g.to(torch.bfloat16)
+            opt.step()
+    assert torch.equal(p.detach(), expected)

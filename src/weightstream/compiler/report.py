@@ -210,8 +210,8 @@ def _report_text(data: dict) -> str:
         "operators per step": f"{t['ops']:,} (moving {format_bytes(t['op_bytes'])}; kernels "
         f"timed by the probe: {est['timed_kernels']})",
         "step time": f"{_ms(est['step_s'])} ms ({terms})\n{'':24}(per unit the larger of "
-        "work, link, disk and an accelerator's collectives with prefetching: the terms can sum "
-        "to more)",
+        "work, link and disk (and an accelerator's collectives) with prefetching: the terms "
+        "can sum to more)",
         "est. samples/sec": f"{data['est_samples_per_sec']:.2f}  (bound by {est['bound']})",
         "model consumes": f"{est['model_samples_per_sec']:.2f} samples/sec (the step without "
         "its input)",

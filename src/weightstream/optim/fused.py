@@ -60,12 +60,29 @@ FUSED_MIN_NUMEL = 2**20
 _FLOATS = (torch.float32, torch.bfloat16)
 
 #: Inductor's limits past which an intermediate is stored in a buffer of its own
-#: rather than recomputed where it is read, raised so that nothing is stored.
+#: rather than recomputed where it is read, raised so that nothing is stored (the
+#: names every torch from 2.11 knows; later ones add CPU-only variants, which these
+#: override).
 _RECOMPUTE = {
     "realize_reads_threshold": 100,
-    "realize_cpu_opcount_threshold": 1000,
-    "realize_cpu_acc_reads_threshold": 100,
+    "realize_opcount_threshold": 1000,
+    "realize_acc_reads_threshold": 100,
 }
+
+
+def _known(options: dict[str, Any]) -> dict[str, Any]:
+    """The ``options`` this torch's inductor has (``torch.compile`` refuses any other):
+    a torch without one builds the kernel without it, one path for streamed and eager
+    runs alike."""
+    from torch._inductor import config
+
+    known = {}
+    for key, value in options.items():
+        section, _, name = key.rpartition(".")
+        holder = getattr(config, section, None) if section else config
+        if holder is not None and hasattr(holder, name):
+            known[key] = value
+    return known
 
 
 def _master(p: Tensor, comp: Tensor | None) -> Tensor:
@@ -184,7 +201,7 @@ class _Kernels:
                     _adam_int8 if int8 else _adam,
                     dynamic=None if int8 else True,
                     fullgraph=True,
-                    options=options,
+                    options=_known(options),
                 )
             return self._adam[int8]
 
@@ -258,15 +275,15 @@ def adam_step_fused(
     comp = None if comp is None else comp.view(-1)
     p_flat, g_flat = p.view(-1), grad.contiguous().view(-1)
     m, v = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
-    kernel = _KERNELS.adam(codes is not None)
     try:
+        kernel = _KERNELS.adam(codes is not None)
         with torch.no_grad():
             if codes is None:
                 kernel(p_flat, comp, g_flat, m, v, scalars)
             else:
                 m_scale, v_scale = state["exp_avg_scale"], state["exp_avg_sq_scale"]
                 kernel(p_flat, comp, g_flat, (m, m_scale), (v, v_scale), scalars, codes)
-    except Exception as exc:  # the compile failed: no value was written
+    except Exception as exc:  # the kernel could not be made: no value was written
         _KERNELS.failed(exc)
         return False
     return True
