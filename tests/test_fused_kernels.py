@@ -199,22 +199,36 @@ def test_streamed_training_with_the_kernel_matches_eager_bitwise(
             assert torch.equal(value, eager_opt.state[b][key]), key
 
 
-def test_without_the_kernel_the_chunks_run_and_say_why(kernels, monkeypatch):
-    """torch.compile fails where there is no C++ compiler: the step says so once and
-    runs the chunks, which give their own bits."""
+def _fails_to_compile(int8):
+    """A kernel whose call fails as torch.compile does without a C++ compiler."""
+
+    def fail(*args):
+        raise RuntimeError("no C++ compiler found")
+
+    return fail
+
+
+def _refused(int8):
+    """A kernel torch.compile refuses to make: an option its inductor lacks."""
+    raise RuntimeError("Unexpected optimization option no_such_option")
+
+
+@pytest.mark.parametrize(
+    ("broken", "said"),
+    [
+        (_fails_to_compile, "no C\\+\\+ compiler.*g\\+\\+"),
+        (_refused, "Unexpected optimization option"),
+    ],
+)
+def test_without_the_kernel_the_chunks_run_and_say_why(kernels, monkeypatch, broken, said):
+    """torch.compile fails where there is no C++ compiler, or refuses to make the kernel:
+    the step says so once and runs the chunks, which give their own bits."""
     expected, _ = _ours(kernels, True, torch.bfloat16, torch.bfloat16)
-
-    def broken(int8):
-        def fail(*args):
-            raise RuntimeError("no C++ compiler found")
-
-        return fail
-
     kernels.unavailable = None
     monkeypatch.setattr(kernels, "adam", broken)
     p = nn.Parameter(_problem()[0].to(torch.bfloat16))
     opt = cstorch.optim.AdamW([p], state_dtype=torch.bfloat16, **HYPER)
-    with pytest.warns(UserWarning, match="could not be built .*no C\\+\\+ compiler.*g\\+\\+"):
+    with pytest.warns(UserWarning, match=f"could not be built .*{said}"):
         for g in _problem()[1]:
             p.grad = g.to(torch.bfloat16)
             opt.step()
@@ -222,28 +236,12 @@ def test_without_the_kernel_the_chunks_run_and_say_why(kernels, monkeypatch):
     assert torch.equal(p.detach(), expected)
 
 
-def test_a_kernel_that_cannot_be_made_falls_back_and_unknown_options_are_left_out(
-    kernels, monkeypatch
-):
+def test_the_kernel_is_asked_only_for_options_this_torch_knows():
     """torch.compile refuses an option its inductor lacks (torch 2.11 has no
-    realize_cpu_opcount_threshold): the kernel is asked only for the options this torch
-    knows, and a kernel whose making raises still leaves the step to the chunks."""
+    realize_cpu_opcount_threshold): those the kernel asks for exist here, and an unknown
+    one is left out."""
     from torch._inductor import config
 
     asked = {**fused._RECOMPUTE, "cpp.enable_floating_point_contract_flag": "off"}
     assert fused._known({**asked, "no_such_option": 1, "cpp.no_such_option": 2}) == asked
     assert all(hasattr(config, key) for key in fused._RECOMPUTE)
-    expected, _ = _ours(kernels, True, torch.bfloat16, torch.bfloat16)
-
-    def refused(int8):
-        raise RuntimeError("Unexpected optimization option no_such_option")
-
-    kernels.unavailable = None
-    monkeypatch.setattr(kernels, "adam", refused)
-    p = nn.Parameter(_problem()[0].to(torch.bfloat16))
-    opt = cstorch.optim.AdamW([p], state_dtype=torch.bfloat16, **HYPER)
-    with pytest.warns(UserWarning, match="could not be built .*Unexpected optimization option"):
-        for g in _problem()[1]:
-            p.grad = g.to(torch.bfloat16)
-            opt.step()
-    assert torch.equal(p.detach(), expected)
