@@ -27,19 +27,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from weightstream import backend as _backend
-from weightstream.compiler.compile_phase import (
-    compact_update_bytes,
-    disk_traffic,
-    price,
-    recomputed,
-)
-from weightstream.compiler.estimate import DEFAULT_UPDATE_BYTES, UPDATE_BYTES, EstimateSettings
-from weightstream.compiler.report import compile_checksum, load_compile_dir, write_compile_dir
 from weightstream.context import current_config
 from weightstream.executor import outside_the_step
 from weightstream.runtime import swarm
-from weightstream.runtime.config import StreamingConfig
-from weightstream.runtime.partition import build_plan
 
 log = logging.getLogger("weightstream")
 
@@ -54,6 +44,9 @@ def compile(model, backend: str = "wse_ws", **kwargs):
 def optimizer_update_bytes(optimizers) -> tuple[int, str | None]:
     """Bytes a step's update moves per trainable parameter under ``optimizers`` (weighted
     by their parameters), and a note where it is assumed."""
+    from weightstream.compiler.compile_phase import compact_update_bytes
+    from weightstream.compiler.estimate import DEFAULT_UPDATE_BYTES, UPDATE_BYTES
+
     if not optimizers:
         return DEFAULT_UPDATE_BYTES, (
             "no optimizer was built before the first step: AdamW's update is priced"
@@ -90,7 +83,18 @@ def _dtype_name(dtype) -> str:
 
 def write_compile_dir_of_step(compiled, args: tuple, kwargs: dict) -> str:
     """Write the compile directory of ``compiled`` planned for this batch (module
-    docstring); what was written, in words. Rank 0 writes; other ranks write nothing."""
+    docstring); what was written, in words. Rank 0 writes; other ranks write nothing.
+    (The compile phase is imported here: ``import weightstream`` need not load it.)"""
+    from weightstream.compiler.compile_phase import disk_traffic, price, recomputed
+    from weightstream.compiler.estimate import EstimateSettings
+    from weightstream.compiler.report import (
+        compile_checksum,
+        load_compile_dir,
+        write_compile_dir,
+    )
+    from weightstream.runtime.config import StreamingConfig
+    from weightstream.runtime.partition import build_plan
+
     config = current_config()
     root = Path(config.compile_dir or config.model_dir)
     engine, model = compiled.engine, compiled._orig_mod

@@ -29,9 +29,10 @@ On a CPU compute, memory, overhead and update add up, and the collectives with
 them (gloo's copies and sums run on the cores that compute); on an accelerator
 the host's overhead hides under the device's work (the larger counts). With
 prefetching link, disk and, on an accelerator, the collectives overlap the work
-(the largest counts), without they add. A recomputed unit (activation checkpointing) does its forward twice. The
-step: the units, what runs outside them, ``step_s`` and the input pipeline's
-seconds per batch when the training process makes the batches.
+(the largest counts), without they add. A recomputed unit (activation
+checkpointing) does its forward twice. The step: the units, what runs outside
+them, ``step_s`` and the input pipeline's seconds per batch when the training
+process makes the batches.
 """
 
 from __future__ import annotations
