@@ -44,8 +44,8 @@ def compile(model, backend: str = "wse_ws", **kwargs):
 def optimizer_update_bytes(optimizers) -> tuple[int, str | None]:
     """Bytes a step's update moves per trainable parameter under ``optimizers`` (weighted
     by their parameters), and a note where it is assumed."""
-    from weightstream.compiler.compile_phase import compact_update_bytes
-    from weightstream.compiler.estimate import DEFAULT_UPDATE_BYTES, UPDATE_BYTES
+    from weightstream.compiler.compile_phase import optimizer_bytes
+    from weightstream.compiler.estimate import DEFAULT_UPDATE_BYTES
 
     if not optimizers:
         return DEFAULT_UPDATE_BYTES, (
@@ -56,14 +56,9 @@ def optimizer_update_bytes(optimizers) -> tuple[int, str | None]:
         params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
         if not params:
             continue
-        name = type(opt).__name__.lower()
-        if name == "sgd" and any(g.get("momentum") for g in opt.param_groups):
-            name = "sgd_momentum"
-        state, master = getattr(opt, "state_dtype", torch.float32), params[0].dtype
-        if name in ("adam", "adamw") and (state, master) != (torch.float32, torch.float32):
-            nbytes = compact_update_bytes(master, state)
-        else:
-            nbytes = UPDATE_BYTES.get(name, DEFAULT_UPDATE_BYTES)
+        momentum = any(g.get("momentum") for g in opt.param_groups)
+        state = getattr(opt, "state_dtype", torch.float32)
+        nbytes = optimizer_bytes(type(opt).__name__, momentum, state, params[0].dtype)
         numel = sum(p.numel() for p in params)
         total, count = total + nbytes * numel, count + numel
     return (round(total / count), None) if count else (DEFAULT_UPDATE_BYTES, None)

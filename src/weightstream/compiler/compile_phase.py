@@ -61,17 +61,27 @@ def compact_update_bytes(master: torch.dtype, state: torch.dtype) -> int:
     return 3 * p + 2 * 2 * moment + (2 * p if p < 4 else 0)
 
 
+def optimizer_bytes(name: str, momentum: bool, state: torch.dtype, master: torch.dtype) -> int:
+    """Bytes an update of optimizer ``name`` (with ``momentum``: SGD's) moves per trainable
+    parameter, with moments of ``state``'s dtype and masters of ``master``'s."""
+    name = name.lower()
+    if name == "sgd" and momentum:
+        name = "sgd_momentum"
+    if name in ("adam", "adamw") and (state, master) != (torch.float32, torch.float32):
+        return compact_update_bytes(master, state)
+    return UPDATE_BYTES.get(name, DEFAULT_UPDATE_BYTES)
+
+
 def update_bytes(params) -> int:
     """Bytes the params file's optimizer update moves per trainable parameter."""
-    opt, master = params.optimizer, params.runconfig.master_dtype
-    name = opt.optimizer_type.lower()
-    if name == "sgd" and opt.optimizer_kwargs().get("momentum"):
-        name = "sgd_momentum"
+    opt = params.optimizer
     clipped = opt.max_gradient_norm is not None or opt.max_gradient_value is not None
-    clip, state = CLIP_BYTES if clipped else 0, opt.state_dtype or "float32"
-    if name in ("adam", "adamw") and (state, master) != ("float32", "float32"):
-        return compact_update_bytes(getattr(torch, master), getattr(torch, state)) + clip
-    return UPDATE_BYTES.get(name, DEFAULT_UPDATE_BYTES) + clip
+    state = getattr(torch, opt.state_dtype or "float32")
+    master = getattr(torch, params.runconfig.master_dtype)
+    momentum = bool(opt.optimizer_kwargs().get("momentum"))
+    return optimizer_bytes(opt.optimizer_type, momentum, state, master) + (
+        CLIP_BYTES if clipped else 0
+    )
 
 
 def settings_of(run) -> dict:
