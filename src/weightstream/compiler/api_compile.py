@@ -112,18 +112,11 @@ def write_compile_dir_of_step(compiled, args: tuple, kwargs: dict) -> str:
         "store": streaming.store,
         "device_tier_budget": streaming.device_tier_budget,
     }
-    shapes = [
-        (tuple(t.shape), t.dtype) for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)
-    ]
-    if kwargs:  # keyword inputs change the trace (a mask)
-        shapes.append(
-            {
-                k: (tuple(v.shape), v.dtype)
-                for k, v in sorted(kwargs.items())
-                if isinstance(v, torch.Tensor)
-            }
-        )
-    checksum = compile_checksum(model, shapes, settings)
+    # The batch's tensors, which the checksum takes as their shapes and dtypes (keyword
+    # inputs change the trace too: a mask).
+    inputs = pytree.tree_leaves((args, dict(sorted(kwargs.items()))))
+    batch = [t for t in inputs if isinstance(t, torch.Tensor)]
+    checksum = compile_checksum(model, batch, settings)
     if load_compile_dir(root, checksum) is not None:
         return f"its compile directory {root / f'ws_{checksum}'} was already there"
     if not swarm.is_main():
