@@ -69,6 +69,8 @@ def test_second_call_is_an_error():
         ({"job_labels": ["nokey"]}, ValueError, "key=value"),
         ({"mount_dirs": "/data"}, TypeError, "list of strings"),
         ({"checkpoint_step": 5}, TypeError, "did you mean checkpoint_steps"),
+        # A streaming option given to configure: the error points to compile.
+        ({"update_in_backward": True}, TypeError, r"keywords of cstorch\.compile\(model"),
     ],
 )
 def test_bad_arguments_name_the_key_and_the_fix(kwargs, error, message):

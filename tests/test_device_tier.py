@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import weightstream as cstorch
+from weightstream.common.pages import is_store_mapped
 from weightstream.models import GPT, GPTConfig
 from weightstream.runtime.placement import device_tier
 from weightstream.runtime.sharding import unit_groups
@@ -256,19 +257,30 @@ def test_the_tier_over_a_disk_store_takes_its_units_out_of_the_files(tmp_path, b
     extra = {"files": 0, "hybrid": 100_000}[budget]
     disk = {"store": "disk", "store_dir": str(tmp_path / "store"),
             "host_memory_budget": working + extra}  # fmt: skip
-    _, streamed, _ = _streamed(0, steps=1, **disk)
+    alone, streamed, _ = _streamed(0, steps=1, **disk)
     mapped_without = streamed.engine.store.bytes_mapped
+    in_ram_without = {n for n, p in alone.named_parameters() if not is_store_mapped(p)}
     streamed.engine.close()
     disk["store_dir"] = str(tmp_path / "store2")
     model, runner, opt = _streamed(60_000, **disk)
     engine = runner.engine
     assert engine.resident
     tier = {id(p) for i in engine.resident for p in runner.plan.units[i].params}
-    tensors = [(id(p), p.data) for p in model.parameters()]
-    tensors += [(id(p), t) for p, st in opt.state.items() for t in st.values() if t.dim() > 0]
-    assert all(engine.store.holds(t) == (pid not in tier) for pid, t in tensors)
+    tensors = [(id(p), p.data, "master") for p in model.parameters()]
+    tensors += [(id(p), t, "state") for p, st in opt.state.items() for t in st.values() if t.dim()]
+    assert all(engine.store.holds(t) == (pid not in tier) for pid, t, _ in tensors)
     # the files of the tier's masters and state are given back
     assert 0 < engine.store.bytes_mapped < mapped_without
+    # The store counts what is where: the tensors in its files and in its RAM tier.
+    counted = engine.store.placement()
+    for kind in ("master", "state"):
+        held = [t for pid, t, k in tensors if k == kind and pid not in tier]
+        assert counted.disk.get(kind, 0) == sum(t.nbytes for t in held if is_store_mapped(t))
+        assert counted.ram.get(kind, 0) == sum(t.nbytes for t in held if not is_store_mapped(t))
+    if budget == "hybrid":  # the RAM the tier gave back holds masters that were in files
+        streamed_names = {n for n, p in model.named_parameters() if id(p) not in tier}
+        in_ram = {n for n in streamed_names if not is_store_mapped(model.get_parameter(n))}
+        assert in_ram_without & streamed_names < in_ram
     _same_as_eager(model, eager)
 
 
@@ -309,6 +321,47 @@ def test_auto_places_the_tier_after_the_first_step_and_trains_like_eager(config,
     resident = runner.engine.resident
     # placed before the second step's forward
     assert resident and placed_at == [frozenset()] + [resident] * (STEPS - 1)
+    _same_as_eager(model, eager, opt, eager_opt)
+
+
+def test_auto_over_a_disk_store_fills_the_ram_it_gives_back(tmp_path, monkeypatch):
+    """Placed after the first step, the tier takes units whose masters and state the
+    disk store made; the RAM they held then holds masters of streamed units that were
+    in files (Note [hybrid placement]), and training stays eager PyTorch's."""
+    from weightstream.runtime.device import DeviceOps
+    from weightstream.runtime.engine import disk_working_set
+
+    probe = cstorch.compile(GPT(CFG), backend="ws", granularity="module", store="disk",
+                            store_dir=str(tmp_path / "probe"))  # fmt: skip
+    working = disk_working_set(probe.engine.plan, probe.engine.config, torch.device("cpu"))
+    probe.engine.close()
+    monkeypatch.setattr(DeviceOps, "tier_room", lambda self: 40_000)
+    eager, eager_opt = _eager()
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    runner = cstorch.compile(model, backend="ws", granularity="module", store="disk",
+                             store_dir=str(tmp_path / "store"), device_tier_budget="auto",
+                             host_memory_budget=working + 150_000)  # fmt: skip
+    masters = []  # the store's masters (RAM, files) at each forward
+    in_files = []  # the masters in files at each forward
+
+    def count(*_):
+        got = runner.engine.store.placement()
+        masters.append((got.ram.get("master", 0), got.disk.get("master", 0)))
+        in_files.append({id(p) for p in model.parameters() if is_store_mapped(p)})
+
+    model.register_forward_pre_hook(count)
+    opt = cstorch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    for step in range(STEPS):
+        _loss(runner, step).backward()
+        opt.step()
+        opt.zero_grad()
+    tier = {id(p) for i in runner.engine.resident for p in runner.plan.units[i].params}
+    moved = sum(p.nbytes for p in model.parameters() if id(p) in tier)
+    (ram0, disk0), (ram1, disk1) = masters[0], masters[1]
+    assert tier and disk0 > 0 and ram1 + disk1 == ram0 + disk0 - moved
+    # Masters in files moved into the RAM the tier gave back.
+    assert disk1 < disk0 - sum(p.nbytes for p in model.parameters() if id(p) in tier & in_files[0])
     _same_as_eager(model, eager, opt, eager_opt)
 
 

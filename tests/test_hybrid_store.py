@@ -132,6 +132,39 @@ def test_a_sharded_store_gives_the_places_of_other_ranks_masters_to_its_own():
     assert plan.actual.ram == {"master": 110, "state": 200, "grad": 10}
 
 
+def test_ram_given_back_takes_the_masters_in_files_first():
+    # Masters a, b, c of 100, 50 and 50 bytes, 150 bytes of RAM: spread over the
+    # order, a and c stay there, b goes to a file.
+    plan = placement.PlacementPlan({"a": 100, "b": 50, "c": 50}, capacity=150)
+    made = [plan.in_ram(k, "master", n) for k, n in (("a", 100), ("b", 50), ("c", 50))]
+    assert made == [True, False, True]
+    # The device tier takes a's unit before any state is made: its 100 bytes of RAM
+    # go first to b's master (on disk it moves 4 bytes a byte a step, state 2), then
+    # the state is placed again in the 50 left: one of the four moments of 50.
+    plan.give_back("master", 100, in_ram=True)
+    plan.keep_only({"b", "c"})
+    assert plan.refill([("master", "b", 50)]) == [True]
+    assert plan.actual.ram == {"master": 100} and plan.actual.disk == {"master": 0}
+    assert plan.predicted.ram == {"master": 100, "state": 50}
+    assert plan.predicted.disk == {"state": 150, "grad": 100}
+    assert [plan.in_ram(k, "state", 50) for k in "bbcc"].count(True) == 1
+
+
+def test_ram_given_back_after_the_state_is_made_takes_state_out_of_the_files():
+    plan = placement.PlacementPlan({"a": 100, "b": 100, "c": 100}, capacity=400)
+    for key in "abc":
+        assert plan.in_ram(key, "master", 100)  # all three masters in RAM (300)
+    # Six moments of 100 in the 100 left: one in RAM (spread: b's first)
+    assert [plan.in_ram(k, "state", 100) for k in "aabbcc"] == [False] * 2 + [True] + [False] * 3
+    # b's master leaves (its state stays counted, where it is): 100 bytes back,
+    # which the state in the files takes, spread over the order: a's second moment.
+    plan.give_back("master", 100, in_ram=True)
+    held = [("state", "a", 100), ("state", "a", 100), ("state", "c", 100), ("state", "c", 100)]
+    assert plan.refill(held) == [False, True, False, False]
+    assert plan.actual.ram == {"master": 200, "state": 200}
+    assert plan.actual.disk == {"state": 400}
+
+
 @pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
 def test_compact_state_is_placed_by_its_own_size(tmp_path, state_dtype):
     """The optimizer counts its state on the meta device before making it, and the store

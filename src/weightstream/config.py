@@ -79,6 +79,8 @@ def parse_configure_arguments(**kwargs) -> RunConfig:
             hints.append(f"{key!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
         raise TypeError(
             f"configure() got unknown argument(s): {', '.join(hints)}. "
-            f"Valid arguments: {', '.join(sorted(fields))}."
+            f"Valid arguments: {', '.join(sorted(fields))}. The weight-streaming "
+            "options (update_in_backward, overlap_updates, store, prefetch_depth, ...) are "
+            'keywords of cstorch.compile(model, backend="wse_ws", ...).'
         )
     return RunConfig(**known, extra=extra)

@@ -331,6 +331,7 @@ class StreamingEngine:
             servers = self.config.num_wgt_servers or current_config().max_wgt_servers
             shards = ShardedStore(unit_params, servers, self.store.tier)
             self.store.shard(shards)
+            self.store.refill(self.module)  # other ranks' masters gave RAM back
             buckets, owners = shards.group_params, shards.group_owner
         else:
             buckets = unit_group_params(unit_params)
@@ -663,6 +664,7 @@ class StreamingEngine:
                     p.grad = self._into_device_memory(p.grad)
         self.store.tier.forget(moved, olds)  # a disk store gives their files and RAM back
         self._tier_state_to_device(list(self._optimizers), moved)
+        self.store.refill(self.module, list(self._optimizers))  # the RAM they gave back
         return chosen
 
     def _tier_params(self, units: Iterable[int] | None = None) -> list[torch.nn.Parameter]:

@@ -12,7 +12,8 @@ each an object with the same verbs whichever it is, so no caller asks which:
   ``store_dir`` with a RAM tier for what fits the budget (Note [disk tier],
   Note [hybrid placement]). A tier allocates state (``zeros_like``), takes the
   module (``take_module``), pages masters in for a fetch and back out
-  (``page_in``, ``release``, ``prefetch``), and settles pending writes;
+  (``page_in``, ``release``, ``prefetch``), settles pending writes, and moves
+  state out of its files into RAM given back (``refill``);
 * the **replicas**: which ranks hold which units. ``Replicated``
   (runtime/sharding.py): this rank holds every unit; ``ShardedStore``: each
   unit group on one owner rank, its weights broadcast from there (Note
@@ -119,6 +120,9 @@ class RamTier:
     def plan_state(self, state_bytes: dict[torch.Tensor, list[int]]) -> None:
         pass  # ordinary tensors, where they are made
 
+    def refill(self, held: Sequence[tuple[torch.Tensor, str, torch.Tensor]]) -> list[None]:
+        return [None] * len(held)  # everything is in memory already
+
     def placement(self) -> Placement:
         return Placement(0)
 
@@ -204,6 +208,32 @@ class MemoryX:
         """The sizes of the state an optimizer is about to create: a disk tier places it
         by them (its RAM tier, Note [hybrid placement])."""
         self.tier.plan_state(state_bytes)
+
+    def refill(self, module: nn.Module, optimizers: Sequence = ()) -> None:
+        """Hold in the RAM a disk tier gave back (another rank's masters, the device
+        tier's units) what of ``module``'s masters and the ``optimizers``' state it
+        keeps in files, masters first (Note [hybrid placement]). Between steps: the
+        tensors moved are replaced where they are referenced."""
+        held, where = [], []  # where: (master, None, None) or (its master, state, key)
+        for p in module.parameters():
+            if not self.tier.holds(p.data):
+                continue  # another rank's, or on the device
+            held.append((p.data, "master", p))
+            where.append((p, None, None))
+            for optimizer in optimizers:
+                state = optimizer.state.get(p, {})
+                for key, value in state.items():
+                    if torch.is_tensor(value) and self.tier.holds(value):
+                        held.append((value, "state", p))
+                        where.append((p, state, key))
+        with torch.no_grad():
+            for moved, (p, state, key) in zip(self.tier.refill(held), where):
+                if moved is None:
+                    continue
+                if state is None:
+                    p.data = moved
+                else:
+                    state[key] = moved
 
     def bind_optimizer(self, optimizer) -> None:
         self.replicas.shard_optimizer_state(optimizer)

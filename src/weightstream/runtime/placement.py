@@ -27,6 +27,17 @@ two moments until then), so the placement is a pure function of the model, the
 optimizer and the budget: :func:`predict` computes it before any step for the
 compile report.
 
+RAM given back refills the tier in the same order. A sharded store's rank drops
+the masters other ranks own, and the device tier takes its units out of the
+store (Note [device tier]), after the placement was made for the whole model:
+the RAM those held then takes this store's masters still in files, then its
+optimizer state in files, each spread over the order (``MemoryX.refill``, at
+those two moments, between steps; the tensors are copied into RAM and replaced
+where they are referenced, their files given back). RAM granted to state or
+gradients not made yet stays theirs, unless none of either is made, when they
+are placed again after the masters. Gradients in files stay there (under
+update_in_backward they have no place at all).
+
 Within a kind, which tensors stay in RAM does not change the traffic, but it
 changes when the disk works. A kind that only partly fits is spread evenly
 over the parameter order (about the same share of every unit in the files),
@@ -189,7 +200,7 @@ class PlacementPlan:
         self._state_bytes = None if state_bytes is None else dict(state_bytes)
         self._grads_placed = grads  # False: gradients go to the update in memory
         self._master: dict[Hashable, bool] = {}
-        self._taken: set[tuple[str, Hashable]] = set()  # masters and gradients created
+        self._taken: set[tuple[str, Hashable]] = set()  # (kind, master's key) created
         self._plan()
 
     def _plan(self) -> None:
@@ -250,6 +261,48 @@ class PlacementPlan:
             self._master = {k: v for k, v in self._master.items() if k in keys}
             self._plan()
 
+    def refill(self, held: Sequence[tuple[str, Hashable, int]]) -> list[bool]:
+        """Which of ``held``, tensors made in the files ((kind, master's key, bytes), in
+        parameter order), move into the RAM given back since they were placed (the
+        device tier's units, masters another rank owns): masters first, then
+        optimizer state, each kind spread over the order (the Note). Counted as
+        moved. RAM granted to state or gradients not made yet stays theirs, unless
+        none of either is made: they are then placed again after the masters."""
+        with self._lock:
+            fresh = not any(
+                self.actual.ram.get(kind) or self.actual.disk.get(kind)
+                for kind in ("state", "grad")
+            )
+            room = self.capacity - self.actual.ram_bytes
+            if not fresh:
+                room -= sum(
+                    sum(grants)
+                    for key, grants in self._state_left.items()
+                    if ("state", key) not in self._taken
+                )
+                room -= sum(
+                    n
+                    for key, n in self._sizes.items()
+                    if self._grad.get(key) and ("grad", key) not in self._taken
+                )
+            fits = [False] * len(held)
+            for kind in ("master", "state", "grad"):
+                mine = [i for i, (k, _, _) in enumerate(held) if k == kind]
+                for i, fit in zip(mine, spread([held[i][2] for i in mine], room)):
+                    if not fit:
+                        continue
+                    _, key, nbytes = held[i]
+                    fits[i] = True
+                    room -= nbytes
+                    for counted in (self.actual, self.predicted):
+                        counted.disk[kind] = counted.disk.get(kind, 0) - nbytes
+                        counted.add(kind, nbytes, True)
+                    if kind == "master":
+                        self._master[key] = True
+            if fresh:
+                self._plan()  # the grants of state and gradients, from what is left
+            return fits
+
     def in_ram(self, key: Hashable, kind: str, nbytes: int) -> bool:
         """Whether a new ``kind`` tensor of master ``key`` goes to RAM (then counted)."""
         with self._lock:
@@ -258,6 +311,7 @@ class PlacementPlan:
                 fits = nbytes in granted
                 if fits:
                     granted.remove(nbytes)
+                self._taken.add((kind, key))  # some of its state is made
             else:
                 table = self._master if kind == "master" else self._grad
                 # A second tensor of the kind (never made by the store) goes to the files.
@@ -277,10 +331,11 @@ class PlacementPlan:
 def spread(sizes: Sequence[int], room: int) -> list[bool]:
     """Which of ``sizes`` (in order) stay in RAM within ``room``, spread evenly over the
     order where not all fit (Note [hybrid placement])."""
+    room = max(room, 0)
     total = sum(sizes)
     if total <= room:
         return [True] * len(sizes)
-    share = max(room, 0) / total
+    share = room / total
     fits, held, seen = [], 0, 0
     for n in sizes:
         seen += n
@@ -335,7 +390,9 @@ def predict(master_bytes: Sequence[int], capacity: int, states_per_master: int =
 #
 # Over a disk store, whose files or RAM tier hold the whole state from the
 # engine's construction, the units leave it: their files are given back
-# (``DiskStore.forget``, ``drop``) and the store's placement counts the rest.
+# (``DiskStore.forget``, ``drop``), the store's placement counts the rest, and
+# the RAM they held takes masters and state of streamed units out of the files
+# (Note [hybrid placement]).
 #
 # Under data parallel every rank places the same units (the plan is the same,
 # and so is the budget: "auto" takes the least room over the ranks, ranks that

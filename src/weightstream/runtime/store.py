@@ -55,7 +55,7 @@ import shutil
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -510,6 +510,42 @@ class DiskStore:
                     in_ram = self._ram.pop(ptr, None) is not None
                     if (in_file or in_ram) and self.places is not None:
                         self.places.give_back(kind, t.numel() * t.element_size(), in_ram)
+
+    def refill(
+        self, held: Sequence[tuple[torch.Tensor, str, torch.Tensor]]
+    ) -> list[torch.Tensor | None]:
+        """Move into the RAM tier what of ``held`` ((tensor, kind, its master), in
+        parameter order) its RAM given back since the placement now holds (Note
+        [hybrid placement]): for each, its copy in RAM (its file given back) or None.
+        The caller puts the copies where the tensors were."""
+        out: list[torch.Tensor | None] = [None] * len(held)
+        if self.places is None:
+            return out
+        in_files = [
+            i
+            for i, (t, _, owner) in enumerate(held)
+            if t.numel() and id(owner) in self._key and self.file_of(t) is not None
+        ]
+        if not in_files:
+            return out
+        self.settle()  # the files' mappings read what was last written
+        fits = self.places.refill(
+            [(held[i][1], self._key[id(held[i][2])], held[i][0].nbytes) for i in in_files]
+        )
+        for i, fit in zip(in_files, fits):
+            if not fit:
+                continue
+            t = held[i][0]
+            copy = torch.empty(t.shape, dtype=t.dtype)
+            copy.copy_(t)
+            self.release([t])  # its pages: the copy holds the values now
+            ptr = t.untyped_storage().data_ptr()
+            with self._lock:
+                self._ram[copy.untyped_storage().data_ptr()] = copy
+                del self._maps[ptr]
+                self._files.pop(ptr).close()
+            out[i] = copy
+        return out
 
     def take_grad(self, p: torch.Tensor) -> None:
         """``p``'s gradient was accumulated: keep it in the store (Note [disk tier]; the
