@@ -510,7 +510,10 @@ def test_params_file_key():
         RunConfigParams.from_dict({"activation_checkpointing": "sometimes"})
 
 
-@pytest.mark.parametrize("mode", ["weight_streaming", "layer_pipelined"])
+# Layer pipelined with the slow tests (the default suite's 15 minutes).
+@pytest.mark.parametrize(
+    "mode", ["weight_streaming", pytest.param("layer_pipelined", marks=pytest.mark.slow)]
+)
 def test_run_command_applies_the_runconfig_key(tmp_path, monkeypatch, mode):
     """runconfig activation_checkpointing: true reaches both execution modes of the
     run command, whose losses equal those of the same run without it."""
@@ -559,6 +562,7 @@ def test_run_command_applies_the_runconfig_key(tmp_path, monkeypatch, mode):
             assert after["est_compute_s"] > before["est_compute_s"]  # its FLOPs again
 
 
+@pytest.mark.slow  # 25 s on 2 cores; a sharded store's two ranks are exact by default
 def test_two_ranks_with_a_sharded_store_recompute_exactly(tmp_path):
     """Data parallel, sharded store: a recompute's fetch is a broadcast from the unit's
     owner, issued inside the backward on every rank in the same order. Same losses

@@ -91,6 +91,7 @@ _SEED_SCRIPT = _RSS + textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # 41 s on 2 cores; a warm start into a disk store is bounded by default
 def test_seed_recipe_resumes_a_disk_store_model_one_tensor_at_a_time(tmp_path):
     """24 Linear(1024, 1024): 96 MiB of weights, 384 MiB of training state with the
     gradients and AdamW's moments, 10x the budget (the disk store's compile-time

@@ -1383,6 +1383,7 @@ def test_a_warm_start_from_a_non_tensor_names_the_key(tmp_path, value):
     assert torch.equal(model.weight, before)  # nothing loaded
 
 
+@pytest.mark.slow  # 10 s on 2 cores: a pipe of two processes, with the slow tests
 def test_info_piped_into_a_reader_that_stops_early_is_not_an_error(tmp_path):
     save({f"k{i}": torch.zeros(2) for i in range(3000)}, tmp_path / "many.mdl")  # 200 KB of info
     command = [

@@ -444,6 +444,7 @@ def test_run_with_bf16_masters_and_int8_state_resumes_exactly_and_exports_bf16(t
             assert torch.equal(value, b["optimizer"]["state"][i][key]), (i, key)
 
 
+@pytest.mark.slow  # 8 s on 2 cores; test_state_of_another_format_loads_converted checks by default
 def test_run_resumed_with_another_state_dtype_continues_from_the_converted_state(tmp_path):
     """A run saved with int8 state and resumed without state_dtype (float32) trains on
     from the decoded moments (Note [loading another state format]): over steps 5-8 its

@@ -92,9 +92,17 @@ def _assert_states_close(got: dict, want: dict, what: str) -> None:
             assert g == w, f"{what}: {key}"
 
 
-# Four ranks take 22 s each on 2 cores: with the slow tests (the default suite keeps two).
-@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("launcher", ["torchrun", "launch"])
+# 15-22 s each on 2 cores: the default suite keeps two ranks under weightstream launch,
+# which is torchrun's machinery; -m slow the rest.
+@pytest.mark.parametrize(
+    ("ranks", "launcher"),
+    [
+        (2, "launch"),
+        pytest.param(2, "torchrun", marks=pytest.mark.slow),
+        pytest.param(4, "launch", marks=pytest.mark.slow),
+        pytest.param(4, "torchrun", marks=pytest.mark.slow),
+    ],
+)
 def test_seed_style_script_on_n_ranks_ends_with_the_one_rank_weights(runs, ranks, launcher):
     one_dir, _ = runs(1)
     out, records = runs(ranks, launcher)

@@ -365,6 +365,9 @@ def test_auto_over_a_disk_store_fills_the_ram_it_gives_back(tmp_path, monkeypatc
     _same_as_eager(model, eager, opt, eager_opt)
 
 
+# 18 s each on 2 cores, with the slow tests: the tier is an accelerator's, and one rank's
+# is checked by default.
+@pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["replicated", "sharded", "sharded_disk"])
 def test_two_ranks_with_the_tier_equal_one_rank(tmp_path, monkeypatch, sharding):
     """Data parallel: every rank places the same units. With a replicated store SwarmX

@@ -449,6 +449,7 @@ def test_a_store_dir_that_is_a_file_is_named_as_one_by_compile(tmp_path):
     assert afile.read_text() == "mine"
 
 
+@pytest.mark.slow  # 14 s on 2 cores: a process of its own, with the slow tests
 def test_a_store_dir_made_for_a_store_never_closed_goes_at_exit(tmp_path):
     """A script that trains and exits without compiled.close(): the directory the store
     made held only its mark afterwards; it goes at the interpreter's exit now."""

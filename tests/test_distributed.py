@@ -87,8 +87,16 @@ def _final_weights(model_dir: Path, step: int) -> dict:
     return dict(ckpt.load(model_dir / f"checkpoint_{step}.mdl", map_location="cpu")["model"])
 
 
-@pytest.mark.parametrize("model", ["gpt2", "fc_mnist"])
-@pytest.mark.parametrize("mode", ["weight_streaming", "layer_pipelined"])
+# The default suite keeps weight streaming on the GPT (its 15 minutes); -m slow the rest.
+@pytest.mark.parametrize(
+    ("mode", "model"),
+    [
+        ("weight_streaming", "gpt2"),
+        pytest.param("weight_streaming", "fc_mnist", marks=pytest.mark.slow),
+        pytest.param("layer_pipelined", "gpt2", marks=pytest.mark.slow),
+        pytest.param("layer_pipelined", "fc_mnist", marks=pytest.mark.slow),
+    ],
+)
 def test_two_ranks_equal_one_rank_with_the_whole_batch(tmp_path, model, mode):
     params = _params(tmp_path, model)
     one, two = tmp_path / "one", tmp_path / "two"
@@ -130,11 +138,11 @@ def test_two_ranks_equal_one_rank_with_the_whole_batch(tmp_path, model, mode):
 @pytest.mark.parametrize(
     ("mode", "saved_ranks", "ranks"),
     [
-        ("weight_streaming", 2, 1),
+        # The default suite keeps one direction (its 15 minutes); -m slow the rest.
+        pytest.param("weight_streaming", 2, 1, marks=pytest.mark.slow),
         ("weight_streaming", 1, 2),
-        # The default suite keeps one direction per mode (its 15 minutes); -m slow the rest.
         pytest.param("layer_pipelined", 2, 1, marks=pytest.mark.slow),
-        ("layer_pipelined", 1, 2),
+        pytest.param("layer_pipelined", 1, 2, marks=pytest.mark.slow),
     ],
 )
 def test_checkpoint_resumes_on_another_number_of_ranks(tmp_path, mode, saved_ranks, ranks):
@@ -213,6 +221,7 @@ def test_killing_one_rank_stops_the_run_naming_it(tmp_path):
     assert "rank 1 of 2 was killed by signal 9" in out
 
 
+@pytest.mark.slow  # 10 s on 2 cores, waits 5 s for training: with the slow tests
 def test_sigterm_to_the_launcher_stops_the_ranks_and_says_how_to_resume(tmp_path):
     """A scheduler's SIGTERM to ``run --num_csx 2``: exit 143 and one line saying what
     happened and that the same command resumes (torch's agent printed a traceback of
@@ -354,6 +363,7 @@ def test_a_batch_the_ranks_cannot_share_is_refused_once_before_any_rank_starts(t
     assert not (tmp_path / "m").exists()
 
 
+@pytest.mark.slow  # 13 s on 2 cores; report_error's choice is checked in-process by default
 def test_bad_input_met_by_every_rank_is_said_once(tmp_path):
     """A checkpoint_path that does not exist stops both ranks of the run command with the
     same message: it is printed once, by rank 0 (Note [one line per error] in
@@ -398,6 +408,7 @@ def test_the_launcher_says_each_ranks_own_error_once_with_the_ranks_that_met_it(
     assert [r.getMessage() for r in caplog.records] == ["rank 3 of 4: no room"]
 
 
+@pytest.mark.slow  # 9 s on 2 cores; bad input every rank meets is checked by default
 def test_ranks_started_with_different_params_are_stopped_before_training(tmp_path):
     """Ranks started by hand (torchrun) with another learning rate each: a sharded store
     would update each rank's units by its own rate and exit 0. Every rank stops first."""
@@ -427,6 +438,7 @@ def test_ranks_started_with_different_params_are_stopped_before_training(tmp_pat
     assert not list((tmp_path / "m").glob("checkpoint_*.mdl"))
 
 
+@pytest.mark.slow  # 15 s on 2 cores; the uneven last batch's samples are counted by default
 def test_eval_on_two_ranks_without_drop_last_covers_a_short_last_batch(tmp_path):
     """eval_input.drop_last false, the eval set's last global batch smaller than one rank's
     share: it used to be one rank's batch alone, and the other rank ended its pass a step
@@ -453,6 +465,7 @@ def test_eval_on_two_ranks_without_drop_last_covers_a_short_last_batch(tmp_path)
     assert losses[2][0] == pytest.approx(losses[1][0], rel=LOSS_RTOL)
 
 
+@pytest.mark.slow  # 18 s on 2 cores: two runs of two ranks, with the slow tests
 def test_performance_counts_the_samples_of_an_uneven_last_batch(tmp_path):
     """One epoch without drop_last, whose last global batch splits unevenly over 2 ranks
     (1438 samples: 4 + 2): performance.json counts each sample once (it took rank 0's

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -42,6 +44,7 @@ def test_train_gpt_ws_example_runs(tmp_path):
     ]
 
 
+@pytest.mark.slow  # 8 s on 2 cores: a second run of the example, with the slow tests
 def test_train_gpt_ws_example_runs_a_few_steps(tmp_path):
     """Fewer than 10 steps: a warmup of at least one step (it was steps // 10 = 0, which
     LinearLR refuses)."""

@@ -209,6 +209,7 @@ def _assert_checkpoint_3_intact(model_dir: Path, digest: str) -> None:
     assert not [p for p in model_dir.iterdir() if p.name.endswith(".tmp")]
 
 
+@pytest.mark.slow  # 11 s on 2 cores; a read-only model_dir is checked by default
 def test_checkpoint_write_over_the_file_size_limit(tmp_path):
     params, model_dir, digest = _first_three_steps(tmp_path)
     size = ckpt.checkpoint_path(model_dir, 3).stat().st_size

@@ -40,6 +40,8 @@ def _positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
+# 11-13 s each on 2 cores: the benchmark's smoke runs, with the slow tests.
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_tiny_cpu_run_reports_every_field(dtype):
     """Forced to each compute dtype, so the checks hold on CPUs with and without native

@@ -682,6 +682,7 @@ def test_run_refuses_packing_for_a_zoo_model(tmp_path, tokenizer_dirs, caplog):
     assert not (tmp_path / "m").exists()
 
 
+@pytest.mark.slow  # 34 s on 2 cores; one rank's completion-only training is checked by default
 def test_two_ranks_train_like_one_rank_on_completion_only_data(tmp_path, tokenizer_dirs):
     """2 ranks, each with half of every global batch, end where 1 rank does: the step's
     loss is the mean over all its counted tokens (Note [the step's token mean] in
@@ -754,6 +755,7 @@ def _build_counting(section: dict, log: str, go: str) -> list[list[int]]:
     return [_real(r)[0] for r in _rows(section)]
 
 
+@pytest.mark.slow  # 8 s on 2 cores: two processes of their own, with the slow tests
 def test_two_processes_building_the_same_data_tokenize_it_once(tmp_path, tokenizer_dirs):
     """Ranks of one run build the same section at the same time: one tokenizes, the other
     waits for its file and reads nothing of the data (each tokenized all of it)."""

@@ -14,6 +14,7 @@ arithmetic; Note [matching torch.optim bit for bit]).
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -133,9 +134,18 @@ def _eager(folder: Path) -> tuple[list[float], dict]:
     return losses, {k: v.detach() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("store", ["ram", "disk"])
+# 3.5 s each on 2 cores: the default suite runs the Llama and GPT-2 in RAM and the Llama
+# through the disk store (its 15 minutes); -m slow the rest.
 @pytest.mark.parametrize(
-    "make", [_llama, _gpt2, _gpt_neox, _gemma], ids=["llama", "gpt2", "gpt_neox", "gemma"]
+    ("make", "store"),
+    [
+        (_llama, "ram"),
+        (_gpt2, "ram"),
+        (_llama, "disk"),
+        *(pytest.param(m, "ram", marks=pytest.mark.slow) for m in (_gpt_neox, _gemma)),
+        *(pytest.param(m, "disk", marks=pytest.mark.slow) for m in (_gpt2, _gpt_neox, _gemma)),
+    ],
+    ids=lambda v: v if isinstance(v, str) else v.__name__.removeprefix("_"),
 )
 def test_warm_started_hf_model_trains_like_eager_transformers(tmp_path, tokenizer, make, store):
     folder = _save_pretrained(make, tmp_path / "pretrained", tokenizer)
@@ -160,6 +170,7 @@ def test_warm_started_hf_model_trains_like_eager_transformers(tmp_path, tokenize
     assert perf["est_samples_per_sec"] > 0
 
 
+@pytest.mark.slow  # 18 s on 2 cores; one rank's warm start is checked by default
 def test_a_warm_start_on_two_ranks_trains_like_eager_transformers(tmp_path, tokenizer):
     """A meta-device model warm-started in host memory gets new parameters: the shards'
     owners must be those of the new ones, or every rank takes itself for the owner of
@@ -187,11 +198,8 @@ def _run(tmp_path: Path, params: Path, model_dir: Path, capsys=None, ranks: int 
             start_run()
 
 
-def test_warm_start_names_a_missing_tensor(tmp_path, tokenizer):
+def test_warm_start_names_a_missing_tensor(tmp_path, tokenizer, caplog):
     """A Llama warm-started from a GPT-2 folder: the error names what is missing."""
-    import subprocess
-    import sys
-
     other = _save_pretrained(_gpt2, tmp_path / "other", tokenizer)
     folder = _save_pretrained(_llama, tmp_path / "pretrained", tokenizer)
     values = pf.params(
@@ -205,11 +213,14 @@ def test_warm_start_names_a_missing_tensor(tmp_path, tokenizer):
         },
     )
     params = pf.write(tmp_path / "p.yaml", values)
-    cmd = [sys.executable, "-m", "weightstream", "run", "CPU", "-p", str(params),
-           "-o", str(tmp_path / "run")]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2
-    assert "cannot warm-start" in done.stdout and "'model.embed_tokens.weight'" in done.stdout
+    start_run()
+    logger = logging.getLogger("weightstream")  # the run's log, which does not propagate
+    logger.addHandler(caplog.handler)
+    try:
+        assert main(["run", "CPU", "-p", str(params), "-o", str(tmp_path / "run")]) == 2
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "cannot warm-start" in caplog.text and "'model.embed_tokens.weight'" in caplog.text
 
 
 @pytest.mark.parametrize("make", [_llama, _gpt_neox], ids=["llama", "gpt_neox"])
@@ -364,7 +375,12 @@ _ZOO_SHAPES = {
 }
 
 
-@pytest.mark.parametrize("zoo_name", sorted(_ZOO_SHAPES))
+def _llama_first(names):
+    """The default suite: the zoo's Llama (its 15 minutes); -m slow the others too."""
+    return [n if n == "llama" else pytest.param(n, marks=pytest.mark.slow) for n in sorted(names)]
+
+
+@pytest.mark.parametrize("zoo_name", _llama_first(_ZOO_SHAPES))
 def test_zoo_model_warm_starts_from_a_hugging_face_folder_of_its_architecture(
     tmp_path, tokenizer, zoo_name
 ):
@@ -416,7 +432,7 @@ _ZOO_EXPORTS = {
 }
 
 
-@pytest.mark.parametrize("zoo_name", sorted(_ZOO_EXPORTS))
+@pytest.mark.parametrize("zoo_name", _llama_first(_ZOO_EXPORTS))
 def test_a_zoo_models_checkpoint_exports_to_its_hugging_face_architecture(tmp_path, zoo_name):
     """--to hf of a zoo run: transformers' names (GPT-2's Conv1D matrices transposed) and
     a config built from the run's model section; transformers' model computes the zoo

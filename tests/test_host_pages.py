@@ -40,6 +40,7 @@ def _child(env_value: str | None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # 8 s on 2 cores: processes of their own, with the slow tests
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's transparent huge pages")
 def test_large_host_tensors_fault_in_huge_pages_unless_the_user_says_otherwise():
     default = _child(None)

@@ -363,6 +363,7 @@ def _stopped_at(launch: Launch) -> None:
         time.sleep(0.005)
 
 
+@pytest.mark.slow  # 25 s on 2 cores; the default suite kills once (above)
 def test_sigterm_mid_save_removes_the_temporary_and_sigkill_leaves_one_for_the_next_run(
     tmp_path,
 ):

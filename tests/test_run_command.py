@@ -224,7 +224,10 @@ def test_compile_cache_hit_and_checksum_follows_the_batch_size(tmp_path):
     assert len(_compile_dirs(cache)) == 2  # a new batch size is a new checksum
 
 
-@pytest.mark.parametrize("execution_mode", ["weight_streaming", "layer_pipelined"])
+# Layer pipelined with the slow tests (the default suite's 15 minutes).
+@pytest.mark.parametrize(
+    "execution_mode", ["weight_streaming", pytest.param("layer_pipelined", marks=pytest.mark.slow)]
+)
 def test_train_and_eval_then_eval_all(tmp_path, execution_mode):
     params = _params(tmp_path, eval_steps=3)
     model_dir = tmp_path / "m"
@@ -250,6 +253,7 @@ def run_log(caplog):
     logger.removeHandler(caplog.handler)
 
 
+@pytest.mark.slow  # 12 s on 2 cores (one batch of all the eval data); with the slow tests
 def test_train_and_eval_checks_the_eval_data_before_training(tmp_path, run_log):
     """An eval set smaller than one batch stops train_and_eval before step 1 (nothing
     written), not after training; the same data trains and evaluates with drop_last off."""
@@ -598,6 +602,7 @@ def test_the_data_command_describes_its_subcommand(capsys):
     assert main(["data"]) == 2
 
 
+@pytest.mark.slow  # 9 s on 2 cores: three runs, with the slow tests
 def test_eval_frequency_evaluates_while_training_and_leaves_the_training_as_it_was(tmp_path):
     """Note [evaluation during training]: every 2 steps the training's weights are
     evaluated; each value is what -m eval of that step's checkpoint gives (another

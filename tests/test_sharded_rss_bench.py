@@ -15,10 +15,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "sharded_rss.py"
 
 
+@pytest.mark.slow  # 19 s on 2 cores: the benchmark's smoke run, with the slow tests
 def test_tiny_cpu_run_reports_each_rank_and_trains_the_same_model():
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
     cmd = [sys.executable, str(SCRIPT), "--size", "tiny", "--seq", "64", "--steps", "1"]

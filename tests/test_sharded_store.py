@@ -317,6 +317,7 @@ def test_per_rank_store_memory_is_half_with_two_ranks_and_stays_so_after_a_load(
         assert [g[f"{sharding}_in_flight"] for g in got] == [REDUCE_IN_FLIGHT] * 2
 
 
+@pytest.mark.slow  # 9 s on 2 cores; the sharded disk store's training is checked by default
 def test_sharded_disk_store_keeps_half_the_files_on_each_of_two_ranks(tmp_path):
     import torch.multiprocessing as mp
 
@@ -338,6 +339,7 @@ def test_sharded_disk_store_keeps_half_the_files_on_each_of_two_ranks(tmp_path):
     assert not (tmp_path / "store").exists()  # nothing left, the store's directory too
 
 
+@pytest.mark.slow  # 18 s on 2 cores; test_sharded_clipping.py checks it by default
 def test_sharded_gradient_clipping_uses_the_whole_models_norm(tmp_path):
     """Clipping at a norm far below the gradients' (every step clips) on 2 sharded
     ranks equals 1 rank: each rank holds only its units' gradients, and a norm of

@@ -251,6 +251,9 @@ def _eager(device: str, on_device: frozenset[str] = frozenset()):
     return _state(resident), losses
 
 
+# 8 s each on the CPU, with the slow tests: two ranks sharing one device are an
+# accelerator's case.
+@pytest.mark.slow
 @pytest.mark.parametrize("tier", [False, True], ids=["streamed", "device-tier"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_two_ranks_on_one_device_with_a_sharded_store_equal_one_rank_and_eager(

@@ -24,6 +24,9 @@ from weightstream.cli.main import main
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # The files whose training state is larger than a 24 GiB host: they use store: disk.
 LARGE = ("gpt2_xl", "gpt3_xl", "gptj_6b", "llama2_7b", "llama2_13b", "llama_20b")
+# The default suite takes the largest Llamas (its 15 minutes); -m slow all.
+DEFAULT = ("llama2_7b", "llama_20b")
+EACH = [n if n in DEFAULT else pytest.param(n, marks=pytest.mark.slow) for n in LARGE]
 BYTES_PER_PARAM = 4  # fp32 masters
 
 
@@ -52,7 +55,7 @@ sys.exit(code)
 """
 
 
-@pytest.mark.parametrize("name", LARGE)
+@pytest.mark.parametrize("name", EACH)
 def test_full_size_config_validates_without_building_the_weights(tmp_path, name):
     raw = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
     assert raw["runconfig"]["store"] == "disk"
@@ -74,6 +77,7 @@ def test_full_size_config_validates_without_building_the_weights(tmp_path, name)
     assert not list(model_dir.glob("checkpoint_*"))
 
 
+@pytest.mark.slow  # 20 s on 2 cores; validate_only plans the full sizes by default
 def test_full_size_compile_plans_every_weight(tmp_path):
     """GPT-J 6B compiled (plan, report, estimate) from shapes alone, in both modes."""
     from test_params import PUBLISHED_SIZES
@@ -101,7 +105,7 @@ REDUCED = {
 }
 
 
-@pytest.mark.parametrize("name", LARGE)
+@pytest.mark.parametrize("name", EACH)
 def test_reduced_size_trains_through_the_disk_store(tmp_path, name):
     raw = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
     raw["model"].update(REDUCED[name])
