@@ -221,13 +221,16 @@ def _memory_rank(rank: int, world: int, port: int, out: str, store: str = "ram")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     disk = {}
-    if store == "disk":
+    if store.startswith("disk"):
+        # "disk_ram": a RAM tier with room for two units' masters, half the model's.
+        ram_tier = 2 * UNIT_BYTES if store == "disk_ram" else 0
         disk = dict(
             store="disk",
             store_dir=str(Path(out, "store")),  # one directory for both ranks
             # The disk tier's working set on the CPU (9 units: 2 in flight, an update
-            # at 4x, 2 device copies, a unit's gradients) and no RAM tier: all in files.
-            host_memory_budget=(1 + 1 + 4 + 1 + 1 + 1) * UNIT_BYTES,
+            # at 4x, 2 device copies, a unit's gradients) and the RAM tier ("disk": none,
+            # all in files).
+            host_memory_budget=(1 + 1 + 4 + 1 + 1 + 1) * UNIT_BYTES + ram_tier,
         )
     result = {}
     try:
@@ -271,6 +274,7 @@ def _memory_rank(rank: int, world: int, port: int, out: str, store: str = "ram")
                 result[f"{sharding}_placed"] = {
                     k: placed.ram.get(k, 0) + placed.disk.get(k, 0) for k in placed.disk
                 }
+                result[f"{sharding}_in_ram"] = placed.ram
                 if sharding == "sharded":
                     # A whole-model read gathers the other rank's tensors into
                     # scratch files of the store, never into memory.
@@ -337,6 +341,24 @@ def test_sharded_disk_store_keeps_half_the_files_on_each_of_two_ranks(tmp_path):
     ] * 2
     assert [g["gathered_on_disk"] for g in got] == [True, True]
     assert not (tmp_path / "store").exists()  # nothing left, the store's directory too
+
+
+@pytest.mark.slow  # 9 s on 2 cores: with the slow tests
+def test_a_sharded_rank_holds_its_masters_in_the_ram_the_others_gave_back(tmp_path):
+    """RAM for half the model's masters: placed for the whole model, it held part of
+    each rank's; once a rank drops the masters the other owns, it holds all of its own
+    (Note [hybrid placement])."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(
+        _memory_rank, args=(2, _free_port(), str(tmp_path), "disk_ram"), nprocs=2,
+        start_method="spawn",
+    )  # fmt: skip
+    got = [json.loads((tmp_path / f"disk_ram{r}.json").read_text()) for r in range(2)]
+    half = (N_UNITS // 2) * UNIT_BYTES
+    assert [g["replicated_in_ram"]["master"] for g in got] == [half] * 2  # half of all four
+    assert [g["sharded_in_ram"]["master"] for g in got] == [half] * 2  # all of its two
+    assert [g["sharded_placed"]["master"] for g in got] == [half] * 2
 
 
 @pytest.mark.slow  # 18 s on 2 cores; test_sharded_clipping.py checks it by default
