@@ -4,7 +4,7 @@ Writes ``--gb`` GB of prompt-completion jsonl (default 1) into a temporary folde
 with a small byte-level BPE tokenizer built here, then builds the processor's loader
 (tokenizing into the Arrow cache, then packing) and reads a few batches. Prints
 the process's peak RSS above its RSS at the start (target: below 1 GB for 1 GB of
-jsonl, Note [hf dataset cache] in weightstream/data/hf_dataset.py), and the time taken.
+jsonl, Note [hf dataset cache] in weightstream/data/hf_dataset/build.py), and the time taken.
 
     python benchmarks/hf_dataset_rss.py --gb 0.2 [--packing false] [--keep DIR]
 """

@@ -739,9 +739,9 @@ def _build_counting(section: dict, log: str, go: str) -> list[list[int]]:
     ``log``; starts once ``go`` exists (both processes at once)."""
     import time
 
-    from weightstream.data import hf_dataset
+    from weightstream.data.hf_dataset import build
 
-    write = hf_dataset._write_docs
+    write = build._write_docs
 
     def noted(*args, **kwargs):
         with open(log, "a") as f:
@@ -749,7 +749,7 @@ def _build_counting(section: dict, log: str, go: str) -> list[list[int]]:
         time.sleep(0.5)  # long enough for the other process to arrive meanwhile
         return write(*args, **kwargs)
 
-    hf_dataset._write_docs = noted
+    build._write_docs = noted
     while not os.path.exists(go):
         time.sleep(0.01)
     return [_real(r)[0] for r in _rows(section)]

@@ -27,6 +27,7 @@ from test_hf_dataset import (
 )
 
 from weightstream.data import hf_dataset, processors
+from weightstream.data.section import Section
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -320,7 +321,7 @@ def test_the_key_docs_cover_the_keys_with_the_defaults_applied(tmp_path):
     assert set(docs) == own and all(text.strip() for _, text in docs.values())
     # The defaults as documented are the ones the processor applies to a section without them.
     settings = hf_dataset.read_settings(
-        hf_dataset.Section(
+        Section(
             "HFDatasetProcessor",
             {"tokenizer": str(tmp_path)},
             True,

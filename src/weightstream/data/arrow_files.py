@@ -1,6 +1,6 @@
 """Arrow IPC stream files written and read a batch at a time, without keeping their pages.
 
-The Hugging Face data processor (``hf_dataset.py``) caches tokens in Arrow files of
+The Hugging Face data processor (``hf_dataset/``) caches tokens in Arrow files of
 any size. Two kinds of pages could pile up while it makes them (Note [arrow file
 pages]): the page cache of what it writes, and the resident pages of what it reads
 through a memory map. :class:`ArrowStreamWriter` writes a file under a temporary

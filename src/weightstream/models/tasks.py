@@ -3,7 +3,7 @@
 Note [packed batches]
 ~~~~~~~~~~~~~~~~~~~~~
 An lm batch with ``position_ids`` [B, T] holds several documents per row
-(``data/hf_dataset.py``, Note [packing]): positions restart at 0 where a document starts.
+(``data/hf_dataset/rows.py``, Note [packing]): positions restart at 0 where a document starts.
 Restarting the positions alone does not keep the documents apart: transformers 5 builds
 its causal mask over the whole row (a training forward holds a cache object, which turns
 its own packed-sequence detection off), so the second document attends to the first
