@@ -1,7 +1,7 @@
 """A LoRA run's checkpoint out to Hugging Face: peft's adapter folder, or merged weights.
 
 A LoRA checkpoint holds the trained tensors only (Note [lora checkpoints] in
-cli/run.py): the adapters under the peft model's names, and the metadata
+cli/run_lora.py): the adapters under the peft model's names, and the metadata
 ``peft`` record (the base folder, its fingerprint, the LoraConfig values).
 Both exports rebuild the run's peft model on the meta device from the base's
 configuration (common/lora.py) and put the checkpoint's tensors into it

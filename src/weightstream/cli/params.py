@@ -305,7 +305,7 @@ class Params:
 
     def _check_peft(self) -> None:
         """LoRA trains adapters on a pretrained transformers model, whose weights a
-        warm start reads (Note [lora checkpoints] in cli/run.py)."""
+        warm start reads (Note [lora checkpoints] in cli/run_lora.py)."""
         if self.model.name != "hf":
             raise ValueError(
                 f"peft: LoRA adapters need a Hugging Face model, but model.name is "

@@ -23,7 +23,6 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -32,10 +31,22 @@ import yaml
 
 import weightstream as cstorch
 from weightstream import checkpoint as ckpt
-from weightstream.checkpoint.weights import load_weights
 from weightstream.cli.launch import report_error
 from weightstream.cli.params import Params, save_params
 from weightstream.cli.run_args import build_run_parser, params_from_args
+from weightstream.cli.run_checkpoints import (
+    finished,
+    latest_or_given,
+    own_checkpoint,
+    resume_from,
+)
+from weightstream.cli.run_checks import (
+    check_model_takes_input,
+    check_vocabulary,
+    warn_streaming_settings_unused,
+    warn_wrapping_eval,
+)
+from weightstream.cli.run_lora import base_record, check_base_of, load_base, trained_keys
 from weightstream.common import lora
 from weightstream.common.hf_names import hf_name_map
 from weightstream.common.materialize import materialize, materialize_buffers
@@ -90,7 +101,7 @@ class Run:
         self.task = params.model.spec.task
         self.ws = self.rc.execution_mode == "weight_streaming"
         if not self.ws:
-            _warn_streaming_settings_unused(self.rc.streaming)
+            warn_streaming_settings_unused(self.rc.streaming)
         # Owner: this run. Why: a compiled model's engine holds a prefetch thread,
         # hooks and, with the disk store, mapped files; the run closes them when
         # it ends, so a process that runs the command again (tests, benchmarks)
@@ -308,9 +319,9 @@ class Run:
                 # What this run trained: its newest checkpoint, never the one it
                 # started from (checkpoint_path).
                 latest = ckpt.find_latest_checkpoint(self.model_dir)
-                self.evaluate(latest or self._latest_or_given())
+                self.evaluate(latest or latest_or_given(self.model_dir, self.rc))
         elif self.mode == "eval":
-            self.evaluate(self._latest_or_given())
+            self.evaluate(latest_or_given(self.model_dir, self.rc))
         elif self.mode == "eval_all":
             checkpoints = ckpt.list_checkpoints(self.model_dir)
             if not checkpoints:
@@ -343,86 +354,19 @@ class Run:
                     writer.close()
         return 0
 
-    def _refuse_earlier_checkpoints(self) -> None:
-        """A run that does not resume starts at step 0: its checkpoints would take the
-        names of an earlier run's in model_dir, some overwritten, some not (invariant 3:
-        nothing lost, nothing mixed)."""
-        earlier = ckpt.list_checkpoints(self.model_dir)
-        if earlier:
-            raise ValueError(
-                f"{self.model_dir} holds checkpoints of an earlier run "
-                f"({_names(p for _, p in earlier)}), and "
-                "runconfig.autoload_last_checkpoint is false: this run would start at step 0 "
-                "and write checkpoints under the same names, replacing some of them. Fix: a "
-                "new model_dir (-o), move those checkpoints away, or "
-                "autoload_last_checkpoint: true to resume from the newest."
-            )
-
-    def _refuse_unreadable_checkpoints(self) -> None:
-        """model_dir's checkpoints are all incomplete or unreadable: starting over at step
-        0 would replace them one by one, the evidence of what went wrong with them."""
-        bad = ckpt.list_checkpoints(self.model_dir)
-        if bad:
-            raise ValueError(
-                f"{self.model_dir} holds checkpoints ({_names(p for _, p in bad)}), but none is "
-                "complete and "
-                "readable, so there is nothing to resume from; training from step 0 would "
-                "replace them. Fix: move them away (or delete them) to train from the start, "
-                "or resume from a good copy with --checkpoint_path."
-            )
-
-    def _refuse_newer_checkpoints(self, start: Path) -> None:
-        """A run resuming from checkpoint_path at step N writes checkpoints after N under
-        their names: model_dir's own checkpoints after N would be replaced (invariant 3),
-        as when the command that trained them is run again."""
-        step = _saved_step(start)
-        if step is None:
-            return  # resuming reports what is wrong with it
-        newer = [path for s, path in ckpt.list_checkpoints(self.model_dir) if s > step]
-        if newer:
-            raise ValueError(
-                f"{self.model_dir} holds checkpoints after global step {step}, where "
-                f"checkpoint_path {start} starts ({_names(newer)}): training from there would replace "
-                "them. Fix: to continue this model_dir's run, leave checkpoint_path out (it "
-                f"resumes from its newest, {newer[-1].name}); to train again from step {step}, "
-                "use a new model_dir (-o)."
-            )
-
-    def _latest_or_given(self) -> Path:
-        # With load_checkpoint_states, checkpoint_path is where training started
-        # from: evaluate the run's own newest checkpoint, else that start.
-        if self.rc.checkpoint_path and not self.rc.warm_start_states:
-            return Path(self.rc.checkpoint_path)
-        latest = ckpt.find_latest_checkpoint(self.model_dir)
-        if latest is None and self.rc.checkpoint_path:
-            return Path(self.rc.checkpoint_path)
-        if latest is None:
-            raise ValueError(
-                f"no checkpoint to evaluate: {self.model_dir} has no complete checkpoint_*.mdl. "
-                "Train first, or pass --checkpoint_path."
-            )
-        return latest
-
     def train(self) -> None:
         p, rc = self.params, self.rc
         # A run resumes from its own newest checkpoint; only a run that has none
         # warm-starts (runconfig.load_checkpoint_states) from checkpoint_path.
-        own = ckpt.find_latest_checkpoint(self.model_dir) if rc.autoload_last_checkpoint else None
-        if not rc.autoload_last_checkpoint and not (rc.validate_only or rc.compile_only):
-            self._refuse_earlier_checkpoints()
-        if not (rc.validate_only or rc.compile_only):
-            if rc.checkpoint_path and not rc.warm_start_states:
-                self._refuse_newer_checkpoints(Path(rc.checkpoint_path))
-            elif own is None and rc.autoload_last_checkpoint:
-                self._refuse_unreadable_checkpoints()
+        own = own_checkpoint(self.model_dir, rc)
         warm = rc.warm_start_states if own is None else []
-        self._check_vocabulary()
+        check_vocabulary(p)
         peft = p.peft is not None
         if peft and own is not None:
-            self._check_base_of(own)  # before building anything (Note [lora checkpoints])
+            # Before building anything (Note [lora checkpoints] in cli/run_lora.py).
+            check_base_of(own, rc.checkpoint_path)
         model, compiled = self._build_model(weights_from_checkpoint="model" in warm or peft)
-        self._check_packing(model)
-        self._check_positions(model)
+        check_model_takes_input(self.params, model)
         if rc.validate_only or rc.compile_only:
             # The run's optimizer, on the meta device, bound before the plan's log line
             # (Training state:) so that it counts the state this optimizer makes.
@@ -483,9 +427,9 @@ class Run:
                 "version": cstorch.__version__,
                 "model": p.model.name,
                 "params": _recorded_params(p),
-                **({"peft": self._base_record()} if peft else {}),
+                **({"peft": base_record(rc.checkpoint_path, p.peft)} if peft else {}),
             },
-            model_keys=_trained_keys(model) if peft else None,
+            model_keys=trained_keys(model) if peft else None,
         )
         trainer = Trainer(
             settings,
@@ -509,12 +453,12 @@ class Run:
             resume = own  # checkpoint_path is the warm start's source
         else:
             resume = Path(rc.checkpoint_path) if rc.checkpoint_path else own
-        if resume is not None and self._finished(resume):
+        if resume is not None and finished(resume, rc.max_steps):
             return
         if peft:
-            self._load_base(model)
+            load_base(model, rc.checkpoint_path)
         if resume is not None:
-            self._resume(trainer, resume, dataloader)
+            resume_from(trainer, resume, dataloader, self.model_dir, bool(rc.checkpoint_path))
         elif peft:
             log.info("Warm-started the base model from %s at global step 0", rc.checkpoint_path)
         elif warm:
@@ -670,121 +614,13 @@ class Run:
             device_tier=compiled.engine.resident,  # a budget's units, chosen at compile
         )
 
-    def _input_sections(self) -> Iterator[tuple[str, dict]]:
-        """(name, values) of the params file's input sections, train_input first."""
-        for name in ("train_input", "eval_input"):
-            section = getattr(self.params, name)
-            if section is not None:
-                yield name, section.to_dict()
-
-    def _check_vocabulary(self) -> None:
-        """Data whose token ids the model has no embedding for fails here, before step 1."""
-        from weightstream.data.processors import data_vocab_size
-
-        model_vocab = getattr(self.params.model.config, "vocab_size", None)
-        if self.task != "lm" or not isinstance(model_vocab, int):
-            return
-        for name, values in self._input_sections():
-            data_vocab = data_vocab_size(values)
-            if data_vocab is not None and data_vocab > model_vocab:
-                tokenizer = values.get("tokenizer")
-                ids = (
-                    f"the tokenizer {tokenizer!r} gives token ids up to {data_vocab - 1}"
-                    if tokenizer
-                    else f"the data's token ids go up to {data_vocab - 1}"
-                )
-                raise ValueError(
-                    f"{name}: {ids} (a vocabulary of {data_vocab}), but the model's vocab_size "
-                    f"is {model_vocab}. Fix: set the model's vocab_size to at least "
-                    f"{data_vocab}, or use the tokenizer the model was made for."
-                )
-
-    def _check_packing(self, model) -> None:
-        """Packed input needs a model that takes its mask (Note [packed batches] in
-        models/tasks.py): refused here, before step 1."""
-        for name, values in self._input_sections():
-            if not values.get("packing"):
-                continue
-            # The error of a model that takes no such mask, raised on a one-token batch.
-            probe = {"input_ids": None, "position_ids": torch.zeros(1, 1, dtype=torch.long)}
-            try:
-                model_kwargs(self.task, probe, attention_of(model))
-            except ValueError as e:
-                raise ValueError(f"{name}.packing: {e}") from e
-
-    def _check_positions(self, model) -> None:
-        """A sequence longer than a transformers model's table of absolute positions
-        (GPT-2's ``n_positions``) stops its first step with an index error, and a
-        trace on the meta device never reads the table: refused here, before step 1.
-        Rotary and relative positions have no table to run past."""
-        if not hf.is_hf_model(model):
-            return
-        config = model.config
-        limits = [getattr(config, k, None) for k in ("n_positions", "max_position_embeddings")]
-        limit = next((v for v in limits if isinstance(v, int) and not isinstance(v, bool)), None)
-        vocab = getattr(config, "vocab_size", None)
-        tables = [
-            name
-            for name, m in model.named_modules()
-            if isinstance(m, torch.nn.Embedding) and m.num_embeddings == limit != vocab
-        ]
-        if limit is None or not tables:
-            return
-        for section_name, values in self._input_sections():
-            seq = next(
-                (values[k] for k in ("seq_len", "max_sequence_length") if values.get(k)), None
-            )
-            if isinstance(seq, int) and seq > limit:
-                raise ValueError(
-                    f"{section_name}.seq_len {seq} is longer than the model's {limit} "
-                    f"positions (its position table {tables[0]}: n_positions or "
-                    "max_position_embeddings in its config). Fix: "
-                    f"{section_name}.seq_len at most {limit}, or a model with more positions."
-                )
-
-    def _finished(self, path: Path) -> bool:
-        """True when the checkpoint to resume from already reached max_steps.
-
-        The run was complete (perhaps killed after its last checkpoint): running
-        it again has nothing to train, and changes nothing.
-        """
-        if self.rc.max_steps is None:
-            return False
-        step = _saved_step(path)  # None: resuming reports what is wrong with it
-        if step is None or step < self.rc.max_steps:
-            return False
-        log.info(
-            "%s is at global step %d and max_steps is %d: training is complete, nothing to do.",
-            path,
-            step,
-            self.rc.max_steps,
-        )
-        return True
-
-    def _resume(self, trainer: Trainer, path: Path, dataloader) -> None:
-        try:
-            trainer.load_checkpoint(path, dataloader)
-        except ckpt.CheckpointError as e:
-            if self.rc.checkpoint_path:
-                raise  # the user named this file
-            earlier = [
-                c
-                for _, c in ckpt.list_checkpoints(self.model_dir)
-                if c != path and ckpt.is_complete_checkpoint(c)
-            ]
-            hint = f"pass --checkpoint_path {earlier[-1]}, or " if earlier else ""
-            raise type(e)(
-                f"{e} (The run resumes from the newest checkpoint in {self.model_dir}: to resume "
-                f"from an earlier one, {hint}move {path.name} out of {self.model_dir}.)"
-            ) from e
-
     def _eval_loader(self, section, steps: int | None):
         """An evaluation's batches: ``steps`` of them (a warning where that reads some
         again), else one pass over the eval input."""
         if not steps:
             return self._input_fn(section, False)()
         loader = self._dataloader(section, False, num_steps=steps)
-        _warn_wrapping_eval(steps, loader.loader)
+        warn_wrapping_eval(steps, loader.loader)
         return loader
 
     def _eval_writer(self, purge_step: int | None = None):
@@ -802,15 +638,14 @@ class Run:
         # The checkpoint gives every weight: nothing is drawn for them first.
         peft = p.peft is not None
         if peft and ckpt.is_trainer_checkpoint(checkpoint_path):
-            self._check_base_of(checkpoint_path)
+            check_base_of(checkpoint_path, rc.checkpoint_path)
         model, compiled = self._build_model(weights_from_checkpoint=True)
-        self._check_packing(model)
-        self._check_positions(model)
+        check_model_takes_input(self.params, model)
         trainer = Trainer(
             TrainerSettings(
                 task=self.task,
                 model_dir=self.model_dir,
-                model_keys=_trained_keys(model) if peft else None,
+                model_keys=trained_keys(model) if peft else None,
                 metadata={"params": _recorded_params(p)},  # to name a mismatched checkpoint's
             ),
             model,
@@ -819,7 +654,7 @@ class Run:
         if peft:
             # The base from its folder, the adapters from the checkpoint (none yet: the
             # base folder itself is the start, with the initial adapters).
-            self._load_base(model)
+            load_base(model, rc.checkpoint_path)
             if ckpt.is_trainer_checkpoint(checkpoint_path):
                 trainer.load_checkpoint(checkpoint_path, weights_only=True)
         else:
@@ -840,119 +675,6 @@ class Run:
                 writer.close()
         return trainer.global_step, results
 
-    # ---- LoRA (the peft section) ---------------------------------------------------------
-
-    # Note [lora checkpoints]
-    # -----------------------
-    # A LoRA run's checkpoint holds what trains and what resuming it needs: the
-    # adapters (and modules_to_save copies) under the peft model's names, the
-    # optimizer state of those only, the schedulers, grad scaler, data position,
-    # generators and step; not the frozen base, which would cost its full size
-    # (28 GB for a 7B model in fp32) in every checkpoint. The base is read again
-    # from runconfig.checkpoint_path, the folder the run warm-started from, on
-    # every resume and evaluation; the checkpoint's metadata records it
-    # (``peft``: the folder's path then, and a fingerprint of its weight files,
-    # common/lora.py's base_fingerprint), and a resume whose base folder is gone
-    # or holds other weights stops before building anything, saying which base
-    # it needs. ``checkpoint convert --to peft`` writes the adapters as peft's
-    # save_pretrained does; ``--to hf`` merges them into the recorded base.
-
-    def _base_record(self) -> dict:
-        path = Path(self.rc.checkpoint_path).resolve()
-        return {
-            "base": str(path),
-            "base_fingerprint": lora.base_fingerprint(path),
-            "adapter": lora.ADAPTER,
-            "lora_config": self.params.peft.lora_values(),
-        }
-
-    def _check_base_of(self, path: Path) -> None:
-        """Refuse to resume (or evaluate) the LoRA checkpoint ``path`` on another base."""
-        with ckpt.load(path) as state:
-            metadata = state.get("metadata") if isinstance(state, dict) else None
-            record = metadata.get("peft") if isinstance(metadata, dict) else None
-            record = _read_small(record)
-        if not isinstance(record, dict) or "base_fingerprint" not in record:
-            raise ValueError(
-                f"{path} is not a checkpoint of a LoRA run (its metadata records no base model), "
-                "but the params file has a peft section. Fix: resume it with the params file it "
-                "was written with, or train in a new model_dir (-o)."
-            )
-        base = Path(self.rc.checkpoint_path)
-        if not base.exists():
-            raise ValueError(
-                f"{path} holds LoRA adapters of the base model at {record.get('base')}, read "
-                f"from runconfig.checkpoint_path; {base} does not exist. Fix: set "
-                "runconfig.checkpoint_path to that base model folder (or a copy of it)."
-            )
-        if lora.base_fingerprint(base) != record["base_fingerprint"]:
-            raise ValueError(
-                f"{path} holds LoRA adapters of the base model at {record.get('base')}, but "
-                f"runconfig.checkpoint_path {base} holds other weights (their files differ). "
-                "Fix: set runconfig.checkpoint_path to the base the adapters were trained on."
-            )
-
-    def _load_base(self, model) -> None:
-        """The frozen base's tensors, from the base folder, under their transformers
-        names (Note [lora on meta]); the adapters keep their values."""
-        names = lora.base_names(model)
-        load_weights(
-            model,
-            Path(self.rc.checkpoint_path),
-            name_map=lambda name: (names.get(name) or name, False),
-            only=lambda name: names.get(name) is not None,
-            renames_of=model.get_base_model(),
-        )
-
-
-# Streaming settings layer pipelined mode has no use for (it keeps every weight on the
-# device, and activation_checkpointing, compute_dtype and the unit choice are its own).
-_STREAMING_ONLY = (
-    "prefetch_depth",
-    "device_memory_budget",
-    "device_tier_budget",
-    "overlap_updates",
-    "update_in_backward",
-    "activation_offload",
-    "host_mirror",
-    "store",
-    "store_dir",
-    "host_memory_budget",
-    "store_sharding",
-    "num_wgt_servers",
-    "reduce_bucket_bytes",
-)
-
-
-def _warn_streaming_settings_unused(streaming: StreamingConfig) -> None:
-    """Layer pipelined: name the weight streaming settings the file sets, which change
-    nothing here (the Python API refuses them for backend 'wse_lp')."""
-    default = StreamingConfig()
-    unused = [n for n in _STREAMING_ONLY if getattr(streaming, n) != getattr(default, n)]
-    if unused:
-        log.warning(
-            "runconfig: %s apply only to weight streaming and are ignored in layer pipelined "
-            "mode (execution_mode: layer_pipelined keeps every weight on the device). Fix: "
-            "drop them, or set execution_mode: weight_streaming.",
-            ", ".join(f"{n}: {getattr(streaming, n)!r}" for n in unused),
-        )
-
-
-def _warn_wrapping_eval(steps: int, loader) -> None:
-    """eval_steps past the eval input's batches read some twice (the DataLoader starts
-    the input again, as the reference's does), which weighs them twice in the metrics."""
-    try:
-        batches = len(loader)
-    except TypeError:  # an iterable of unknown length
-        return
-    if steps > batches:
-        warnings.warn(
-            f"weightstream: eval_steps = {steps}, but the eval input has {batches} batches, "
-            "so the evaluation reads some of them again and counts them twice. Fix: "
-            f"eval_steps <= {batches}, or leave it unset for the whole eval input.",
-            stacklevel=2,
-        )
-
 
 def _convert_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Floating-point parameters to ``dtype`` (on meta too: shapes only)."""
@@ -966,23 +688,6 @@ def _zeros(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros(p.shape, dtype=p.dtype)
 
 
-def _saved_step(path: Path) -> int | None:
-    """The global step a trainer checkpoint recorded (read lazily: the one value), or
-    None where it cannot be read."""
-    try:
-        with ckpt.load(path) as state:
-            step = state.get("global_step")
-    except (ckpt.CheckpointError, OSError, AttributeError, TypeError):
-        return None
-    return step if isinstance(step, int) else None
-
-
-def _names(paths, most: int = 4) -> str:
-    """The first few file names of ``paths``, for a message."""
-    paths = list(paths)
-    return ", ".join(p.name for p in paths[:most]) + (", ..." if len(paths) > most else "")
-
-
 def _recorded_params(p: Params) -> dict:
     """The params a checkpoint records: ``model.hf_config`` made absolute, so that
     ``checkpoint convert --to hf`` finds it from any directory."""
@@ -991,15 +696,6 @@ def _recorded_params(p: Params) -> dict:
     if isinstance(model, dict) and model.get("hf_config"):
         model["hf_config"] = os.path.abspath(model["hf_config"])
     return values
-
-
-def _trained_keys(model) -> tuple[str, ...]:
-    """The names of the model's trainable tensors: what a LoRA checkpoint holds."""
-    return tuple(name for name, q in model.named_parameters() if q.requires_grad)
-
-
-def _read_small(value):
-    return value.to_dict() if isinstance(value, ckpt.LazyStateDict) else value
 
 
 class _Autocast:

@@ -62,7 +62,7 @@ class TrainerSettings:
     check_loss_values: bool = True
     metadata: dict = field(default_factory=dict)
     # The keys of the model's state a checkpoint holds; None: all of it. A LoRA
-    # run saves its trainable tensors only (Note [lora checkpoints] in cli/run.py).
+    # run saves its trainable tensors only (Note [lora checkpoints] in cli/run_lora.py).
     model_keys: tuple[str, ...] | None = None
 
 
