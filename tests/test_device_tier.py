@@ -365,6 +365,55 @@ def test_auto_over_a_disk_store_fills_the_ram_it_gives_back(tmp_path, monkeypatc
     _same_as_eager(model, eager, opt, eager_opt)
 
 
+def test_auto_over_a_disk_store_moves_gradients_in_files_into_the_ram_it_gives_back(
+    tmp_path, monkeypatch
+):
+    """With room for every master and all the optimizer state, a disk store keeps part
+    of the gradients in files. The RAM the tier gives back after the first step then
+    holds some of them: the store's gradient tensors themselves move (``p.grad`` is
+    the RAM copy in the next backward), the store counts them where they are, and
+    training stays eager PyTorch's."""
+    from weightstream.runtime.device import DeviceOps
+    from weightstream.runtime.engine import disk_working_set
+
+    probe = cstorch.compile(GPT(CFG), backend="ws", granularity="module", store="disk",
+                            store_dir=str(tmp_path / "probe"))  # fmt: skip
+    working = disk_working_set(probe.engine.plan, probe.engine.config, torch.device("cpu"))
+    probe.engine.close()
+    monkeypatch.setattr(DeviceOps, "tier_room", lambda self: 40_000)
+    eager, eager_opt = _eager()
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    masters = sum(p.nbytes for p in model.parameters())
+    # Masters (1x), AdamW's two moments (2x) and a third of the gradients in RAM.
+    budget = working + 3 * masters + masters // 3
+    runner = cstorch.compile(model, backend="ws", granularity="module", store="disk",
+                             store_dir=str(tmp_path / "store"), device_tier_budget="auto",
+                             host_memory_budget=budget)  # fmt: skip
+    store = runner.engine.store
+    opt = cstorch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    in_files = []  # after each backward: the gradients in files
+    for step in range(STEPS):
+        _loss(runner, step).backward()
+        grads = {id(p): p.grad for p in model.parameters() if store.tier.holds(p.grad)}
+        mapped = {pid for pid, g in grads.items() if is_store_mapped(g)}
+        in_files.append(mapped)
+        counted = store.placement()
+        assert counted.disk.get("grad", 0) == sum(grads[pid].nbytes for pid in mapped)
+        assert counted.ram.get("grad", 0) == sum(
+            g.nbytes for pid, g in grads.items() if pid not in mapped
+        )
+        assert not counted.disk.get("master") and not counted.disk.get("state")
+        opt.step()
+        opt.zero_grad()
+    tier = {id(p) for i in runner.engine.resident for p in runner.plan.units[i].params}
+    assert tier and in_files[0] - tier
+    # Gradients of streamed units that were in files are in RAM from the second step on.
+    assert in_files[1] < in_files[0] - tier
+    assert in_files[1] == in_files[-1]
+    _same_as_eager(model, eager, opt, eager_opt)
+
+
 # 18 s each on 2 cores, with the slow tests: the tier is an accelerator's, and one rank's
 # is checked by default.
 @pytest.mark.slow

@@ -35,8 +35,9 @@ optimizer state in files, each spread over the order (``MemoryX.refill``, at
 those two moments, between steps; the tensors are copied into RAM and replaced
 where they are referenced, their files given back). RAM granted to state or
 gradients not made yet stays theirs, unless none of either is made, when they
-are placed again after the masters. Gradients in files stay there (under
-update_in_backward they have no place at all).
+are placed again after the masters. Gradients already made in files come
+last (the device tier placed after the first step, ``"auto"``): they save as
+much traffic a byte as state, which was placed before them.
 
 Within a kind, which tensors stay in RAM does not change the traffic, but it
 changes when the disk works. A kind that only partly fits is spread evenly
@@ -265,7 +266,7 @@ class PlacementPlan:
         """Which of ``held``, tensors made in the files ((kind, master's key, bytes), in
         parameter order), move into the RAM given back since they were placed (the
         device tier's units, masters another rank owns): masters first, then
-        optimizer state, each kind spread over the order (the Note). Counted as
+        optimizer state, then gradients, each kind spread over the order (the Note). Counted as
         moved. RAM granted to state or gradients not made yet stays theirs, unless
         none of either is made: they are then placed again after the masters."""
         with self._lock:
@@ -299,6 +300,8 @@ class PlacementPlan:
                         counted.add(kind, nbytes, True)
                     if kind == "master":
                         self._master[key] = True
+                    elif kind == "grad":
+                        self._grad[key] = True
             if fresh:
                 self._plan()  # the grants of state and gradients, from what is left
             return fits

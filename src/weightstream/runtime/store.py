@@ -515,27 +515,35 @@ class DiskStore:
         self, held: Sequence[tuple[torch.Tensor, str, torch.Tensor]]
     ) -> list[torch.Tensor | None]:
         """Move into the RAM tier what of ``held`` ((tensor, kind, its master), in
-        parameter order) its RAM given back since the placement now holds (Note
-        [hybrid placement]): for each, its copy in RAM (its file given back) or None.
-        The caller puts the copies where the tensors were."""
+        parameter order, every master this store keeps among them) its RAM given back
+        since the placement now holds (Note [hybrid placement]): for each, its copy in
+        RAM (its file given back) or None. The caller puts the copies where the tensors
+        were. The masters' gradients in files, which the store references itself, are
+        offered last and replaced here (in ``p.grad`` too, where it is one)."""
         out: list[torch.Tensor | None] = [None] * len(held)
         if self.places is None:
             return out
+        grads = [
+            (g, "grad", p)
+            for _, kind, p in held
+            if kind == "master" and (g := self._grads.get(id(p))) is not None
+        ]
+        offered = [*held, *grads]
         in_files = [
             i
-            for i, (t, _, owner) in enumerate(held)
+            for i, (t, _, owner) in enumerate(offered)
             if t.numel() and id(owner) in self._key and self.file_of(t) is not None
         ]
         if not in_files:
             return out
         self.settle()  # the files' mappings read what was last written
         fits = self.places.refill(
-            [(held[i][1], self._key[id(held[i][2])], held[i][0].nbytes) for i in in_files]
+            [(offered[i][1], self._key[id(offered[i][2])], offered[i][0].nbytes) for i in in_files]
         )
         for i, fit in zip(in_files, fits):
             if not fit:
                 continue
-            t = held[i][0]
+            t, _, owner = offered[i]
             copy = torch.empty(t.shape, dtype=t.dtype)
             copy.copy_(t)
             self.release([t])  # its pages: the copy holds the values now
@@ -544,7 +552,13 @@ class DiskStore:
                 self._ram[copy.untyped_storage().data_ptr()] = copy
                 del self._maps[ptr]
                 self._files.pop(ptr).close()
-            out[i] = copy
+                self._discarded.discard(ptr)  # a consumed gradient's freed blocks
+            if i < len(held):
+                out[i] = copy
+            else:  # the store's gradient: its own reference, and the master's
+                self._grads[id(owner)] = copy
+                if owner.grad is t:
+                    owner.grad = copy
         return out
 
     def take_grad(self, p: torch.Tensor) -> None:
