@@ -71,6 +71,18 @@ def _streamed(budget, steps=STEPS, fetched=None, forward_hook=None, **config):
     return model, runner, opt
 
 
+def _disk_working_set(tmp_path) -> int:
+    """The RAM a disk store of the test model needs besides its RAM tier (the least
+    host_memory_budget)."""
+    from weightstream.runtime.engine import disk_working_set
+
+    probe = cstorch.compile(GPT(CFG), backend="ws", granularity="module", store="disk",
+                            store_dir=str(tmp_path / "probe"))  # fmt: skip
+    working = disk_working_set(probe.engine.plan, probe.engine.config, torch.device("cpu"))
+    probe.engine.close()
+    return working
+
+
 def _same_as_eager(model, eager, opt=None, eager_opt=None) -> None:
     """The weights (and, given the optimizers, AdamW's moments) bit for bit."""
     state = model.state_dict()
@@ -247,13 +259,8 @@ def test_the_tier_over_a_disk_store_takes_its_units_out_of_the_files(tmp_path, b
     """A disk store holds the masters and the optimizer state in its files (or its RAM
     tier) from the engine's construction: the units of the device tier leave it at the
     first call, their files given back, and training stays eager PyTorch's."""
-    from weightstream.runtime.engine import disk_working_set
-
     eager, _ = _eager()
-    probe = cstorch.compile(GPT(CFG), backend="ws", granularity="module", store="disk",
-                            store_dir=str(tmp_path / "probe"))  # fmt: skip
-    working = disk_working_set(probe.engine.plan, probe.engine.config, torch.device("cpu"))
-    probe.engine.close()
+    working = _disk_working_set(tmp_path)
     extra = {"files": 0, "hybrid": 100_000}[budget]
     disk = {"store": "disk", "store_dir": str(tmp_path / "store"),
             "host_memory_budget": working + extra}  # fmt: skip
@@ -329,12 +336,8 @@ def test_auto_over_a_disk_store_fills_the_ram_it_gives_back(tmp_path, monkeypatc
     disk store made; the RAM they held then holds masters of streamed units that were
     in files (Note [hybrid placement]), and training stays eager PyTorch's."""
     from weightstream.runtime.device import DeviceOps
-    from weightstream.runtime.engine import disk_working_set
 
-    probe = cstorch.compile(GPT(CFG), backend="ws", granularity="module", store="disk",
-                            store_dir=str(tmp_path / "probe"))  # fmt: skip
-    working = disk_working_set(probe.engine.plan, probe.engine.config, torch.device("cpu"))
-    probe.engine.close()
+    working = _disk_working_set(tmp_path)
     monkeypatch.setattr(DeviceOps, "tier_room", lambda self: 40_000)
     eager, eager_opt = _eager()
     torch.manual_seed(0)
@@ -374,12 +377,8 @@ def test_auto_over_a_disk_store_moves_gradients_in_files_into_the_ram_it_gives_b
     the RAM copy in the next backward), the store counts them where they are, and
     training stays eager PyTorch's."""
     from weightstream.runtime.device import DeviceOps
-    from weightstream.runtime.engine import disk_working_set
 
-    probe = cstorch.compile(GPT(CFG), backend="ws", granularity="module", store="disk",
-                            store_dir=str(tmp_path / "probe"))  # fmt: skip
-    working = disk_working_set(probe.engine.plan, probe.engine.config, torch.device("cpu"))
-    probe.engine.close()
+    working = _disk_working_set(tmp_path)
     monkeypatch.setattr(DeviceOps, "tier_room", lambda self: 40_000)
     eager, eager_opt = _eager()
     torch.manual_seed(0)
