@@ -41,7 +41,7 @@ from _common import (
 
 import weightstream as cstorch
 from weightstream.models import GPT
-from weightstream.runtime.engine import UPDATE_BYTES_PER_WEIGHT_BYTE
+from weightstream.runtime.budgets import UPDATE_BYTES_PER_WEIGHT_BYTE
 
 
 def make_runner(store: str, store_dir: str):

@@ -68,8 +68,8 @@ from _common import (
 import weightstream as cstorch
 from weightstream.amp.step_helper import backward_context
 from weightstream.models import GPT, GPTConfig
+from weightstream.runtime.budgets import disk_working_set
 from weightstream.runtime.diskio import BufferPool, DiskIO, StoreFile, open_for_io
-from weightstream.runtime.engine import disk_working_set
 from weightstream.runtime.placement import total_memory
 
 STATE_BYTES_PER_PARAM = 16  # fp32 master, gradient, exp_avg, exp_avg_sq

@@ -74,7 +74,7 @@ def _streamed(budget, steps=STEPS, fetched=None, forward_hook=None, **config):
 def _disk_working_set(tmp_path) -> int:
     """The RAM a disk store of the test model needs besides its RAM tier (the least
     host_memory_budget)."""
-    from weightstream.runtime.engine import disk_working_set
+    from weightstream.runtime.budgets import disk_working_set
 
     probe = cstorch.compile(GPT(CFG), backend="ws", granularity="module", store="disk",
                             store_dir=str(tmp_path / "probe"))  # fmt: skip

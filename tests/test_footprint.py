@@ -18,7 +18,7 @@ import weightstream as cstorch
 from weightstream.cli.main import main
 from weightstream.models.llama import Llama, LlamaConfig
 from weightstream.optim.compact import BLOCK
-from weightstream.runtime import engine, footprint, placement
+from weightstream.runtime import budgets, footprint, placement
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TINY = dict(n_layer=2, d_model=32, n_head=4, d_ff=64, vocab_size=256, seq_len=32)
@@ -163,7 +163,7 @@ def test_validate_only_prints_bytes_per_parameter_and_the_verdict(tmp_path, caps
 
 def test_a_ram_store_that_does_not_fit_names_the_fixes(tmp_path, capsys, caplog, monkeypatch):
     monkeypatch.setattr(placement, "default_budget", lambda: 1000)
-    monkeypatch.setattr(engine, "default_budget", lambda: 1000)
+    monkeypatch.setattr(budgets, "default_budget", lambda: 1000)
     text = _validate(tmp_path, capsys, caplog, _tiny_params(tmp_path))
     assert _report(text)[2] == "neither"
     assert re.search(r"WARNING .*Host training state", text)  # not the INFO of a fit

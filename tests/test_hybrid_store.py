@@ -13,7 +13,7 @@ from test_disk_store import CFG, _assert_same_training, _batch, _train
 
 from weightstream.common.pages import is_store_mapped
 from weightstream.runtime import placement
-from weightstream.runtime.engine import UPDATE_BYTES_PER_WEIGHT_BYTE
+from weightstream.runtime.budgets import UPDATE_BYTES_PER_WEIGHT_BYTE
 
 
 def test_prediction_fills_ram_with_masters_then_state_then_gradients():

@@ -56,8 +56,8 @@ from weightstream.data.streaming import batch_size_of
 from weightstream.models import hf
 from weightstream.models.tasks import attention_of, model_inputs, model_kwargs
 from weightstream.runtime import swarm
+from weightstream.runtime.budgets import check_budget
 from weightstream.runtime.config import StreamingConfig
-from weightstream.runtime.engine import check_budget
 from weightstream.runtime.footprint import HostFootprint, host_footprint, resident_footprint
 from weightstream.runtime.performance import PerformanceTracker
 from weightstream.runtime.rng import capture_rng_state, restore_rng_state

@@ -35,8 +35,8 @@ from weightstream.compiler.estimate import (
 from weightstream.compiler.probe import load_or_measure, time_kernels
 from weightstream.compiler.report import compile_checksum, load_compile_dir, write_compile_dir
 from weightstream.runtime import swarm
+from weightstream.runtime.budgets import predicted_placement
 from weightstream.runtime.config import StreamingConfig
-from weightstream.runtime.engine import predicted_placement
 from weightstream.runtime.partition import Plan, build_plan
 from weightstream.runtime.store import MMAP_THRESHOLD
 

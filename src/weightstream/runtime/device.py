@@ -38,7 +38,7 @@ under such an alias (a test keeps one from a forward hook). Every pooled
 storage has the largest unit's size, so any copy fits any idle one, and the
 pool keeps (prefetch_depth + 1) of them, the copies invariant 2 allows in
 flight: the host memory it holds is the bound the plan already states (and
-the disk store's working set counts, ``engine.disk_working_set``). Copies
+the disk store's working set counts, ``budgets.disk_working_set``). Copies
 under 1 MiB are left to the allocator, which reuses those by itself.
 
 Note [gradients out]

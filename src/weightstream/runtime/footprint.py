@@ -18,7 +18,7 @@ from the tensors the run would hold, not from a table of bytes per setting:
   from the backward to the update in memory (update_in_backward on one rank:
   Note [updates in backward]);
 * the host mirror: each streamed parameter again in the compute dtype, where
-  the engine keeps one (``engine.host_mirror_of``) and the masters are not in
+  the engine keeps one (``mirror.host_mirror_of``) and the masters are not in
   that dtype already (Note [host mirror]).
 
 Activations, the device copies of units in flight and the disk store's I/O
@@ -27,7 +27,7 @@ room for them (``placement.default_budget``'s margin, the disk store's working
 set). Where it goes:
 
 * a RAM store: "RAM" when the total fits the host budget, else "neither";
-* a disk store: as it would place it (``engine.predicted_placement`` with
+* a disk store: as it would place it (``budgets.predicted_placement`` with
   these state sizes, Note [hybrid placement]): "RAM" when nothing goes to the
   files, "RAM + disk" when the files' part fits the free disk at
   ``store_dir``, else "neither".
@@ -51,8 +51,9 @@ from torch import nn
 
 from weightstream.common.units import format_bytes
 from weightstream.runtime import placement as places
+from weightstream.runtime.budgets import predicted_placement
 from weightstream.runtime.config import StreamingConfig
-from weightstream.runtime.engine import host_mirror_of, predicted_placement
+from weightstream.runtime.mirror import host_mirror_of
 from weightstream.runtime.partition import Plan
 
 KINDS = {

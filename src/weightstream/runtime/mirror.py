@@ -68,6 +68,25 @@ from collections.abc import Sequence
 import torch
 
 from weightstream.common.flat import flatten, unflatten_views
+from weightstream.runtime.config import StreamingConfig
+
+
+def host_mirror_of(
+    config: StreamingConfig, device: torch.device, on_disk: bool, sharded: bool
+) -> tuple[bool, str | None]:
+    """Whether ``host_mirror`` asks for a mirror (its default: on accelerators), and
+    what makes the fetches read the masters themselves instead, if anything (the Note)."""
+    wanted = config.host_mirror
+    if wanted is None:
+        wanted = device.type != "cpu"
+    blocked = None
+    if on_disk:
+        blocked = "a disk store"
+    elif sharded:
+        blocked = "a sharded store"
+    elif config.compute_dtype == "cbfloat16":
+        blocked = "cbfloat16"
+    return wanted, blocked
 
 
 class HostMirror:

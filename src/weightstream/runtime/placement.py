@@ -57,9 +57,9 @@ the first that fit.
 
 The RAM tier gets the budget less the disk tier's own working set, the
 resident pages it needs at most: (prefetch_depth + 1) units in flight plus one
-unit's update at 4x its weights (``engine.UPDATE_BYTES_PER_WEIGHT_BYTE``), and
+unit's update at 4x its weights (``budgets.UPDATE_BYTES_PER_WEIGHT_BYTE``), and
 on the CPU, where the device is host memory, the units' device copies and a
-unit's gradients on their way to the store (``engine.disk_working_set``).
+unit's gradients on their way to the store (``budgets.disk_working_set``).
 Results do not depend on where a tensor lives: the same kernels run on the
 same values (tests/test_disk_store.py compares bit for bit).
 

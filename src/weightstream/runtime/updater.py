@@ -90,12 +90,12 @@ that live in files, not the gradients twice (written by the backward, read
 back by the update: half of the traffic of a model at 1.4x RAM). Such
 gradients are memory until their share is done, so the hook that hands a
 unit's gradients over first waits for the previous such share: at most two
-units' gradients are held (``engine.disk_working_set`` counts them), and a
+units' gradients are held (``budgets.disk_working_set`` counts them), and a
 host update slower than the backward holds the backward back instead of
 piling gradients up. While it waits, the share it hands over starts reading
 its first parameter's master and state from the files (``_Pager.start_early``),
 so the disk does not sit idle between two shares; the disk store's I/O pool
-has room for that set beside the running share's (``engine.disk_io_set``), so
+has room for that set beside the running share's (``budgets.disk_io_set``), so
 the running share never waits for buffers that only the waiting one could give
 back. Gradients of an earlier micro-batch (not armed) are in the files
 already; the armed backward adds to them there, as before.
