@@ -190,11 +190,6 @@ class _AdamBase(_AdamFamily):
                 f"{name}: fused=True runs torch's fused kernel on float32 state, but "
                 f"state_dtype={self.state_dtype}. Fix: drop fused, or state_dtype=torch.float32."
             )
-        if self.state_dtype == torch.int8 and amsgrad:
-            raise ValueError(
-                f"{name}: amsgrad keeps the running maximum of exp_avg_sq, which int8 state "
-                "does not quantize. Fix: amsgrad=False, or state_dtype float32 or bfloat16."
-            )
         defaults = dict(
             fused=bool(fused),
             lr=lr,

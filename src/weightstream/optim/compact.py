@@ -23,9 +23,10 @@ takes it (Adam, AdamW, NAdam, RAdam: ``exp_avg`` and ``exp_avg_sq``; Adamax:
   as bitsandbytes' 8-bit Adam: 2 bytes + 8/256 a parameter. State keys:
   ``exp_avg`` (int8), ``exp_avg_scale`` (float32, ``ceil(numel / 256)``),
   ``exp_avg_sq`` (uint8), ``exp_avg_sq_scale`` (float32); Adamax's ``exp_inf``
-  (uint8), ``exp_inf_scale`` (float32). The scale is the block's largest
-  magnitude, so every block uses its whole code range. How each key is coded
-  is ``CODES``.
+  (uint8), ``exp_inf_scale`` (float32); with ``amsgrad``, ``max_exp_avg_sq``
+  (uint8) and ``max_exp_avg_sq_scale`` (float32), coded as ``exp_avg_sq``. The
+  scale is the block's largest magnitude, so every block uses its whole code
+  range. How each key is coded is ``CODES``.
 
   The map is not linear: a code ``q`` stands for ``scale * (q / Q)**2``
   (``Q`` = 127 signed for ``exp_avg``, 255 unsigned for the square root of
@@ -39,6 +40,11 @@ takes it (Adam, AdamW, NAdam, RAdam: ``exp_avg`` and ``exp_avg_sq``; Adamax:
   A non-zero ``v`` never gets code 0 (it is clamped to code 1): a zero
   denominator under a non-zero ``exp_avg`` would make the update ``lr * m / eps``.
   Rounding is to nearest, deterministic, so eager and streamed runs agree.
+  AMSGrad's running maximum holds the largest root: ``max(sqrt(m), sqrt(v))`` is
+  ``sqrt(max(m, v))``, so its codes divide as ``exp_avg_sq``'s do. The maximum
+  is non-decreasing to within its coding's half step: a block whose scale
+  changes codes its other values again. (bitsandbytes' 8-bit Adam refuses
+  amsgrad; torchao's low-bit AdamW quantises the maximum as here.)
 
   Adamax's ``exp_inf`` ``u = max(beta2 u, |g| + eps)`` is, like ``sqrt(v)``,
   non-negative and what the update divides by, so it gets the codes
@@ -477,9 +483,17 @@ def adam_step(
         n = g.numel()
         g = _decay(x, g, lr, weight_decay, decoupled)
         root = _adam_moments(g, m, v, v_state, beta1, beta2)
-        if top:  # amsgrad (float32 or bfloat16 state)
-            torch.maximum(top[0], v, out=top[0])
-            root = top[0][:n].sqrt()
+        if top:  # amsgrad
+            if v_state.stores_root:
+                # int8: v holds sqrt(v) by now, and the maximum's codes hold a root too
+                # (CODES): the maximum of the roots, the root of the maximum (sqrt is
+                # monotone), stays the root that is written and divides.
+                top[0].sqrt_()
+                torch.maximum(top[0], v, out=top[0])
+                root = top[0][:n]
+            else:
+                torch.maximum(top[0], v, out=top[0])
+                root = top[0][:n].sqrt()
         elif root is None:
             root = v[:n].sqrt()
         if correct_bias:
