@@ -489,11 +489,8 @@ def adam_step(
                 # (CODES): the maximum of the roots, the root of the maximum (sqrt is
                 # monotone), stays the root that is written and divides.
                 top[0].sqrt_()
-                torch.maximum(top[0], v, out=top[0])
-                root = top[0][:n]
-            else:
-                torch.maximum(top[0], v, out=top[0])
-                root = top[0][:n].sqrt()
+            torch.maximum(top[0], v, out=top[0])
+            root = top[0][:n] if v_state.stores_root else top[0][:n].sqrt()
         elif root is None:
             root = v[:n].sqrt()
         if correct_bias:

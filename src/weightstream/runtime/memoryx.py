@@ -213,8 +213,8 @@ class MemoryX:
         """Hold in the RAM a disk tier gave back (another rank's masters, the device
         tier's units) what of ``module``'s masters and the ``optimizers``' state it
         keeps in files, masters first, and then the masters' gradients in its files
-        (Note [hybrid placement]). Between steps: the
-        tensors moved are replaced where they are referenced."""
+        (Note [hybrid placement]). Between steps: the tensors moved are replaced where
+        they are referenced."""
         held, where = [], []  # where: (master, None, None) or (its master, state, key)
         for p in module.parameters():
             if not self.tier.holds(p.data):

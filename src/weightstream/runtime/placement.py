@@ -266,8 +266,8 @@ class PlacementPlan:
         """Which of ``held``, tensors made in the files ((kind, master's key, bytes), in
         parameter order), move into the RAM given back since they were placed (the
         device tier's units, masters another rank owns): masters first, then
-        optimizer state, then gradients, each kind spread over the order (the Note). Counted as
-        moved. RAM granted to state or gradients not made yet stays theirs, unless
+        optimizer state, then gradients, each kind spread over the order (the Note).
+        Counted as moved. RAM granted to state or gradients not made yet stays theirs, unless
         none of either is made: they are then placed again after the masters."""
         with self._lock:
             fresh = not any(
