@@ -36,7 +36,7 @@ from weightstream.models import GPT, GPTConfig
 from weightstream.runtime.config import StreamingConfig
 from weightstream.runtime.partition import build_plan
 from weightstream.runtime.store import MMAP_THRESHOLD
-from weightstream.runtime.trace import trace_forward
+from weightstream.runtime.trace import GROUPED_MM, trace_forward
 
 F32 = 4  # bytes per float32 element
 
@@ -93,6 +93,36 @@ def test_first_layer_without_input_grad_only_computes_the_weight_grad():
     first, second = costs.units[0], costs.units[1]
     assert first.bwd_flops == 2 * B * 8 * 16  # dW only: nothing upstream needs dX
     assert second.bwd_flops == 4 * B * 16 * 32
+
+
+class Experts(nn.Module):
+    """A mixture-of-experts layer's experts as transformers 5 runs them: one grouped
+    product of the tokens, sorted by expert, with each expert's K x N matrix."""
+
+    def __init__(self, groups: int, k: int, n: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(groups, k, n))
+
+    def forward(self, x, offs):
+        return torch._grouped_mm(x, self.weight, offs=offs)
+
+
+@pytest.mark.skipif(GROUPED_MM is None, reason="this torch has no _grouped_mm")
+def test_a_grouped_product_counts_each_tokens_product_with_its_expert():
+    """FlopCounterMode has no formula for ``_grouped_mm``, and its fake kernel refuses
+    float32 (Note [fake kernels]): without both the experts would count nothing."""
+    groups, m, k, n = 4, 12, 8, 8  # rows of 16 bytes in bf16 too, as the kernels require
+    model = Experts(groups, k, n)
+    x = torch.randn(m, k, requires_grad=True)  # so the backward computes dX and dW
+    offs = torch.tensor([3, 5, 9, 12], dtype=torch.int32)  # each expert's last token + 1
+    starts = [0, *offs.tolist()[:-1]]
+    with FlopCounterMode(display=False) as ref:  # one plain product per expert
+        per_expert = [x[a:b] @ model.weight[g] for g, (a, b) in enumerate(zip(starts, offs))]
+    torch.testing.assert_close(model(x, offs), torch.cat(per_expert))
+    costs = unit_costs(model, _plan(model, x, offs), (x, offs), {})
+    assert costs.backward_measured
+    assert costs.fwd_flops == ref.get_total_flops() == 2 * m * k * n
+    assert costs.bwd_flops == 2 * costs.fwd_flops  # dX = dY W^T and dW = X^T dY, per expert
 
 
 def _per_unit_reference(model, plan, args):

@@ -83,6 +83,20 @@ def _gemma():
     )
 
 
+def _qwen3_moe():
+    """A mixture of experts: the model holds each layer's experts stacked
+    (``experts.gate_up_proj``), the file one tensor per expert and projection, which
+    transformers' converters stack on load (Note [converted tensors] in
+    checkpoint/hf_layout.py); its float32 experts multiply with ``_grouped_mm``, whose
+    fake kernel takes bf16 only (Note [fake kernels] in runtime/trace.py)."""
+    return transformers.Qwen3MoeForCausalLM(
+        transformers.Qwen3MoeConfig(
+            **_SMALL, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=16,
+        )
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory) -> Path:
     return train_bpe(tmp_path_factory.mktemp("tokenizer"), TOKENIZER_VOCAB)
@@ -142,6 +156,7 @@ def _eager(folder: Path) -> tuple[list[float], dict]:
         (_llama, "ram"),
         (_gpt2, "ram"),
         (_llama, "disk"),
+        (_qwen3_moe, "ram"),
         *(pytest.param(m, "ram", marks=pytest.mark.slow) for m in (_gpt_neox, _gemma)),
         *(pytest.param(m, "disk", marks=pytest.mark.slow) for m in (_gpt2, _gpt_neox, _gemma)),
     ],
@@ -223,12 +238,15 @@ def test_warm_start_names_a_missing_tensor(tmp_path, tokenizer, caplog):
     assert "cannot warm-start" in caplog.text and "'model.embed_tokens.weight'" in caplog.text
 
 
-@pytest.mark.parametrize("make", [_llama, _gpt_neox], ids=["llama", "gpt_neox"])
+@pytest.mark.parametrize(
+    "make", [_llama, _gpt_neox, _qwen3_moe], ids=["llama", "gpt_neox", "qwen3_moe"]
+)
 def test_export_to_hf_loads_with_from_pretrained_and_gives_the_runs_logits(
     tmp_path, tokenizer, make
 ):
     """The exported folder holds the tensors under the names save_pretrained writes
-    (GPT-NeoX's head as embed_out, which older readers expect), and loads as the run."""
+    (GPT-NeoX's head as embed_out, a mixture's experts one tensor each: what older
+    readers expect), and loads as the run."""
     from safetensors import safe_open
 
     folder = _save_pretrained(make, tmp_path / "pretrained", tokenizer)
@@ -519,3 +537,58 @@ def test_a_tied_models_own_file_loads_without_an_unused_tensor_warning(tmp_path)
             unused
         )
         assert torch.equal(target.transformer.wte.weight, source.transformer.wte.weight)
+
+
+def _mixtral():
+    """Its file names the experts' projections w1, w2, w3 under ``block_sparse_moe``:
+    renamed, then stacked by transformers' converters."""
+    return transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(**_SMALL, num_key_value_heads=2, num_local_experts=4,
+                                   num_experts_per_tok=2)
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("make", [_qwen3_moe, _mixtral], ids=["qwen3_moe", "mixtral"])
+def test_a_mixture_of_experts_warm_starts_as_from_pretrained_loads_it(tmp_path, make):
+    """The file holds one tensor per expert and projection; the model one stacked
+    tensor per layer and projection (Note [converted tensors] in checkpoint/hf_layout.py)."""
+    import warnings
+
+    from safetensors import safe_open
+
+    from weightstream.checkpoint.weights import load_weights
+
+    torch.manual_seed(0)
+    make().save_pretrained(tmp_path / "pretrained")
+    keys = set(safe_open(tmp_path / "pretrained" / "model.safetensors", "pt").keys())
+    assert any(".experts.3." in k for k in keys)  # the file's per-expert layout
+    want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pretrained")
+    torch.manual_seed(1)
+    model = make()  # other values in every tensor
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every tensor of the file is used
+        used = load_weights(model, tmp_path / "pretrained")
+    assert set(used) == keys
+    got, want = model.state_dict(), want.state_dict()
+    assert set(got) == set(want) and any("experts.gate_up_proj" in k for k in got)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
+
+def test_a_mixture_of_experts_file_short_of_an_expert_is_refused_before_any_copy(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from weightstream.checkpoint.weights import load_weights
+
+    torch.manual_seed(0)
+    _qwen3_moe().save_pretrained(tmp_path / "pretrained")
+    path = tmp_path / "pretrained" / "model.safetensors"
+    tensors = load_file(path)
+    dropped = [k for k in tensors if ".layers.1.mlp.experts.3." in k]
+    save_file({k: v for k, v in tensors.items() if k not in dropped}, path)
+    model = _qwen3_moe()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"cannot warm-start .*'model\.layers\.1\.mlp\.experts"
+                       r"\.(gate_up|down)_proj' is \(3, .* \(4, "):  # fmt: skip
+        load_weights(model, tmp_path / "pretrained")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

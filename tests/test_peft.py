@@ -455,3 +455,23 @@ def test_targets_that_match_nothing_are_named_with_the_models_modules():
         r"\['down_proj', 'embed_tokens', 'gate_proj', 'k_proj', 'lm_head'",
     ):
         lora.wrap(_llama(), config)
+
+
+def test_export_to_hf_refuses_trained_experts_it_cannot_merge_into_the_base_files(tmp_path, capsys):
+    """A mixture's experts trained whole (``modules_to_save``) are one stacked tensor
+    in the run and one tensor per expert in the base's files (Note [converted
+    tensors]): the merged export would have written the base's experts unchanged."""
+    from test_hf_finetune import _qwen3_moe
+
+    tokenizer = train_bpe(tmp_path / "tokenizer", TOKENIZER_VOCAB)
+    folder = _save_pretrained(_qwen3_moe, tmp_path / "pretrained", tokenizer)
+    lora = {**LORA, "target_modules": ["q_proj"], "modules_to_save": ["experts"]}
+    values = _values(folder, lora, max_steps=1, checkpoint_steps=1)
+    assert _run(tmp_path, values, tmp_path / "run") == 0
+    out = tmp_path / "merged"
+    ckpt_file = tmp_path / "run" / "checkpoint_1.mdl"
+    assert main(["checkpoint", "convert", str(ckpt_file), str(out), "--to", "hf"]) != 0
+    said = capsys.readouterr().err
+    assert "'model.layers.0.mlp.experts.down_proj'" in said and "--to peft" in said, said
+    assert not out.exists()
+    assert main(["checkpoint", "convert", str(ckpt_file), str(out), "--to", "peft"]) == 0

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from weightstream.checkpoint import lora_export
+from weightstream.checkpoint.hf_layout import SavedLayout
 from weightstream.checkpoint.lazy import load
 from weightstream.checkpoint.opener import open_source
 from weightstream.checkpoint.safetensors_io import write_safetensors
@@ -195,7 +196,9 @@ def convert(
 # whole file when it holds weights only), under the names they have: a model of
 # ``name: hf`` has transformers' own names, written as ``save_pretrained``
 # writes them (the library's renames for the class reverted, GPT-NeoX's
-# ``lm_head`` as ``embed_out``: older readers know only those). The
+# ``lm_head`` as ``embed_out``, and a mixture of experts' stacked experts
+# split into a tensor per expert, Note [converted tensors] in hf_layout.py:
+# other readers, older transformers among them, know only those). The
 # configuration is ``config`` when given, else the one the run recorded (the
 # checkpoint's params: the ``hf_config`` file with the section's overrides
 # applied); ``use_cache``, turned off for training, is turned on again, as
@@ -237,7 +240,7 @@ def _to_hf(
             own = view if zoo is not None else SourceView(source, key)
             _check_names(model, own, source.path)
             if zoo is None:
-                view = SourceView(source, key, _saved_names(model, own))
+                view = SavedLayout(own._ws_subtree(), model)
             dst.mkdir(parents=True, exist_ok=True)
             written = write_safetensors(view, dst, max_shard_size=max_shard_size, fsync=fsync)
         dtype = _written_dtype(written)
@@ -292,33 +295,6 @@ def _to_peft(src, dst: Path, config, base) -> list[Path]:
             )
         cfg = _hf_config(source, config)
     return lora_export.to_peft(Path(src), dst, record, cfg, base)
-
-
-def _saved_names(model, view: SourceView) -> dict[str, str]:
-    """The names ``save_pretrained`` gives the tensors of ``model`` (on meta), where they
-    differ (Note [export to hf]): transformers' own ``revert_weight_conversion``, on meta
-    placeholders of the tensors. A conversion that makes new tensors (merged
-    experts) keeps the model's names, which transformers reads as well."""
-    from transformers.core_model_loading import revert_weight_conversion
-
-    node = view.node
-    if not isinstance(node, Branch):
-        return {}
-    placeholders = {}
-    for k, child in zip(node.keys, node.children):
-        info = view.source.describe(child.key) if isinstance(child, Leaf) else None
-        if not isinstance(k, str) or info is None or info.kind != "tensor":
-            return {}
-        placeholders[k] = torch.empty(info.shape, device="meta")
-    name_of = {id(t): k for k, t in placeholders.items()}
-    try:
-        reverted = revert_weight_conversion(model, dict(placeholders))
-    except (RuntimeError, ValueError, TypeError, NotImplementedError):
-        return {}  # a conversion these placeholders cannot take: the model's names
-    names = {name_of[id(t)]: k for k, t in reverted.items() if id(t) in name_of}
-    if len(names) != len(placeholders):
-        return {}
-    return {old: new for old, new in names.items() if old != new}
 
 
 def _recorded_model(source: Source) -> dict | None:

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from weightstream.checkpoint.hf_layout import file_names
 from weightstream.checkpoint.lazy import load
 from weightstream.checkpoint.opener import open_source
 from weightstream.checkpoint.source import LeafInfo, Source
-from weightstream.checkpoint.weights import _hf_names
 from weightstream.common import lora
 from weightstream.common.hf_config import peft_module, transformers_module
 
@@ -106,7 +106,7 @@ class MergedSource(Source):
         trained = dict(wrapped.named_parameters())
         modules = dict(wrapped.named_modules())
         # The base model's name of each file key (transformers' renames, as a warm start).
-        file_to_model = {v: k for k, v in _hf_names(wrapped.get_base_model(), base.keys()).items()}
+        file_to_model = {v: k for k, v in file_names(wrapped.get_base_model(), base.keys()).items()}
         by_model_name: dict[str, Any] = {}
         for name, base_name in names.items():
             if base_name is None:
@@ -123,6 +123,17 @@ class MergedSource(Source):
             for key in base.keys()
             if file_to_model.get(key, key) in by_model_name
         }
+        unmerged = sorted(set(by_model_name) - {file_to_model.get(k, k) for k in base.keys()})
+        if unmerged:
+            # A tensor transformers makes of several of the file's (Note [converted
+            # tensors] in checkpoint/hf_layout.py): no one file tensor to merge it into.
+            raise ValueError(
+                f"convert(): the trained {', '.join(map(repr, unmerged[:3]))}"
+                f"{' ...' if len(unmerged) > 3 else ''} cannot be merged into the base's "
+                "files, which hold it in another layout (transformers converts it on load). "
+                "Fix: export the adapters with --to peft and merge them with peft's "
+                "merge_and_unload()."
+            )
         self._file_key = {(id(v[0]), v[1]): k for k, v in self._merge.items() if type(v) is tuple}
 
     def read(self, key: str) -> Any:

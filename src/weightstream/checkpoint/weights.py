@@ -13,23 +13,24 @@ its names the checkpoint has (a Hugging Face GPT-2 file holds the embedding
 and not the tied head). A transformers model reads the file's names as
 ``from_pretrained`` does, through the library's renames for its class (a
 GPT-NeoX file's ``embed_out`` is the model's ``lm_head``; legacy ``gamma`` and
-``beta``). Every tensor the model needs must be there with its shape: a
+``beta``), and its conversions that make one tensor of several (Note [converted
+tensors] in hf_layout.py). Every tensor the model needs must be there with its shape: a
 missing or misshapen one is an error naming it, raised before anything is
 copied.
+
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
 
+from weightstream.checkpoint.hf_layout import Converted, file_sources
 from weightstream.checkpoint.lazy import load
-from weightstream.common.hf_config import transformers_module
 from weightstream.common.pages import release_pages
 
 
@@ -41,31 +42,6 @@ def _weights_of(state) -> Mapping:
     if not isinstance(state, Mapping):
         raise ValueError("the checkpoint holds no mapping of weights")
     return state
-
-
-def _hf_names(model: nn.Module, keys) -> dict[str, str]:
-    """The model's name of each file key -> that key: transformers' own renames for a
-    transformers model (those ``from_pretrained`` applies; its tensor-merging
-    conversions are not renames and are not applied), the keys themselves otherwise."""
-    names = {k: k for k in keys}
-    if "transformers" not in sys.modules:
-        return names  # not a transformers model (and no import of the library for it)
-    transformers = transformers_module()  # transformers 5: its renames are in these modules
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming
-
-    if not isinstance(model, transformers.PreTrainedModel):
-        return names
-    renames = [t for t in get_model_conversion_mapping(model) if type(t) is WeightRenaming]
-    if not renames:
-        return names
-    renamed = {}
-    for key in keys:
-        name = key
-        for rename in renames:
-            name, _ = rename.rename_source_key(name)
-        renamed[name] = key
-    return renamed
 
 
 def _targets(model: nn.Module) -> list[list[tuple[str, torch.Tensor]]]:
@@ -102,13 +78,20 @@ def load_weights(
     """
     with load(path) as state:
         weights = _weights_of(state)
-        # The model's name -> the file's.
-        file_key = _hf_names(model if renames_of is None else renames_of, list(weights))
-        available = set(file_key)
+        owner = model if renames_of is None else renames_of  # whose transformers names
 
         def candidates(name: str) -> list[tuple[str, bool]]:
             """(file name, stored transposed): the name itself, then the mapped one."""
             return [(name, False)] + ([name_map(name)] if name_map is not None else [])
+
+        targets = _targets(model)
+        wanted = {c for names in targets for n, _ in names for c, _ in candidates(n)}
+        # The model's name -> the file's key, or the conversion that makes it.
+        file_key = file_sources(owner, list(weights), wanted)
+        for group in {id(v): v for v in file_key.values() if isinstance(v, Converted)}.values():
+            group.dry_run(weights, owner, path)
+            file_key.update(dict.fromkeys(group.shapes, group))
+        available = set(file_key)
 
         # (model name, file name, stored transposed, the model's tensor)
         plan: list[tuple[str, str, bool, torch.Tensor]] = []
@@ -116,7 +99,7 @@ def load_weights(
         # A tied parameter's other names in the file: the same values stored again (a
         # file of a tied model) are used too; other values are not (an untied file).
         others: dict[str, list[tuple[str, bool]]] = {}
-        for names in _targets(model):
+        for names in targets:
             if only is not None and not any(only(n) for n, _ in names):
                 continue
             present = [
@@ -139,6 +122,13 @@ def load_weights(
         wrong = []
         for _, name, flip, target in plan:
             file_name = file_key[name]
+            if isinstance(file_name, Converted):
+                if file_name.shapes[name] != tuple(target.shape):
+                    wrong.append(
+                        f"{name!r} is {file_name.shapes[name]} as transformers makes it of the "
+                        f"file's {file_name.sources[0][0]!r} ..., {tuple(target.shape)} here"
+                    )
+                continue
             info = weights.describe(file_name) if hasattr(weights, "describe") else None
             if info is not None and info.shape is None:
                 wrong.append(f"{file_name!r} is a {info.kind} in the file, not a tensor")
@@ -154,8 +144,29 @@ def load_weights(
                 "of the same model shape (hidden size, layers, vocabulary)."
             )
         used = set()
+        # A conversion's targets still to copy (it runs once, at its first target).
+        pending: dict[int, dict[str, torch.Tensor]] = {}
+        needs: dict[int, set[str]] = {}
+        for _, name, _, _ in plan:
+            if isinstance(file_key[name], Converted):
+                needs.setdefault(id(file_key[name]), set()).add(name)
         for model_name, name, flip, target in plan:
             file_name = file_key[name]
+            if isinstance(file_name, Converted):
+                group = file_name
+                if id(group) not in pending:
+                    made = group.convert(lambda key: weights[key], owner)  # reads its sources
+                    pending[id(group)] = {k: made[k] for k in needs[id(group)]}
+                    used.update(key for key, _ in group.sources)
+                    del made
+                value = pending[id(group)].pop(name)
+                if not pending[id(group)]:
+                    del pending[id(group)]
+                result = model.load_state_dict({model_name: value}, strict=False)
+                assert not result.unexpected_keys, result.unexpected_keys
+                release_pages([target])
+                del value
+                continue
             value = weights[file_name]  # reads this one tensor
             if flip:
                 value = value.t()
@@ -166,6 +177,8 @@ def load_weights(
                     "model shape."
                 )
             for other, other_flip in others.get(name, []):
+                if isinstance(file_key[other], Converted):
+                    continue  # tied to a converted tensor: not read again to compare
                 again = weights[file_key[other]]
                 if torch.equal(again.t() if other_flip else again, value):
                     used.add(file_key[other])

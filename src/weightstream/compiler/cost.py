@@ -61,6 +61,7 @@ import bisect
 import contextlib
 import functools
 import itertools
+import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
@@ -72,7 +73,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from weightstream.runtime.partition import Plan
-from weightstream.runtime.trace import fake_like, shadow_copy
+from weightstream.runtime.trace import GROUPED_MM, FakeKernels, fake_like, shadow_copy
 
 OUTSIDE_NAME = "<outside units>"
 KERNEL_BYTES = 1 << 20  # Note [timed kernels]
@@ -89,6 +90,38 @@ EXTRA_FLOP_FORMULAS: dict = {
         lambda g, q, k, v, *a, out_shape=None, **kw: sdpa_backward_flop_count(g, q, k, v)
     ),
 }
+
+
+def _grouped_mm_flops(a, b, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of ``_grouped_mm(a, b, offs)`` from the shapes: each output value is a
+    product of ``a``'s last dimension, but for 2-D x 2-D, where ``offs`` splits that
+    dimension over the groups (a weight's gradient: K x M, M x N -> groups x K x N)."""
+    if len(a) == 2 and len(b) == 2:
+        return 2 * a[0] * a[1] * b[1]
+    return 2 * math.prod(out_shape) * a[-1]
+
+
+if GROUPED_MM is not None:  # FlopCounterMode has no formula for it
+    EXTRA_FLOP_FORMULAS[_aten._grouped_mm] = _grouped_mm_flops
+
+
+def _balanced_offsets(args: tuple, kwargs: dict) -> None:
+    """A grouped product's ``offs`` (the groups' ends along the split dimension) as an
+    even split, in place: a timing of it sees every group at work, as an even
+    routing of tokens to experts would (``TensorSpec.make`` gives zeros: all groups
+    empty)."""
+    a, b = args[0], args[1]
+    offs = args[2] if len(args) > 2 else kwargs.get("offs")
+    if offs is None:
+        return
+    total = (
+        a.shape[1] if a.dim() == 2 and b.dim() == 2 else b.shape[1] if a.dim() == 3 else a.shape[0]
+    )
+    groups = offs.numel()
+    ends = [(i + 1) * total // groups for i in range(groups)]
+    offs.copy_(torch.tensor(ends, dtype=offs.dtype))
+
+
 _QUERIES = "sym_size sym_stride sym_numel sym_storage_offset size stride numel dim is_contiguous"
 # Queries of tensor metadata: not operators a real run dispatches as kernels.
 QUERIES = {getattr(_aten, n).default for n in f"{_QUERIES} storage_offset".split()}
@@ -160,6 +193,9 @@ class Kernel:
 
         copies = max(1, min(COLD_COPIES, COLD_BYTES // max(1, self.nbytes)))
         made = [pytree.tree_map(real, (self.args, self.kwargs)) for _ in range(copies)]
+        if self.fn is GROUPED_MM:
+            for a, k in made:
+                _balanced_offsets(a, k)
         turn = itertools.cycle([functools.partial(self.fn, *a, **k) for a, k in made])
         return lambda: next(turn)()
 
@@ -376,7 +412,8 @@ def unit_costs(
     devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
     error = None
     try:
-        with torch.random.fork_rng(devices=devices), fake, c, torch.enable_grad():
+        # FakeKernels outside the counter: it counts the call the model made.
+        with torch.random.fork_rng(devices=devices), fake, FakeKernels(), c, torch.enable_grad():
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 with mixed:
                     out = shadow(*args, **kwargs)

@@ -26,6 +26,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# The grouped matrix product (a mixture-of-experts layer's experts, transformers 5);
+# None in a torch without it.
+GROUPED_MM = getattr(getattr(torch.ops.aten, "_grouped_mm", None), "default", None)
 
 
 @dataclass
@@ -55,6 +60,35 @@ class _UseRecorder(TorchFunctionMode):
             real = self._shadow_params.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
             if real is not None:
                 self._uses.setdefault(real, []).append(tuple(self._stack))
+        return func(*args, **kwargs)
+
+
+# Note [fake kernels]
+# -------------------
+# A few operators' fake kernels refuse calls that their real CPU kernels take.
+# torch's meta ``_grouped_mm`` (the experts' product of transformers 5's
+# mixtures of experts) checks the CUDA kernel's rule, bf16 only, while the CPU
+# kernel multiplies float32 too: a float32 mixture would not run on fakes, and
+# its plan and estimate would be the module structure's, with no FLOPs for its
+# experts. ``FakeKernels``, entered outside any mode that counts operators (the
+# counter sees the call the model made), runs such a call on bf16 twins of its
+# fake inputs and gives the output in the caller's dtype: the shapes the real
+# kernel makes. Real tensors never pass through it.
+
+
+class FakeKernels(TorchDispatchMode):
+    """Runs the calls of Note [fake kernels] on fakes as their real kernels would."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is GROUPED_MM and args[0].dtype != torch.bfloat16:
+            wanted = kwargs.get("out_dtype") or args[0].dtype
+            half = [
+                a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                for a in args
+            ]
+            kwargs = {**kwargs, "out_dtype": None}
+            return func(*half, **kwargs).to(wanted)
         return func(*args, **kwargs)
 
 
@@ -127,6 +161,7 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict) -> Trace:
         with (
             torch.random.fork_rng(devices=devices),
             fake,
+            FakeKernels(),
             _UseRecorder(shadow_params, stack, trace.uses),
         ):
             shadow(*meta_args, **meta_kwargs)
