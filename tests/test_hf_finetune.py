@@ -239,14 +239,14 @@ def test_warm_start_names_a_missing_tensor(tmp_path, tokenizer, caplog):
 
 
 @pytest.mark.parametrize(
-    "make", [_llama, _gpt_neox, _qwen3_moe], ids=["llama", "gpt_neox", "qwen3_moe"]
+    "make", [_llama, _gpt2, _gpt_neox, _qwen3_moe], ids=["llama", "gpt2", "gpt_neox", "qwen3_moe"]
 )
 def test_export_to_hf_loads_with_from_pretrained_and_gives_the_runs_logits(
     tmp_path, tokenizer, make
 ):
     """The exported folder holds the tensors under the names save_pretrained writes
     (GPT-NeoX's head as embed_out, a mixture's experts one tensor each: what older
-    readers expect), and loads as the run."""
+    readers expect; GPT-2's tied head not at all), and loads as the run."""
     from safetensors import safe_open
 
     folder = _save_pretrained(make, tmp_path / "pretrained", tokenizer)

@@ -151,7 +151,8 @@ class SavedLayout(TreeView):
     converted one is read once and split into the file's tensors, written in a row.
     Where transformers' revert cannot be planned tensor by tensor (a part made of
     several model tensors), the weights keep the model's names, which
-    ``from_pretrained`` reads as well; :attr:`reverted` says which it is."""
+    ``from_pretrained`` reads as well; :attr:`reverted` says which it is. A tied
+    tensor is written once, under the name ``save_pretrained`` keeps."""
 
     def __init__(self, subtree: Subtree, model: nn.Module) -> None:
         self._subtree = subtree
@@ -165,11 +166,8 @@ class SavedLayout(TreeView):
 
     def _plan(self) -> bool:
         node, _, _, describe = self._subtree
-        renames, converters = _transforms(self._model)
-        if not isinstance(node, Branch) or not (renames or converters):
+        if not isinstance(node, Branch):
             return False
-        from transformers.core_model_loading import revert_weight_conversion
-
         placeholders = {}
         for key, child in zip(node.keys, node.children):
             info = describe(child.key) if isinstance(child, Leaf) else None
@@ -177,6 +175,14 @@ class SavedLayout(TreeView):
                 return False
             placeholders[key] = torch.empty(info.shape, device="meta")
             self._leaf[key] = child.key
+        for key in _tied_copies(self._model, set(placeholders)):
+            del placeholders[key]
+        renames, converters = _transforms(self._model)
+        if not (renames or converters):
+            self._entries = [(key, key, False) for key in placeholders]
+            return True
+        from transformers.core_model_loading import revert_weight_conversion
+
         name_of = {id(t): k for k, t in placeholders.items()}
         try:
             whole = revert_weight_conversion(self._model, dict(placeholders))
@@ -233,3 +239,20 @@ class SavedLayout(TreeView):
 
         names = [name for name, _, _ in self._entries]
         return Branch("dict", names, [Leaf(n) for n in names]), read_, tie_, describe_
+
+
+def _tied_copies(model: nn.Module, names: set[str]) -> set[str]:
+    """The names among ``names`` of tensors ``model`` ties to another one that is in
+    ``names`` too (its head to its embedding): ``save_pretrained`` leaves them out, and
+    ``from_pretrained`` ties them again."""
+    tied_to = getattr(model, "_tied_weights_keys", None) or {}
+    groups: dict[int, list[str]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(t), []).append(name)
+    copies: set[str] = set()
+    for group in groups.values():
+        present = [n for n in group if n in names]
+        if len(present) > 1:
+            kept = next((n for n in present if n not in tied_to), present[0])
+            copies.update(n for n in present if n != kept)
+    return copies
