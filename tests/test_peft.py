@@ -475,3 +475,40 @@ def test_export_to_hf_refuses_trained_experts_it_cannot_merge_into_the_base_file
     assert "'model.layers.0.mlp.experts.down_proj'" in said and "--to peft" in said, said
     assert not out.exists()
     assert main(["checkpoint", "convert", str(ckpt_file), str(out), "--to", "peft"]) == 0
+
+
+def test_lora_on_a_mixtures_experts_is_refused_with_the_linear_modules_to_target():
+    """peft maps gate_proj, up_proj and down_proj of a mixture of experts onto its
+    stacked experts' tensors (LoRA on bare parameters, applied as a parametrization in
+    the forward): refused when wrapping, with what can be targeted instead."""
+    from test_hf_finetune import _qwen3_moe
+
+    from weightstream.common import lora
+
+    config = lora.lora_config({"r": 4, "target_modules": ["q_proj", "gate_proj", "up_proj"]})
+    with pytest.raises(
+        ValueError,
+        match=r"peft.target_modules \['gate_proj', 'q_proj', 'up_proj'\] make peft put LoRA on "
+        r"the bare parameters \['gate_up_proj'\] .* Fix: target Linear modules only, such as "
+        r"\[.*'q_proj'.*\]; or train the experts whole with modules_to_save: \[experts\]",
+    ):
+        lora.wrap(_qwen3_moe(), config)
+
+
+def test_a_parameter_replaced_during_the_forward_is_an_error_naming_it():
+    """From the API: peft's own model with LoRA on the stacked experts, compiled for
+    weight streaming: the experts' tensor leaves its module in the forward (peft's
+    parametrization), which the streamer says, not a KeyError of its own."""
+    from test_hf_finetune import _qwen3_moe
+
+    import weightstream as cstorch
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(
+        _qwen3_moe(), peft.LoraConfig(r=4, target_modules=["q_proj", "gate_proj", "up_proj"])
+    )
+    runner = cstorch.compile(model, backend="wse_ws", granularity="module")
+    x = torch.randint(0, MODEL_VOCAB, (2, SEQ))
+    with pytest.raises(ValueError, match=r"the parameter 'gate_up_proj' of a .*Experts is no "
+                       r"longer in its module when its unit runs: .* Fix: "):  # fmt: skip
+        runner(input_ids=x, labels=x)

@@ -119,6 +119,8 @@ def wrap(model: nn.Module, config) -> nn.Module:
     """``model`` (a transformers causal LM, on meta or in host memory) wrapped by
     ``peft.get_peft_model``, its adapters in host memory with peft's initial
     values (Note [lora on meta]); the base parameters are frozen by peft."""
+    asked = config.target_modules  # as given: peft rewrites them for a mixture of experts
+    asked = sorted(asked) if isinstance(asked, (list, set, tuple)) else asked
     try:
         wrapped = peft_model(model, config)
     except ValueError as exc:
@@ -129,6 +131,19 @@ def wrap(model: nn.Module, config) -> nn.Module:
             f"(peft: {exc}). Fix: name modules the model has, such as "
             f"{_adaptable_names(model)}."
         ) from None
+    targets = getattr(wrapped.peft_config[ADAPTER], "target_parameters", None)
+    if targets:
+        # peft maps a mixture of experts' target_modules (gate_proj, up_proj, down_proj;
+        # Mixtral's w1, w2, w3) onto the stacked experts' tensors, whose adapters it
+        # applies as a parametrization during the forward: a base the streamer cannot place.
+        raise ValueError(
+            f"peft.target_modules {asked!r} make peft put LoRA on the bare parameters "
+            f"{sorted(targets)} (a mixture of experts' stacked experts), and LoRA on bare "
+            "parameters is not supported with a streamed base yet. Fix: target Linear "
+            "modules only, such as "
+            f"{[n for n in _adaptable_names(model) if n not in ('lm_head', 'gate')]}; or train "
+            "the experts whole with modules_to_save: [experts]."
+        )
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     for name, layer in wrapped.named_modules():

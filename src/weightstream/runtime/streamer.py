@@ -393,7 +393,10 @@ class Streamer:
         by_param = {id(p): t for p, t in zip(unit.params, tensors)}
         previous = []
         for slot in unit.spec.slots:
-            previous.append((slot.module, slot.name, slot.module._parameters[slot.name]))
+            try:
+                previous.append((slot.module, slot.name, slot.module._parameters[slot.name]))
+            except KeyError:
+                raise _left_its_module(slot) from None
             slot.module._parameters[slot.name] = by_param[id(slot.param)]
         for p in unit.spec.foreign:
             for owner, name in self._slots_by_param.get(id(p), ()):
@@ -662,3 +665,16 @@ class Streamer:
 
     def resident_bytes(self) -> int:
         return self.meter.current_bytes()
+
+
+def _left_its_module(slot) -> ValueError:
+    """The error of a parameter no longer in its module when its unit runs."""
+    return ValueError(
+        f"the parameter {slot.name!r} of a {type(slot.module).__name__} is no longer in its "
+        "module when its unit runs: something replaced it during the forward (a torch "
+        "parametrization, as peft's LoRA on bare parameters registers for a mixture of "
+        "experts' stacked experts), and weight streaming has no place to put its values. "
+        "Fix: leave that parameter as it is (with peft: adapters on Linear modules only, "
+        "not target_parameters)."
+    )
+
