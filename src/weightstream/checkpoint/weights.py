@@ -17,7 +17,6 @@ GPT-NeoX file's ``embed_out`` is the model's ``lm_head``; legacy ``gamma`` and
 tensors] in hf_layout.py). Every tensor the model needs must be there with its shape: a
 missing or misshapen one is an error naming it, raised before anything is
 copied.
-
 """
 
 from __future__ import annotations
@@ -162,31 +161,27 @@ def load_weights(
                 value = pending[id(group)].pop(name)
                 if not pending[id(group)]:
                     del pending[id(group)]
-                result = model.load_state_dict({model_name: value}, strict=False)
-                assert not result.unexpected_keys, result.unexpected_keys
-                release_pages([target])
-                del value
-                continue
-            value = weights[file_name]  # reads this one tensor
-            if flip:
-                value = value.t()
-            if tuple(value.shape) != tuple(target.shape):
-                raise ValueError(
-                    f"cannot warm-start from {path}: {file_name!r} is {tuple(value.shape)} in "
-                    f"the file, {tuple(target.shape)} here. Fix: give a checkpoint of the same "
-                    "model shape."
-                )
-            for other, other_flip in others.get(name, []):
-                if isinstance(file_key[other], Converted):
-                    continue  # tied to a converted tensor: not read again to compare
-                again = weights[file_key[other]]
-                if torch.equal(again.t() if other_flip else again, value):
-                    used.add(file_key[other])
-                del again
+            else:
+                value = weights[file_name]  # reads this one tensor
+                if flip:
+                    value = value.t()
+                if tuple(value.shape) != tuple(target.shape):
+                    raise ValueError(
+                        f"cannot warm-start from {path}: {file_name!r} is {tuple(value.shape)} "
+                        f"in the file, {tuple(target.shape)} here. Fix: give a checkpoint of the "
+                        "same model shape."
+                    )
+                for other, other_flip in others.get(name, []):
+                    if isinstance(file_key[other], Converted):
+                        continue  # tied to a converted tensor: not read again to compare
+                    again = weights[file_key[other]]
+                    if torch.equal(again.t() if other_flip else again, value):
+                        used.add(file_key[other])
+                    del again
+                used.add(file_name)
             result = model.load_state_dict({model_name: value}, strict=False)
             assert not result.unexpected_keys, result.unexpected_keys
             release_pages([target])  # a disk store's file: written, its pages go back
-            used.add(file_name)
             del value
         unused = sorted(set(weights) - used)
         if unused:
