@@ -592,3 +592,42 @@ def test_a_mixture_of_experts_file_short_of_an_expert_is_refused_before_any_copy
                        r"\.(gate_up|down)_proj' is \(3, .* \(4, "):  # fmt: skip
         load_weights(model, tmp_path / "pretrained")
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_mixture_with_router_logits_trains_on_transformers_load_balancing_loss_too(
+    tmp_path, tokenizer
+):
+    """``output_router_logits: true`` in the model section: each step's loss is the
+    cross-entropy plus ``router_aux_loss_coef`` x transformers' own ``aux_loss`` (Note
+    [router loss] in models/tasks.py), as the model's forward adds it with labels."""
+    from eager_lm import train_eagerly
+
+    folder = _save_pretrained(_qwen3_moe, tmp_path / "pretrained", tokenizer)
+    model = {"name": "hf", "hf_config": str(folder), "output_router_logits": True,
+             "router_aux_loss_coef": 0.5}  # a weight that moves every loss  # fmt: skip
+    runconfig = {"max_steps": STEPS, "checkpoint_steps": 0, "log_steps": 1, "seed": 1,
+                 "checkpoint_path": str(folder), "load_checkpoint_states": "model"}  # fmt: skip
+    params = pf.write(
+        tmp_path / "moe.yaml",
+        pf.params(
+            train_input=_section(folder),
+            model=model,
+            optimizer=pf.adamw(LR, weight_decay=0.0),
+            runconfig=runconfig,
+        ),
+    )
+    model_dir = tmp_path / "run"
+    assert _run(tmp_path, params, model_dir) == 0
+    losses = [json.loads(line)["loss"] for line in (model_dir / "train" / "losses.jsonl").open()]
+
+    def eager(router: bool):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, output_router_logits=router, router_aux_loss_coef=0.5
+        )
+        model.config.use_cache = False
+        model.train()
+        loader = get_data_processor("TextCorpusProcessor")(_section(folder), True)
+        return train_eagerly(model, model.parameters(), loader, STEPS, LR, router=router)[0]
+
+    assert losses == eager(router=True)
+    assert losses[0] != eager(router=False)[0]  # the load-balancing term counts

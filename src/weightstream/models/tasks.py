@@ -24,6 +24,19 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+# Note [router loss]
+# ------------------
+# A transformers mixture of experts whose config sets ``output_router_logits`` adds
+# ``router_aux_loss_coef`` x its load-balancing loss (``aux_loss``, which keeps the
+# router from sending every token to the same experts) to the loss its forward returns
+# with labels. The run's lm loss is computed here, not by the model, so it adds the
+# same term: with one micro-batch a step, the step's loss is transformers' (our token
+# mean of the cross-entropy + coef x aux_loss); over several micro-batches (and ranks)
+# each one's aux_loss counts by its share of the step's tokens, as its cross-entropy
+# does. Evaluation reports the cross-entropy alone (its perplexity is the text's). The
+# config's default, ``output_router_logits: false``, trains on the cross-entropy alone,
+# as transformers does; the model section sets it (``output_router_logits: true``).
+
 IGNORE_INDEX = -100  # labels not to learn (cross_entropy's default ignore_index)
 # Attention implementations whose 4-D mask format is known (Note [packed batches]).
 PACKED_ATTENTION = ("sdpa", "eager")
@@ -39,6 +52,16 @@ def attention_of(model: object) -> str | None:
     None for other models."""
     config = getattr(model, "config", None)
     return getattr(config, "_attn_implementation", None)
+
+
+def router_loss_coef(model: object) -> float:
+    """The weight of a transformers mixture of experts' load-balancing loss in its training
+    loss (``router_aux_loss_coef``) when its config asks for that loss
+    (``output_router_logits``); 0.0 otherwise (Note [router loss])."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "output_router_logits", False):
+        return 0.0
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
 
 
 def model_kwargs(task: str, batch: dict, attention: str | None = None) -> dict:
@@ -99,6 +122,7 @@ def task_loss(
     batch: dict,
     attention: str | None = None,
     denominator: torch.Tensor | None = None,
+    router_coef: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Forward one batch; returns (mean loss, logits, extra) for the task's batch format.
 
@@ -107,11 +131,13 @@ def task_loss(
     ``denominator``, if given, divides the sum instead of this batch's count (the
     trainer's count over a whole step: Note [the step's token mean] in
     train/trainer.py). ``attention``: the model's attention implementation, for packed
-    batches (:func:`model_kwargs`).
+    batches (:func:`model_kwargs`). ``router_coef``: the weight of a mixture of experts'
+    load-balancing loss (:func:`router_loss_coef`, Note [router loss]).
     """
     if task == "lm":
         kwargs = model_kwargs(task, batch, attention)
-        logits = _logits(model(batch["input_ids"], **kwargs))  # [B, T, V]
+        out = model(batch["input_ids"], **kwargs)
+        logits = _logits(out)  # [B, T, V]
         labels = batch["labels"].to(logits.device)
         # cross_entropy gives 0 where the label is -100; the weights leave those tokens
         # out of the mean's denominator too.
@@ -122,6 +148,10 @@ def task_loss(
         if denominator is None:
             denominator = weights.sum().clamp_min(1.0)
         loss = (per_token * weights).sum() / denominator.to(per_token.device)
+        aux = getattr(out, "aux_loss", None) if router_coef else None
+        if aux is not None:  # Note [router loss]: this batch's share of the step's tokens
+            share = weights.sum() / denominator.to(weights.device)
+            loss = loss + router_coef * aux.to(loss.device, torch.float32) * share
         return loss, logits, {"per_token": per_token, "weights": weights, "labels": labels}
     if task == "classification":
         logits = model(batch["inputs"])

@@ -677,4 +677,3 @@ def _left_its_module(slot) -> ValueError:
         "Fix: leave that parameter as it is (with peft: adapters on Linear modules only, "
         "not target_parameters)."
     )
-

@@ -37,7 +37,7 @@ from weightstream.amp.step_helper import apply_gradients, backward_context
 from weightstream.checkpoint.weights import load_weights
 from weightstream.data.state import aggregate_state_dict
 from weightstream.data.streaming import batch_size_of
-from weightstream.models.tasks import attention_of, lm_weights, task_loss
+from weightstream.models.tasks import attention_of, lm_weights, router_loss_coef, task_loss
 from weightstream.runtime import swarm
 from weightstream.runtime.performance import PerformanceTracker
 from weightstream.runtime.rng import capture_rng_state, restore_rng_state
@@ -85,6 +85,9 @@ class Trainer:
         # The format of a packed batch's attention mask (Note [packed batches] in
         # models/tasks.py): the model's attention implementation, None for the zoo's.
         self.attention = attention_of(model)
+        # A mixture of experts' load-balancing loss in the training loss (Note [router
+        # loss] in models/tasks.py): its weight, 0.0 for every other model.
+        self.router_coef = router_loss_coef(model)
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.grad_scaler = grad_scaler or GradScaler()
@@ -387,8 +390,9 @@ class Trainer:
             last = i == len(batches) - 1
             with contextlib.nullcontext() if last else self.compiled.no_sync():
                 loss, _, _ = _task_loss(
-                    self.s.task, self.compiled, batch, self.attention, denominator
-                )
+                    self.s.task, self.compiled, batch, self.attention, denominator,
+                    self.router_coef,
+                )  # fmt: skip
                 # The lm loss is the micro-batch's share of the step's mean already.
                 scaled = loss if denominator is not None else loss / len(batches)
                 # The last backward may start the update (Note [updates in backward]).
@@ -593,10 +597,12 @@ class Trainer:
         return results
 
 
-def _task_loss(task: str, model, batch: dict, attention: str | None = None, denominator=None):
+def _task_loss(
+    task: str, model, batch: dict, attention: str | None = None, denominator=None, router=0.0
+):
     """``task_loss``, with an embedding's raw IndexError told as the data problem it is."""
     try:
-        return task_loss(task, model, batch, attention, denominator)
+        return task_loss(task, model, batch, attention, denominator, router)
     except IndexError as e:
         ids = batch.get("input_ids", batch.get("inputs"))
         length = f" (this batch's are {ids.shape[-1]} long)" if ids is not None else ""
