@@ -10,9 +10,11 @@ packed rows against each document run alone through a small transformers Llama.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -668,6 +670,19 @@ def test_run_with_packed_data_resumes_to_the_same_losses(tmp_path, tokenizer_dir
     assert a == b
 
 
+@contextlib.contextmanager
+def _run_log(caplog):
+    """The run's log in ``caplog``: its logger does not propagate to the root's, where
+    caplog listens, once a run has configured it (alone, a test would see nothing)."""
+    logger = logging.getLogger("weightstream")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("ERROR", logger="weightstream"):
+            yield
+    finally:
+        logger.removeHandler(caplog.handler)
+
+
 def test_run_refuses_packing_for_a_zoo_model(tmp_path, tokenizer_dirs, caplog):
     from weightstream.cli.main import main
 
@@ -675,10 +690,31 @@ def test_run_refuses_packing_for_a_zoo_model(tmp_path, tokenizer_dirs, caplog):
     params = _run_params(
         tmp_path, tokenizer_dirs["plain"], data, {**pf.gpt2(1, 16, 64), "vocab_size": 320}
     )
-    with caplog.at_level("ERROR", logger="weightstream"):
+    with _run_log(caplog):
         rc = main(["run", "CPU", "-p", str(params), "-m", "train", "-o", str(tmp_path / "m")])
     assert rc == 2
     assert "train_input.packing: packed batches" in caplog.text
+    assert not (tmp_path / "m").exists()
+
+
+def test_run_refuses_packing_for_a_mixture_with_router_logits(tmp_path, tokenizer_dirs, caplog):
+    """transformers' load-balancing loss takes the attention mask for [B, T] padding; a
+    packed batch's is [B, 1, T, T] (its forward fails on it): refused before step 1."""
+    from weightstream.cli.main import main
+
+    data = _write(tmp_path / "chat.jsonl", _examples("messages", 8))
+    transformers.Qwen3MoeConfig(
+        vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, max_position_embeddings=128,
+    ).save_pretrained(tmp_path / "moe")  # fmt: skip
+    model = {"name": "hf", "hf_config": str(tmp_path / "moe"), "output_router_logits": True}
+    params = _run_params(tmp_path, tokenizer_dirs["generation"], data, model)
+    with _run_log(caplog):
+        rc = main(["run", "CPU", "-p", str(params), "-m", "train", "-o", str(tmp_path / "m")])
+    assert rc == 2
+    assert "train_input.packing: the model's output_router_logits" in caplog.text
+    assert "Fix: set packing: false, or output_router_logits: false" in caplog.text
     assert not (tmp_path / "m").exists()
 
 

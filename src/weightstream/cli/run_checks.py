@@ -68,6 +68,16 @@ def _check_packing(params: Params, model) -> None:
             model_kwargs(params.model.spec.task, probe, attention_of(model))
         except ValueError as e:
             raise ValueError(f"{name}.packing: {e}") from e
+        if getattr(getattr(model, "config", None), "output_router_logits", False):
+            # transformers' load-balancing loss reads the attention mask as [B, T] of
+            # padding; a packed batch's is [B, 1, T, T] (Note [router loss]).
+            raise ValueError(
+                f"{name}.packing: the model's output_router_logits makes transformers "
+                "compute its load-balancing loss with the attention mask read as [batch, "
+                "tokens] of padding, and packed batches pass the [batch, 1, tokens, tokens] "
+                "mask that keeps their documents apart: its forward would fail. Fix: set "
+                "packing: false, or output_router_logits: false in the model section."
+            )
 
 
 def _check_positions(params: Params, model) -> None:
