@@ -73,7 +73,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from weightstream.runtime.partition import Plan
-from weightstream.runtime.trace import GROUPED_MM, FakeKernels, fake_like, shadow_copy
+from weightstream.runtime.trace import GROUPED_MM, call_on_fakes, fake_like, shadow_copy
 
 OUTSIDE_NAME = "<outside units>"
 KERNEL_BYTES = 1 << 20  # Note [timed kernels]
@@ -311,7 +311,7 @@ class _Counter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = call_on_fakes(func, args, kwargs)  # Note [fake kernels] in runtime/trace.py
         if func in QUERIES:
             return out
         formula = self.formulas.get(func._overloadpacket)
@@ -412,8 +412,7 @@ def unit_costs(
     devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
     error = None
     try:
-        # FakeKernels outside the counter: it counts the call the model made.
-        with torch.random.fork_rng(devices=devices), fake, FakeKernels(), c, torch.enable_grad():
+        with torch.random.fork_rng(devices=devices), fake, c, torch.enable_grad():
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 with mixed:
                     out = shadow(*args, **kwargs)

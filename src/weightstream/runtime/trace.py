@@ -26,7 +26,6 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 # The grouped matrix product (a mixture-of-experts layer's experts, transformers 5);
 # None in a torch without it.
@@ -60,7 +59,7 @@ class _UseRecorder(TorchFunctionMode):
             real = self._shadow_params.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
             if real is not None:
                 self._uses.setdefault(real, []).append(tuple(self._stack))
-        return func(*args, **kwargs)
+        return call_on_fakes(func, args, kwargs)
 
 
 # Note [fake kernels]
@@ -70,26 +69,29 @@ class _UseRecorder(TorchFunctionMode):
 # mixtures of experts) checks the CUDA kernel's rule, bf16 only, while the CPU
 # kernel multiplies float32 too: a float32 mixture would not run on fakes, and
 # its plan and estimate would be the module structure's, with no FLOPs for its
-# experts. ``FakeKernels``, entered outside any mode that counts operators (the
-# counter sees the call the model made), runs such a call on bf16 twins of its
-# fake inputs and gives the output in the caller's dtype: the shapes the real
-# kernel makes. Real tensors never pass through it.
+# experts. The dry runs' own modes (the trace's ``_UseRecorder``, which sees
+# ``torch._grouped_mm``; the cost run's counter, which sees the aten operator
+# and counts the call as the model made it) call operators through
+# ``call_on_fakes``, which runs such a call on bf16 twins of its fake inputs
+# and gives the output in the caller's dtype: the shapes the real kernel makes.
+# No mode of its own: one more Python mode on every operator cost the trace of
+# a 40-layer Llama 7%.
+
+# The calls of Note [fake kernels]: torch's function and its aten operator.
+_BF16_ONLY = {f for f in (GROUPED_MM, getattr(torch, "_grouped_mm", None)) if f is not None}
 
 
-class FakeKernels(TorchDispatchMode):
-    """Runs the calls of Note [fake kernels] on fakes as their real kernels would."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is GROUPED_MM and args[0].dtype != torch.bfloat16:
-            wanted = kwargs.get("out_dtype") or args[0].dtype
-            half = [
-                a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                for a in args
-            ]
-            kwargs = {**kwargs, "out_dtype": None}
-            return func(*half, **kwargs).to(wanted)
-        return func(*args, **kwargs)
+def call_on_fakes(func, args: tuple, kwargs: dict):
+    """``func(*args, **kwargs)`` in a dry run, a call of Note [fake kernels] on bf16
+    twins of its inputs."""
+    if func in _BF16_ONLY and args[0].dtype != torch.bfloat16:
+        wanted = kwargs.get("out_dtype") or args[0].dtype
+        half = [
+            a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+            for a in args
+        ]
+        return func(*half, **{**kwargs, "out_dtype": None}).to(wanted)
+    return func(*args, **kwargs)
 
 
 def shadow_copy(
@@ -161,7 +163,6 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict) -> Trace:
         with (
             torch.random.fork_rng(devices=devices),
             fake,
-            FakeKernels(),
             _UseRecorder(shadow_params, stack, trace.uses),
         ):
             shadow(*meta_args, **meta_kwargs)
