@@ -114,9 +114,9 @@ def _balanced_offsets(args: tuple, kwargs: dict) -> None:
     offs = args[2] if len(args) > 2 else kwargs.get("offs")
     if offs is None:
         return
-    total = (
-        a.shape[1] if a.dim() == 2 and b.dim() == 2 else b.shape[1] if a.dim() == 3 else a.shape[0]
-    )
+    # 2-D x 2-D (a weight's gradient): offs splits the shared dimension; 2-D x 3-D (the
+    # forward, an input's gradient): the rows of ``a``, the tokens.
+    total = a.shape[1] if b.dim() == 2 else a.shape[0]
     groups = offs.numel()
     ends = [(i + 1) * total // groups for i in range(groups)]
     offs.copy_(torch.tensor(ends, dtype=offs.dtype))
