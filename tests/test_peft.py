@@ -442,19 +442,37 @@ def test_wrapping_logs_the_adapted_modules_and_warns_of_a_target_that_matched_no
     assert offered + "'q_proj', 'up_proj', 'v_proj']" in str(caught[0].message)
 
 
-def test_targets_that_match_nothing_are_named_with_the_models_modules():
-    from test_hf_finetune import _llama
+@pytest.mark.parametrize(
+    ("make", "targets", "error"),
+    [
+        (
+            "_llama",
+            ["qq"],
+            r"peft.target_modules \{'qq'\} matched no module of the model \(peft: .*\)\. Fix: "
+            r"name modules the model has, such as \['down_proj', 'embed_tokens', 'gate_proj', "
+            r"'k_proj', 'lm_head'",
+        ),
+        # peft maps gate_proj, up_proj and down_proj of a mixture of experts onto its
+        # stacked experts' tensors (LoRA on bare parameters, applied as a
+        # parametrization in the forward): refused, with what can be targeted instead.
+        (
+            "_qwen3_moe",
+            ["q_proj", "gate_proj", "up_proj"],
+            r"peft.target_modules \['gate_proj', 'q_proj', 'up_proj'\] make peft put LoRA on the "
+            r"bare parameters \['gate_up_proj'\] .* Fix: target Linear modules only, such as "
+            r"\[.*'q_proj'.*\]; or train the experts whole with modules_to_save: \[experts\]",
+        ),
+    ],
+    ids=["no-match", "moe-experts"],
+)
+def test_targets_it_cannot_adapt_are_refused_with_the_modules_it_can(make, targets, error):
+    import test_hf_finetune
 
     from weightstream.common import lora
 
-    config = lora.lora_config({"r": 4, "target_modules": ["qq"]})
-    with pytest.raises(
-        ValueError,
-        match=r"peft.target_modules \{'qq'\} matched no module of the "
-        r"model \(peft: .*\)\. Fix: name modules the model has, such as "
-        r"\['down_proj', 'embed_tokens', 'gate_proj', 'k_proj', 'lm_head'",
-    ):
-        lora.wrap(_llama(), config)
+    config = lora.lora_config({"r": 4, "target_modules": targets})
+    with pytest.raises(ValueError, match=error):
+        lora.wrap(getattr(test_hf_finetune, make)(), config)
 
 
 def test_export_to_hf_refuses_trained_experts_it_cannot_merge_into_the_base_files(tmp_path, capsys):
@@ -475,24 +493,6 @@ def test_export_to_hf_refuses_trained_experts_it_cannot_merge_into_the_base_file
     assert "'model.layers.0.mlp.experts.down_proj'" in said and "--to peft" in said, said
     assert not out.exists()
     assert main(["checkpoint", "convert", str(ckpt_file), str(out), "--to", "peft"]) == 0
-
-
-def test_lora_on_a_mixtures_experts_is_refused_with_the_linear_modules_to_target():
-    """peft maps gate_proj, up_proj and down_proj of a mixture of experts onto its
-    stacked experts' tensors (LoRA on bare parameters, applied as a parametrization in
-    the forward): refused when wrapping, with what can be targeted instead."""
-    from test_hf_finetune import _qwen3_moe
-
-    from weightstream.common import lora
-
-    config = lora.lora_config({"r": 4, "target_modules": ["q_proj", "gate_proj", "up_proj"]})
-    with pytest.raises(
-        ValueError,
-        match=r"peft.target_modules \['gate_proj', 'q_proj', 'up_proj'\] make peft put LoRA on "
-        r"the bare parameters \['gate_up_proj'\] .* Fix: target Linear modules only, such as "
-        r"\[.*'q_proj'.*\]; or train the experts whole with modules_to_save: \[experts\]",
-    ):
-        lora.wrap(_qwen3_moe(), config)
 
 
 def test_a_parameter_replaced_during_the_forward_is_an_error_naming_it():
