@@ -68,7 +68,10 @@ def file_names(model: nn.Module, keys) -> dict[str, str]:
     """The model's name of each file key -> that key: transformers' own renames for a
     transformers model (those ``from_pretrained`` applies; its tensor-merging
     conversions are not renames and are not applied), the keys themselves otherwise."""
-    renames, _ = _transforms(model)
+    return _renamed_keys(keys, _transforms(model)[0])
+
+
+def _renamed_keys(keys, renames: list) -> dict[str, str]:
     return {_renamed(key, renames): key for key in keys}
 
 
@@ -121,7 +124,7 @@ def file_sources(model: nn.Module, keys, wanted: set[str]) -> dict[str, str | Co
     not have keeps its own name, as ``from_pretrained`` does."""
     renames, converters = _transforms(model)
     if not converters:
-        return {_renamed(key, renames): key for key in keys}
+        return _renamed_keys(keys, renames)
     from transformers.core_model_loading import dot_natural_key
 
     sources: dict[str, str | Converted] = {}
